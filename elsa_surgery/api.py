@@ -1,0 +1,139 @@
+"""The functional API: an SDPA drop-in and its varlen / state-returning siblings.
+
+Semantics are stated once, in :mod:`elsa_surgery.semantics`; the backend is chosen once, in
+:func:`elsa_surgery.dispatch.decide`. This file only wires the two together.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch, monoid, reference, sdpa
+from .semantics import Lengths, build_problem, build_varlen_problem
+
+
+def _kernels():
+    from . import kernels  # imported on first use: triton is only needed when the kernels run
+
+    return kernels
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str = "auto",
+    precision: Optional[str] = None,
+    return_lse: bool = False,
+    q_lengths: Lengths = None,
+    kv_lengths: Lengths = None,
+    windowed_mask: bool = False,
+):
+    """Exact softmax attention, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args:
+        q, k, v: ``[B, Hq, Nq, D]``, ``[B, Hkv, Nk, D]``, ``[B, Hkv, Nk, Dv]`` (or 3-D ``[B, N, D]``).
+        attn_mask: bool (True = attend, SDPA's polarity) or additive float, broadcastable to
+            ``[B, Hq, Nq, Nk]``; with ``windowed_mask=True``, ``[nW, Hq|1, Nq, Nk]`` applied to batch row
+            ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``).
+        dropout_p: must be 0.0 (inference framework).
+        is_causal: bottom-right aligned when ``Nq != Nk`` (query i sees keys ``j <= i + Nk - Nq``).
+        scale: defaults to ``D ** -0.5``.
+        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made).
+        backend: ``"auto"`` | ``"elsa"`` | ``"reference"`` | ``"sdpa"`` (or ``ELSA_BACKEND``).
+        precision: fp32 mode ``"strict"`` | ``"precise"`` | ``"turbo"`` (or ``ELSA_FP32_PRECISION``).
+        return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` (fp32; -inf for rows with no key).
+        q_lengths, kv_lengths: per-batch valid lengths of padded inputs (zero-copy varlen).
+
+    Returns:
+        ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
+        Rows with no visible key are zeros.
+    """
+    p = build_problem(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      q_lengths=q_lengths, kv_lengths=kv_lengths, windowed_mask=windowed_mask)
+    d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=return_lse)
+    dispatch.announce(d)
+    if d.backend == "elsa":
+        out, lse = _kernels().attention(
+            p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
+            kv_lengths=p.kv_lengths, precision=d.precision, return_lse=return_lse,
+        )
+    elif d.backend == "sdpa":
+        out, lse = sdpa.run(p), None
+    else:
+        out, lse = reference.run(p, return_lse=return_lse)
+    out, lse = p.restore_shape(out, lse)
+    return (out, lse) if return_lse else out
+
+
+def attention_state(
+    q, k, v, attn_mask=None, is_causal=False, scale=None, *, backend: str = "auto",
+    precision: Optional[str] = None, q_lengths: Lengths = None, kv_lengths: Lengths = None,
+    windowed_mask: bool = False,
+) -> monoid.State:
+    """Partial attention over the given keys as a monoid state ``(m, S, W)`` (fp32).
+
+    States over disjoint key sets merge exactly with :func:`elsa_surgery.monoid.merge`, and
+    :func:`elsa_surgery.monoid.finalize` turns a state into ``(out, lse)``: the building block of
+    streaming (Stream-CQSA), split-K and multi-GPU attention. ``is_causal`` keeps its bottom-right
+    meaning relative to *these* keys. GQA is implied by the shapes (``Hq % Hkv == 0``).
+    """
+    p = build_problem(q, k, v, attn_mask, 0.0, is_causal, scale, True,
+                      q_lengths=q_lengths, kv_lengths=kv_lengths, windowed_mask=windowed_mask)
+    d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=True)
+    dispatch.announce(d)
+    if d.backend == "elsa":
+        state = monoid.State(*_kernels().attention_state(
+            p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
+            kv_lengths=p.kv_lengths, precision=d.precision,
+        ))
+    else:
+        state = reference.run_state(p)
+    if p.squeeze_head:
+        state = monoid.State(state.m.squeeze(1), state.S.squeeze(1), state.W.squeeze(1))
+    return state
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+    precision: Optional[str] = None,
+    return_lse: bool = False,
+):
+    """Packed variable-length attention, flash-attn's convention.
+
+    ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``, ``v [total_k, Hkv, Dv]``; sequence ``b`` is rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v.
+    Causality is bottom-right per sequence. Returns ``out [total_q, Hq, Dv]`` and, with
+    ``return_lse``, ``lse [Hq, total_q]`` (fp32).
+    """
+    vp = build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              is_causal=is_causal, scale=scale)
+    d = dispatch.decide(vp.q, vp.k, vp.v, None, backend=backend, precision=precision, varlen=True,
+                        need_lse=return_lse)
+    dispatch.announce(d)
+    if d.backend == "elsa":
+        out, lse = _kernels().attention_varlen(
+            vp.q, vp.k, vp.v, vp.cu_seqlens_q, vp.cu_seqlens_k, vp.max_seqlen_q, vp.max_seqlen_k,
+            scale=vp.scale, is_causal=vp.is_causal, precision=d.precision, return_lse=return_lse,
+        )
+    else:
+        out, lse = reference.run_varlen(vp, return_lse=return_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,152 @@
+"""The dispatch decision, in one function: :func:`decide`.
+
+Per call, from the tensors' device, dtype, shape and mask kind, it picks the backend and the fp32
+precision mode and says why. Order of authority: an explicit ``backend=`` / ``precision=`` argument,
+then the environment (``ELSA_BACKEND``, ``ELSA_FP32_PRECISION``), then the automatic choice.
+
+Backends: ``"auto"``; ``"elsa"`` (the Triton kernels; on CPU tensors only under ``TRITON_INTERPRET=1``);
+``"reference"`` (pure PyTorch monoid scan, any device and dtype); ``"sdpa"`` (PyTorch's
+``scaled_dot_product_attention``, for baselines). Under ``auto`` a case the kernels cannot run falls
+back to the reference and the reason is logged once and recorded (see :func:`record`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, asdict
+from typing import List, Optional
+
+import torch
+
+logger = logging.getLogger("elsa_surgery")
+
+BACKENDS = ("auto", "elsa", "reference", "sdpa")
+PRECISIONS = ("strict", "precise", "turbo")
+ENV_BACKEND = "ELSA_BACKEND"
+ENV_PRECISION = "ELSA_FP32_PRECISION"
+
+
+class BackendUnavailable(RuntimeError):
+    """``backend="elsa"`` was forced for a case the kernels cannot run (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: str  # "elsa" | "reference" | "sdpa"
+    precision: Optional[str]  # fp32 mode for the elsa backend; None where it does not apply
+    reason: str  # why this backend (and why not elsa, for a fallback)
+    fallback: bool = False  # True when auto wanted elsa but could not use it
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+
+
+def requested_backend(backend: Optional[str]) -> str:
+    backend = "auto" if backend is None else backend
+    _check_choice("backend", backend, BACKENDS)
+    if backend == "auto":
+        env = os.environ.get(ENV_BACKEND, "").strip().lower()
+        if env:
+            _check_choice(f"environment variable {ENV_BACKEND}", env, BACKENDS)
+            return env
+    return backend
+
+
+def requested_precision(precision: Optional[str]) -> Optional[str]:
+    if precision is not None:
+        _check_choice("precision", precision, PRECISIONS)
+        return precision
+    env = os.environ.get(ENV_PRECISION, "").strip().lower()
+    if env:
+        _check_choice(f"environment variable {ENV_PRECISION}", env, PRECISIONS)
+        return env
+    return None
+
+
+def default_precision(device: torch.device) -> str:
+    """fp32 default: ``precise`` (3xTF32) where tensor cores do TF32 (sm80+), ``strict`` elsewhere."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        return "precise"
+    return "strict"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def kernel_unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
+    """Why the Triton kernels cannot run this case, or None when they can."""
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
+        return (f"{q.device.type} tensors: the ELSA Triton kernels need CUDA "
+                f"(or TRITON_INTERPRET=1 to run them on CPU tensors in the interpreter)")
+    try:
+        from . import kernels
+    except ImportError as exc:  # triton missing
+        return f"the Triton kernels cannot be imported ({exc})"
+    return kernels.unsupported_reason(q, k, v, mask, varlen=varlen)
+
+
+def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Optional[str] = None,
+           varlen: bool = False, need_lse: bool = False) -> Decision:
+    """Pick the backend and precision for one call, and say why."""
+    want = requested_backend(backend)
+    prec = requested_precision(precision)
+    fp32 = q.dtype == torch.float32
+
+    if want == "reference":
+        return Decision("reference", None, "backend='reference' requested")
+    if want == "sdpa":
+        if need_lse:
+            raise ValueError("return_lse=True is not available with backend='sdpa' (PyTorch's SDPA does not return it); "
+                             "use backend='elsa' or 'reference'")
+        if varlen:
+            raise ValueError("backend='sdpa' has no packed-varlen path; use backend='elsa' or 'reference'")
+        return Decision("sdpa", None, "backend='sdpa' requested")
+
+    why_not = kernel_unsupported_reason(q, k, v, mask, varlen=varlen)
+    if why_not is None:
+        mode = (prec or default_precision(q.device)) if fp32 else None
+        how = "requested" if want == "elsa" else f"auto: {q.device.type} {str(q.dtype).replace('torch.', '')}"
+        return Decision("elsa", mode, f"ELSA Triton kernel ({how})")
+    if want == "elsa":
+        raise BackendUnavailable(f"backend='elsa' cannot run this call: {why_not}")
+    expected = q.device.type == "cpu" and not _interpreting()
+    return Decision("reference", None, f"fallback to reference: {why_not}", fallback=not expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# telling the user: log each distinct fallback reason once, and let callers record every decision
+# --------------------------------------------------------------------------------------------------
+
+_local = threading.local()
+_logged: set = set()
+
+
+@contextlib.contextmanager
+def record():
+    """Collect every :class:`Decision` made in this thread inside the block: ``with record() as log:``."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    log: List[Decision] = []
+    stack.append(log)
+    try:
+        yield log
+    finally:
+        stack.remove(log)
+
+
+def announce(decision: Decision) -> None:
+    for log in getattr(_local, "stack", ()):
+        log.append(decision)
+    if decision.backend == "reference" and decision.reason not in _logged and not torch.compiler.is_compiling():
+        _logged.add(decision.reason)
+        (logger.warning if decision.fallback else logger.info)("elsa_surgery: %s", decision.reason)

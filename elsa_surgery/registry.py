@@ -1,0 +1,164 @@
+"""The adapter contract and the registry of architecture adapters (DESIGN.md, "Adapters").
+
+An adapter knows one library's attention modules and nothing else. It declares:
+
+* ``name``: unique, dotted by family (``"timm.vit"``, ``"transformers"``, ``"torch.mha"``...).
+* ``library``: the import name it needs (``"timm"``), or None. The library is never imported by
+  ``import elsa_surgery``; adapter modules defer it, and ``matches`` answers False for models that
+  could not contain the library's classes (the library is not even in ``sys.modules``).
+* ``matches(module)``: exact class checks (subclasses only where the adapter says so).
+* ``patch(module, config)``: rebinds ``forward`` on the instance (or swaps submodules), reusing the
+  module's own parameters, so the state dict never changes. The framework saves the instance's
+  original ``forward`` before calling it and restores it exactly on revert; an adapter that changes
+  anything more overrides ``unpatch``.
+* ``skip_reason(module, config)``: a module it matches but will not convert, with the reason (it is
+  reported, never silently ignored).
+* ``example_inputs(model)``: inputs for the parity check, or None when it cannot build them.
+
+Model-level adapters (transformers' ``AttentionInterface``) also implement ``claims_model`` /
+``patch_model`` / ``revert_model``.
+
+Built-in adapters live in ``elsa_surgery.adapters``: every module there that defines a module-level
+``ADAPTERS`` list is discovered when the registry is first used (importing an adapter module must not
+import its library).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import pkgutil
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch.nn as nn
+
+logger = logging.getLogger("elsa_surgery")
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """What a patched module passes to :func:`elsa_surgery.attention` on every call."""
+
+    backend: str = "auto"
+    precision: Optional[str] = None
+
+
+class Adapter:
+    """Base class of every architecture adapter. See the module docstring for the contract."""
+
+    name: str = ""
+    library: Optional[str] = None
+    description: str = ""
+
+    # -- per-module adapters -----------------------------------------------------------------
+    def matches(self, module: nn.Module) -> bool:  # pragma: no cover - abstract
+        return False
+
+    def skip_reason(self, module: nn.Module, config: PatchConfig) -> Optional[str]:
+        return None
+
+    def patch(self, module: nn.Module, config: PatchConfig) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def unpatch(self, module: nn.Module) -> None:
+        """Undo anything beyond the instance ``forward`` (which the framework restores itself)."""
+
+    # -- parity inputs -----------------------------------------------------------------------
+    def example_inputs(self, model: nn.Module) -> Optional[Any]:
+        return None
+
+    # -- model-level adapters ----------------------------------------------------------------
+    def claims_model(self, model: nn.Module) -> bool:
+        return False
+
+    def library_available(self) -> bool:
+        return self.library is None or importlib.util.find_spec(self.library) is not None
+
+    def library_loaded(self) -> bool:
+        """True when the library is imported: a model built from it can exist only then."""
+        return self.library is None or self.library in sys.modules
+
+    def __repr__(self) -> str:
+        return f"<Adapter {self.name!r} ({self.library or 'torch'})>"
+
+
+_LOCK = threading.RLock()
+_REGISTRY: Dict[str, Adapter] = {}
+_DISCOVERED = False
+
+
+def _discover_builtin() -> None:
+    global _DISCOVERED
+    with _LOCK:
+        if _DISCOVERED:
+            return
+        _DISCOVERED = True
+        package = importlib.import_module("elsa_surgery.adapters")
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+            if info.name.startswith("_"):
+                continue
+            mod = importlib.import_module(f"elsa_surgery.adapters.{info.name}")
+            for adapter in getattr(mod, "ADAPTERS", ()):
+                if adapter.name not in _REGISTRY:
+                    _REGISTRY[adapter.name] = adapter
+
+
+def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
+    """Register a third-party adapter. Raises ValueError if the name is taken (unless ``override``)."""
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"adapter must be an elsa_surgery.Adapter instance, got {type(adapter).__name__}")
+    if not adapter.name or not isinstance(adapter.name, str):
+        raise ValueError("adapter.name must be a non-empty string")
+    _discover_builtin()
+    with _LOCK:
+        if adapter.name in _REGISTRY and not override:
+            raise ValueError(f"an adapter named {adapter.name!r} is already registered (pass override=True to replace it)")
+        _REGISTRY[adapter.name] = adapter
+    return adapter
+
+
+def unregister_adapter(name: str) -> None:
+    _discover_builtin()
+    with _LOCK:
+        if name not in _REGISTRY:
+            raise KeyError(f"no adapter named {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+        del _REGISTRY[name]
+
+
+def list_adapters() -> List[str]:
+    """Names of every registered adapter, built-in and third-party."""
+    _discover_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_adapter(name: str) -> Adapter:
+    _discover_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown adapter {name!r}; known adapters: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def resolve_adapters(names=None) -> List[Adapter]:
+    """The adapters to use: all registered ones, or those named (glob-free names or family prefixes)."""
+    _discover_builtin()
+    if names is None:
+        return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+    if isinstance(names, (str, Adapter)):
+        names = [names]
+    out: List[Adapter] = []
+    for n in names:
+        if isinstance(n, Adapter):
+            out.append(n)
+            continue
+        if not isinstance(n, str):
+            raise TypeError(f"adapters must be names or Adapter instances, got {type(n).__name__}")
+        family = [a for k, a in sorted(_REGISTRY.items()) if k == n or k.startswith(n + ".")]
+        if not family:
+            raise ValueError(f"unknown adapter {n!r}; known adapters: {', '.join(sorted(_REGISTRY))}")
+        out.extend(a for a in family if a not in out)
+    return out

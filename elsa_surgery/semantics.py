@@ -1,0 +1,335 @@
+"""The one statement of attention semantics (DESIGN.md, "One statement of attention semantics").
+
+Every backend receives an :class:`AttentionProblem` built here, so validation, defaults, mask
+canonicalisation and the meaning of every argument live in this file and nowhere else:
+
+* ``q [B, Hq, Nq, D]``, ``k [B, Hkv, Nk, D]``, ``v [B, Hkv, Nk, Dv]``; ``Hq % Hkv == 0`` and query head
+  ``h`` reads kv head ``h // (Hq // Hkv)``.
+* ``scale`` defaults to ``D ** -0.5``.
+* ``mask``: bool (True = attend) or additive float, canonicalised to a 4-D view ``[P, Hq|1, Nq, Nk]``
+  (broadcast axes have stride 0, nothing is copied); batch row ``b`` reads mask row ``b % P``. ``P`` is
+  1 or ``B`` for an ordinary broadcast mask, or ``nW`` for a per-window (Swin) mask.
+* ``is_causal``: bottom-right aligned; with padded lengths, aligned to each row's own valid lengths:
+  query ``i`` sees key ``j`` iff ``j <= i + kv_len[b] - q_len[b]``.
+* ``q_lengths`` / ``kv_lengths``: per-batch valid lengths (``int32 [B]``). Keys ``j >= kv_len[b]`` are
+  never attended; query rows ``i >= q_len[b]`` are padding and return zeros.
+* A query row with no visible key returns zeros (and ``lse = -inf``), never NaN.
+* Output dtype = input dtype; accumulation in fp32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+Lengths = Union[torch.Tensor, Sequence[int], None]
+
+
+@dataclass
+class AttentionProblem:
+    """A validated, canonical attention call. Tensors are the caller's (never copied or modified)."""
+
+    q: torch.Tensor  # [B, Hq, Nq, D]
+    k: torch.Tensor  # [B, Hkv, Nk, D]
+    v: torch.Tensor  # [B, Hkv, Nk, Dv]
+    scale: float
+    mask: Optional[torch.Tensor]  # [P, Hq|1, Nq, Nk], bool (True = attend) or float additive
+    is_causal: bool
+    q_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
+    kv_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
+    squeeze_head: bool = False  # the caller passed 3-D tensors; the output drops the head axis
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def heads_kv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def groups(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def n_q(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def n_k(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def mask_kind(self) -> str:
+        if self.mask is None:
+            return "none"
+        return "bool" if self.mask.dtype == torch.bool else "additive"
+
+    def output_shape(self) -> tuple:
+        return (self.batch, self.heads_q, self.n_q, self.head_dim_v)
+
+    def empty_output(self) -> torch.Tensor:
+        return self.q.new_zeros(self.output_shape(), dtype=self.q.dtype)
+
+    def restore_shape(self, out: torch.Tensor, lse: Optional[torch.Tensor] = None):
+        if self.squeeze_head:
+            out = out.squeeze(1)
+            lse = None if lse is None else lse.squeeze(1)
+        return out, lse
+
+
+# --------------------------------------------------------------------------------------------------
+# validation helpers (each error names the argument and what is supported)
+# --------------------------------------------------------------------------------------------------
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
+            f"got dtype {t.dtype}"
+        )
+
+
+def check_qkv(q, k, v, *, layout: str) -> None:
+    """Types, dtypes and devices of q/k/v (shapes are checked by the caller, per layout)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    expected = {"dense": (3, 4), "varlen": (3,)}[layout]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() not in expected:
+            what = "[B, H, N, D] (or [B, N, D])" if layout == "dense" else "[total, H, D]"
+            raise ValueError(f"{name} must have shape {what}, got {_shape(t)}")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(f"q, k and v must have the same rank, got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+
+
+def check_heads_and_dims(q, k, v, *, head_axis: int, seq_axis: int) -> None:
+    hq, hkv = q.shape[head_axis], k.shape[head_axis]
+    if k.shape[head_axis] != v.shape[head_axis]:
+        raise ValueError(f"k and v must have the same number of heads, got k {_shape(k)}, v {_shape(v)}")
+    if k.shape[seq_axis] != v.shape[seq_axis]:
+        raise ValueError(f"k and v must have the same sequence length, got k {_shape(k)}, v {_shape(v)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim D, got q {_shape(q)}, k {_shape(k)}")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"head dims must be >= 1, got q {_shape(q)}, v {_shape(v)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads must be a multiple of the number of kv heads (Hq % Hkv == 0), "
+            f"got Hq={hq} (q {_shape(q)}) and Hkv={hkv} (k {_shape(k)})"
+        )
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be a Python number or a one-element tensor, got shape {_shape(scale)}")
+        scale = scale.item()
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_dropout(dropout_p) -> None:
+    if dropout_p is None or dropout_p == 0.0:
+        return
+    raise ValueError(
+        f"dropout_p must be 0.0: elsa_surgery is an inference framework and its kernels do not "
+        f"implement attention dropout (got dropout_p={dropout_p}); call model.eval() or pass dropout_p=0.0"
+    )
+
+
+def _data_checks_allowed(t: torch.Tensor) -> bool:
+    """Value checks need a host sync: skip them while tracing or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def canonical_lengths(name: str, lengths: Lengths, batch: int, limit: int, device) -> Optional[torch.Tensor]:
+    """Per-batch valid lengths as ``int32 [B]`` on ``device``, each in ``[0, limit]``."""
+    if lengths is None:
+        return None
+    if not isinstance(lengths, torch.Tensor):
+        try:
+            lengths = torch.tensor(list(lengths), dtype=torch.int32)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be an integer tensor or sequence of ints of length B={batch}") from None
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
+    if lengths.dim() != 1 or lengths.shape[0] != batch:
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {_shape(lengths)}")
+    if _data_checks_allowed(lengths) and batch > 0:
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi > limit:
+            raise ValueError(f"{name} values must lie in [0, {limit}], got min {lo} and max {hi}")
+    return lengths.to(device=device, dtype=torch.int32)
+
+
+def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, windowed: bool, device):
+    """Return a 4-D ``[P, Hq|1, Nq, Nk]`` view of ``attn_mask`` (no copy) or None."""
+    if attn_mask is None:
+        if windowed:
+            raise ValueError("windowed_mask=True needs an attn_mask of shape [nW, Hq|1, Nq, Nk]")
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise TypeError(
+            f"attn_mask must be bool (True = attend) or floating (additive), got dtype {attn_mask.dtype}"
+        )
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask must be on the same device as q ({device}), got {attn_mask.device}")
+    target = f"[B, Hq, Nq, Nk] = [{batch}, {heads_q}, {n_q}, {n_k}]"
+    if windowed:
+        if attn_mask.dim() != 4:
+            raise ValueError(
+                f"with windowed_mask=True, attn_mask must be 4-D [nW, Hq|1, Nq, Nk], got {_shape(attn_mask)}"
+            )
+        n_win = attn_mask.shape[0]
+        if n_win == 0 or batch % n_win != 0:
+            raise ValueError(
+                f"with windowed_mask=True, attn_mask's first axis (nW={n_win}) must divide the batch B={batch}"
+            )
+        rest = attn_mask.shape[1:]
+        ok = rest[0] in (1, heads_q) and rest[1] in (1, n_q) and rest[2] in (1, n_k)
+        if not ok:
+            raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to [nW, {heads_q}, {n_q}, {n_k}]")
+        return attn_mask.expand(n_win, rest[0], n_q, n_k)
+    if attn_mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims broadcastable to {target}, got {_shape(attn_mask)}")
+    shape4 = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+    for got, want in zip(shape4, (batch, heads_q, n_q, n_k)):
+        if got not in (1, want):
+            raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to {target}")
+    m4 = attn_mask.reshape(shape4) if attn_mask.dim() < 4 else attn_mask
+    return m4.expand(shape4[0], shape4[1], n_q, n_k)
+
+
+def build_problem(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+    *, q_lengths: Lengths = None, kv_lengths: Lengths = None, windowed_mask: bool = False,
+) -> AttentionProblem:
+    """Validate an SDPA-style call and return its canonical form (never copies q/k/v)."""
+    check_qkv(q, k, v, layout="dense")
+    check_dropout(dropout_p)
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k and v must share the batch size B, got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    check_heads_and_dims(q, k, v, head_axis=1, seq_axis=2)
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"q has {q.shape[1]} heads but k/v have {k.shape[1]}: pass enable_gqa=True for grouped-query "
+            f"attention (Hq must be a multiple of Hkv)"
+        )
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    mask = canonical_mask(attn_mask, batch=B, heads_q=Hq, n_q=Nq, n_k=Nk, windowed=windowed_mask, device=q.device)
+    ql = canonical_lengths("q_lengths", q_lengths, B, Nq, q.device)
+    kl = canonical_lengths("kv_lengths", kv_lengths, B, Nk, q.device)
+    return AttentionProblem(
+        q=q, k=k, v=v, scale=resolve_scale(scale, D), mask=mask, is_causal=bool(is_causal),
+        q_lengths=ql, kv_lengths=kl, squeeze_head=squeeze,
+    )
+
+
+@dataclass
+class VarlenProblem:
+    """Packed sequences, flash-attn's convention: ``q [total_q, Hq, D]``, ``cu_seqlens_q [B + 1]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1], cu[0] = 0, cu[-1] = total_q, non-decreasing
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    scale: float
+    is_causal: bool
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str, max_len, device) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of shape [B + 1], got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have dtype int32 (or int64), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape [B + 1] with B >= 0, got {_shape(cu)}")
+    try:
+        max_len = int(max_len)
+    except (TypeError, ValueError):
+        raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}") from None
+    if max_len < 0:
+        raise ValueError(f"{max_name} must be >= 0, got {max_len}")
+    if _data_checks_allowed(cu):
+        host = cu.detach().to("cpu", torch.int64)
+        if int(host[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
+        steps = host[1:] - host[:-1]
+        if steps.numel() and int(steps.min()) < 0:
+            bad = int(torch.nonzero(steps < 0)[0])
+            raise ValueError(
+                f"{name} must be non-decreasing, got {name}[{bad}]={int(host[bad])} > {name}[{bad + 1}]={int(host[bad + 1])}"
+            )
+        if int(host[-1]) != total:
+            raise ValueError(f"{name}[-1]={int(host[-1])} must equal {total_name}={total}")
+        longest = int(steps.max()) if steps.numel() else 0
+        if longest > max_len:
+            raise ValueError(f"{max_name}={max_len} is smaller than the longest sequence in {name} ({longest})")
+    return cu.to(device=device, dtype=torch.int32)
+
+
+def build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None) -> VarlenProblem:
+    check_qkv(q, k, v, layout="varlen")
+    check_heads_and_dims(q, k, v, head_axis=1, seq_axis=0)
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)", "max_seqlen_q", max_seqlen_q, q.device)
+    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0] (total_k)", "max_seqlen_k", max_seqlen_k, q.device)
+    if cq.shape[0] != ck.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got {_shape(cq)} and {_shape(ck)}"
+        )
+    return VarlenProblem(
+        q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k), scale=resolve_scale(scale, q.shape[-1]), is_causal=bool(is_causal),
+    )
