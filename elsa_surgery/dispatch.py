@@ -111,6 +111,10 @@ def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Op
             raise ValueError("backend='sdpa' has no packed-varlen path; use backend='elsa' or 'reference'")
         return Decision("sdpa", None, "backend='sdpa' requested")
 
+    if want == "auto" and q.device.type != "cuda":
+        return Decision("reference", None,
+                        f"auto on {q.device.type} tensors: the reference backend (the Triton kernels need CUDA; "
+                        f"backend='elsa' with TRITON_INTERPRET=1 runs them in the interpreter)")
     why_not = kernel_unsupported_reason(q, k, v, mask, varlen=varlen)
     if why_not is None:
         mode = (prec or default_precision(q.device)) if fp32 else None
@@ -118,8 +122,7 @@ def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Op
         return Decision("elsa", mode, f"ELSA Triton kernel ({how})")
     if want == "elsa":
         raise BackendUnavailable(f"backend='elsa' cannot run this call: {why_not}")
-    expected = q.device.type == "cpu" and not _interpreting()
-    return Decision("reference", None, f"fallback to reference: {why_not}", fallback=not expected)
+    return Decision("reference", None, f"fallback to reference: {why_not}", fallback=True)
 
 
 # --------------------------------------------------------------------------------------------------

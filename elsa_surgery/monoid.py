@@ -80,13 +80,16 @@ def from_scores(scores: torch.Tensor, v: torch.Tensor) -> State:
 
 
 def fold_scores(state: State, scores: torch.Tensor, v: torch.Tensor) -> State:
-    """``state ⊕ from_scores(scores, v)`` in one pass over the block (what a kernel's inner loop does)."""
+    """``state ⊕ from_scores(scores, v)`` in one pass over the block (what a kernel's inner loop does).
+
+    ``scores`` is consumed: it is overwritten in place with the block's probabilities.
+    """
     m = torch.maximum(state.m, scores.amax(dim=-1))
     ref = _safe_max(m)
     alpha = torch.exp(state.m - ref)
-    p = torch.exp(scores - ref.unsqueeze(-1))
+    p = scores.sub_(ref.unsqueeze(-1)).exp_()
     S = state.S * alpha + p.sum(dim=-1)
-    W = state.W * alpha.unsqueeze(-1) + torch.matmul(p.to(v.dtype), v).to(p.dtype)
+    W = torch.matmul(p.to(v.dtype), v).to(p.dtype).add_(state.W * alpha.unsqueeze(-1))
     return State(m, S, W)
 
 

@@ -84,27 +84,27 @@ def run_state(p: AttentionProblem) -> monoid.State:
     ms, Ss, Ws = [], [], []
     for i0 in range(0, Nq, cq):
         i1 = min(Nq, i0 + cq)
-        qc = q5[:, :, :, i0:i1].to(acc)
+        qc = q5[:, :, :, i0:i1].to(acc) * p.scale  # fold the scale into q once per chunk
         st = monoid.State(*(t[:, :, :, i0:i1] for t in state))
         rows = torch.arange(i0, i1, device=dev)
         for j0 in range(0, Nk, ck):
             j1 = min(Nk, j0 + ck)
             if p.is_causal and static_offset is not None and j0 > (i1 - 1) + static_offset:
                 break  # every later key block is above the causal frontier of this query chunk
-            s = torch.matmul(qc, k5[:, :, :, j0:j1].to(acc).transpose(-1, -2)) * p.scale
+            s = torch.matmul(qc, k5[:, :, :, j0:j1].to(acc).transpose(-1, -2))
             if mask5 is not None:
                 mc = mask5[batch_rows, ..., i0:i1, j0:j1] if period not in (1, B) else mask5[..., i0:i1, j0:j1]
                 if mc.dtype == torch.bool:
-                    s = s.masked_fill(~mc, float("-inf"))
+                    s.masked_fill_(~mc, float("-inf"))
                 else:
-                    s = s + mc.to(acc)
+                    s.add_(mc.to(acc))
             if use_index_mask:
                 cols = torch.arange(j0, j1, device=dev)
                 vis = cols.view(1, 1, -1) < kv_len.view(-1, 1, 1)
                 vis = vis & (rows.view(1, -1, 1) < q_len.view(-1, 1, 1))
                 if p.is_causal:
                     vis = vis & (cols.view(1, 1, -1) <= rows.view(1, -1, 1) + offset.view(-1, 1, 1))
-                s = s.masked_fill(~vis.view(B, 1, 1, i1 - i0, j1 - j0), float("-inf"))
+                s.masked_fill_(~vis.view(B, 1, 1, i1 - i0, j1 - j0), float("-inf"))
             st = monoid.fold_scores(st, s, v5[:, :, :, j0:j1].to(acc))
         ms.append(st.m)
         Ss.append(st.S)

@@ -1,0 +1,51 @@
+"""A naive, dense float64 statement of DESIGN.md's attention semantics, written independently of the
+package (it materialises the score matrix: small shapes only). The package's float64 reference is
+checked against it, and everything else against the package's float64 reference."""
+
+import torch
+
+
+def naive_attention(q, k, v, mask=None, *, is_causal=False, scale=None, q_lengths=None, kv_lengths=None,
+                    windowed=False):
+    """q [B,Hq,Nq,D], k [B,Hkv,Nk,D], v [B,Hkv,Nk,Dv] -> (out float64, lse float64)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    scale = D ** -0.5 if scale is None else scale
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    visible = torch.ones(B, Hq, Nq, Nk, dtype=torch.bool)
+    if mask is not None:
+        if windowed:
+            mask = mask[torch.arange(B) % mask.shape[0]]
+        if mask.dtype == torch.bool:
+            visible = visible & mask
+        else:
+            s = s + mask.double()
+    ql = torch.full((B,), Nq) if q_lengths is None else torch.as_tensor(q_lengths).long()
+    kl = torch.full((B,), Nk) if kv_lengths is None else torch.as_tensor(kv_lengths).long()
+    i = torch.arange(Nq).view(1, 1, -1, 1)
+    j = torch.arange(Nk).view(1, 1, 1, -1)
+    visible = visible & (j < kl.view(-1, 1, 1, 1)) & (i < ql.view(-1, 1, 1, 1))
+    if is_causal:
+        visible = visible & (j <= i + (kl - ql).view(-1, 1, 1, 1))
+    s = s.masked_fill(~visible, float("-inf"))
+    rowmax = s.amax(-1, keepdim=True)
+    empty = rowmax == float("-inf")
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(rowmax), rowmax))
+    denom = p.sum(-1, keepdim=True)
+    out = (p / torch.where(empty, torch.ones_like(denom), denom)) @ v
+    out = out.masked_fill(empty, 0.0)
+    lse = torch.where(empty.squeeze(-1), torch.full_like(denom.squeeze(-1), float("-inf")),
+                      (rowmax + torch.log(denom)).squeeze(-1))
+    return out, lse
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    denom = ref.norm()
+    if denom == 0:
+        return float((x - ref).norm())
+    return float((x - ref).norm() / denom)
