@@ -15,6 +15,8 @@ def naive_attention(q, k, v, mask=None, *, is_causal=False, scale=None, q_length
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
     scale = D ** -0.5 if scale is None else scale
+    if Nk == 0 or Nq == 0:  # no keys: every row is empty
+        return q.new_zeros(B, Hq, Nq, v.shape[-1]), q.new_full((B, Hq, Nq), float("-inf"))
     s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     visible = torch.ones(B, Hq, Nq, Nk, dtype=torch.bool)
     if mask is not None:

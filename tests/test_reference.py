@@ -233,3 +233,25 @@ def test_empty_sequences():
     k, v = torch.randn(2, 2, 0, 16), torch.randn(2, 2, 0, 8)
     out, lse = elsa_surgery.attention(q, k, v, backend="reference", return_lse=True)
     assert out.shape == (2, 2, 4, 8) and torch.count_nonzero(out) == 0 and torch.isinf(lse).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.tuples(st.integers(0, 120), st.integers(0, 120)), min_size=1, max_size=5),
+       D=st.sampled_from(HEAD_DIMS), groups=st.sampled_from([1, 2]), causal=st.booleans(), scale=st.sampled_from([None, 1.0]))
+def test_varlen_fp32_matches_float64_oracle(seed, lens, D, groups, causal, scale):
+    g = torch.Generator().manual_seed(seed)
+    lq = [a for a, _ in lens]
+    lk = [b for _, b in lens]
+    cq = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    ck = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lq), 2 * groups, D, generator=g)
+    k = torch.randn(sum(lk), 2, D, generator=g)
+    v = torch.randn(sum(lk), 2, 16, generator=g)
+    out = elsa_surgery.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), is_causal=causal, scale=scale,
+                                        backend="reference")
+    assert not torch.isnan(out).any()
+    for b in range(len(lens)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        ref, _ = naive_attention(q[qs].transpose(0, 1)[None], k[ks].transpose(0, 1)[None],
+                                 v[ks].transpose(0, 1)[None], is_causal=causal, scale=scale)
+        assert rel_err(out[qs], ref[0].transpose(0, 1)) <= FP32_TOL
