@@ -51,3 +51,16 @@ def rel_err(x, ref):
     if denom == 0:
         return float((x - ref).norm())
     return float((x - ref).norm() / denom)
+
+
+def fp32_tolerance(q, k, scale=None, base=2e-6):
+    """fp32 rounding of a logit s perturbs exp(s) by ~|s|·eps: scale the bound with the largest |logit|
+    (unit-scale logits keep ``base``; SwinV2-style scale=1.0 with D=128 gives logits near 40).
+    q [..., Hq, Nq, D] and k [..., Hkv, Nk, D] (dense) or [total, H, D] (packed); small shapes only."""
+    if q.numel() == 0 or k.numel() == 0:
+        return base
+    sc = q.shape[-1] ** -0.5 if scale is None else scale
+    qd = q.double().reshape(-1, q.shape[-1])
+    kd = k.double().reshape(-1, k.shape[-1])
+    smax = float((qd @ kd.T).abs().max()) * abs(sc)  # over all pairs: an upper bound of the real max
+    return base * max(1.0, smax / 10.0)
