@@ -10,13 +10,31 @@ An adapter knows one library's attention modules and nothing else. It declares:
 * ``patch(module, config)``: rebinds ``forward`` on the instance (or swaps submodules), reusing the
   module's own parameters, so the state dict never changes. The framework saves the instance's
   original ``forward`` before calling it and restores it exactly on revert; an adapter that changes
-  anything more overrides ``unpatch``.
+  anything more overrides ``unpatch``. :func:`bind_forward` does the rebinding in the way that survives
+  ``copy.deepcopy`` and traces under ``torch.compile(fullgraph=True)``.
 * ``skip_reason(module, config)``: a module it matches but will not convert, with the reason (it is
   reported, never silently ignored).
 * ``example_inputs(model)``: inputs for the parity check, or None when it cannot build them.
 
-Model-level adapters (transformers' ``AttentionInterface``) also implement ``claims_model`` /
-``patch_model`` / ``revert_model``.
+Model-level adapters (transformers' ``AttentionInterface``) patch a whole model at once instead of
+one module at a time. They implement:
+
+* ``claims_model(model) -> bool``: this adapter handles ``model`` as a whole. :func:`elsa_surgery.convert`
+  asks every selected adapter first, before walking the modules.
+* ``model_modules(model) -> [(qualified_name, module), ...]``: the attention modules the model-level patch
+  covers. They are listed as converted in the report, used for include/exclude and for per-module parity
+  localisation, and the module walk never hands them (or their submodules) to per-module adapters.
+* ``patch_model(model, config)``: switch the model over (e.g. register and select an
+  ``AttentionInterface`` function). ``config.modules`` holds the selected names from ``model_modules``
+  when include/exclude selected only some of them, and only for adapters that set
+  ``supports_module_filter = True``; for the others, a partial selection skips the adapter (reported).
+* ``revert_model(model)``: undo ``patch_model`` exactly. Called by :func:`elsa_surgery.revert`, and by
+  ``convert`` when parity verification fails.
+
+All four have no-op defaults, so per-module adapters ignore them.
+
+When several adapters match one module, :func:`elsa_surgery.convert` uses the first in its ``adapters=``
+order (all registered adapters in name order by default).
 
 Built-in adapters live in ``elsa_surgery.adapters``: every module there that defines a module-level
 ``ADAPTERS`` list is discovered when the registry is first used (importing an adapter module must not
@@ -25,14 +43,16 @@ import its library).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
 import pkgutil
 import sys
 import threading
+import types
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -45,6 +65,8 @@ class PatchConfig:
 
     backend: str = "auto"
     precision: Optional[str] = None
+    # Model-level adapters only: the selected names from ``model_modules`` (None = all of them).
+    modules: Optional[FrozenSet[str]] = None
 
 
 class Adapter:
@@ -72,8 +94,20 @@ class Adapter:
         return None
 
     # -- model-level adapters ----------------------------------------------------------------
+    supports_module_filter: bool = False  # patch_model honours config.modules
+
     def claims_model(self, model: nn.Module) -> bool:
         return False
+
+    def model_modules(self, model: nn.Module) -> List[Tuple[str, nn.Module]]:
+        """The ``(qualified_name, module)`` attention modules a model-level patch covers."""
+        return []
+
+    def patch_model(self, model: nn.Module, config: PatchConfig) -> None:
+        """Switch ``model`` over to ELSA attention as a whole (model-level adapters)."""
+
+    def revert_model(self, model: nn.Module) -> None:
+        """Undo :meth:`patch_model` exactly."""
 
     def library_available(self) -> bool:
         return self.library is None or importlib.util.find_spec(self.library) is not None
@@ -84,6 +118,34 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"<Adapter {self.name!r} ({self.library or 'torch'})>"
+
+
+CONFIG_ATTR = "_elsa_config"  # on a module patched through bind_forward: its PatchConfig
+
+
+@functools.lru_cache(maxsize=None)
+def _method(fn):
+    """``fn(self, *args, config, **kwargs)`` as a method reading ``config`` from the instance.
+
+    A plain function closing over ``fn`` only (never over a module): ``copy.deepcopy`` of a converted model
+    rebinds it to the copy, and ``torch.compile`` traces it (a ``functools.partial`` would break dynamo).
+    """
+
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        return fn(self, *args, config=self.__dict__[CONFIG_ATTR], **kwargs)
+
+    return method
+
+
+def bind_forward(module: nn.Module, fn, config: PatchConfig) -> None:
+    """Set ``module.forward`` on the instance to ``fn(module, *args, config=config, **kwargs)``.
+
+    The class's own ``forward`` stays untouched for :func:`elsa_surgery.revert`, which removes the instance
+    attributes again (``forward`` and ``_elsa_config``).
+    """
+    module.__dict__[CONFIG_ATTR] = config
+    module.__dict__["forward"] = types.MethodType(_method(fn), module)
 
 
 _LOCK = threading.RLock()

@@ -1,0 +1,81 @@
+"""Shared plumbing of the timm adapters (``timm_vit``, ``timm_eva``, ``timm_swin``).
+
+Never imports timm: a class is looked up in ``sys.modules`` when a module is offered, so a model that
+was not built by timm is rejected without importing anything, and timm's ``fused_attn`` switch (read at
+construction time) plays no part: the adapters rebind ``forward`` on the instance.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from elsa_surgery.registry import Adapter, PatchConfig, bind_forward
+
+EXAMPLE_BATCH = 2  # parity inputs: two images, so per-batch indexing (Swin's b % nW) is exercised
+EXAMPLE_TOKENS = 10  # token count for a lone attention module
+
+
+def timm_class(module_path: str, name: str):
+    mod = sys.modules.get(module_path)
+    return None if mod is None else getattr(mod, name, None)
+
+
+def _first_param(model: nn.Module) -> Optional[torch.Tensor]:
+    for p in model.parameters():
+        return p
+    for b in model.buffers():
+        if b.is_floating_point():
+            return b
+    return None
+
+
+def _randn(shape, like: Optional[torch.Tensor]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    if like is not None:
+        x = x.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
+    return x
+
+
+def image_inputs(model: nn.Module) -> Optional[torch.Tensor]:
+    """A batch of random images for a timm image model (one with ``patch_embed.img_size``), else None."""
+    pe = getattr(model, "patch_embed", None)
+    size = getattr(pe, "img_size", None)
+    proj = getattr(pe, "proj", None)
+    if size is None or not isinstance(proj, nn.Conv2d):
+        return None
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    return _randn((EXAMPLE_BATCH, proj.in_channels, h, w), _first_param(model))
+
+
+class TimmAdapter(Adapter):
+    """One timm attention class (exact match), patched by rebinding ``forward``."""
+
+    library = "timm"
+    target: Tuple[str, str] = ("", "")  # (module path, class name)
+    forward_fn: Callable = None  # forward(self, ..., *, config)
+
+    def matches(self, module: nn.Module) -> bool:
+        cls = timm_class(*self.target)
+        return cls is not None and type(module) is cls
+
+    def patch(self, module: nn.Module, config: PatchConfig) -> None:
+        bind_forward(module, type(self).forward_fn, config)
+
+    def example_inputs(self, model: nn.Module) -> Optional[Any]:
+        x = image_inputs(model)
+        if x is None and self.matches(model):
+            x = self.module_inputs(model)
+        return x
+
+    def module_inputs(self, module: nn.Module) -> Optional[Any]:
+        """Inputs for a lone module of this class (the parity check of ``convert(attention_module)``)."""
+        return None
+
+
+def token_inputs(module: nn.Module, dim: int, tokens: int = EXAMPLE_TOKENS, batch: int = EXAMPLE_BATCH):
+    return _randn((batch, tokens, dim), _first_param(module))
