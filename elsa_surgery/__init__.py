@@ -4,16 +4,44 @@
 are imported on first use.
 """
 
+import sys as _sys
+import types as _types
+
 from . import monoid
 from .api import attention, attention_state, attention_varlen
 from .dispatch import BACKENDS, PRECISIONS, BackendUnavailable, Decision, decide
 from .registry import Adapter, PatchConfig, get_adapter, list_adapters, register_adapter, unregister_adapter
+from .report import ConversionReport
+from .verify import ParityError
+from .surgery import convert, revert
+from .modules import ElsaAttention, patch_vit_attention
+from .io import load, save
 
 __version__ = "0.1.0"
+
+
+class _Package(_types.ModuleType):
+    """``elsa_surgery.convert`` stays the function even after the CLI submodule ``elsa_surgery.convert``
+    is imported (importing a submodule would otherwise rebind the package attribute to the module)."""
+
+    def __setattr__(self, name, value):
+        if name == "convert" and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "attention", "attention_varlen", "attention_state", "monoid",
     "decide", "Decision", "BACKENDS", "PRECISIONS", "BackendUnavailable",
     "Adapter", "PatchConfig", "register_adapter", "unregister_adapter", "list_adapters", "get_adapter",
+    "convert", "revert", "load", "save", "ConversionReport", "ParityError", "ElsaAttention", "patch_vit_attention",
     "__version__",
 ]
+
+# transformers: register the "elsa" attention/mask functions as soon as transformers is imported (a post-import
+# hook; transformers itself is not imported here), so from_pretrained(..., attn_implementation="elsa") works.
+from .adapters import hf_import_hook as _hf_import_hook  # noqa: E402
+
+_hf_import_hook.install()

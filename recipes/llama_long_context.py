@@ -1,0 +1,285 @@
+#!/usr/bin/env python
+"""LLaMA long-context fp32 prefill: ELSA vs native PyTorch SDPA (tokens/s, peak memory, OOM).
+
+A LLaMA-architecture model with random weights (default: the first ``--layers 4`` layers of Llama-2-13B's
+shape: hidden 5120, 40 heads, MLP 13824) runs one prefill forward over ``--seq-lens`` tokens, in fp32,
+once with transformers' ``sdpa`` attention and once converted by ``elsa_surgery.convert``. For every
+length it records the median latency, tokens/s, peak GPU memory and whether it ran out of memory, and
+writes everything as JSON (``--json``). ``--offload`` keeps the weights on the CPU with accelerate
+(``cpu_offload``, weights streamed to the GPU layer by layer, as in the paper's Table 5), so the GPU memory
+left is what the activations and attention need. ``--memory-gib`` caps the memory PyTorch may use, to ask
+"which lengths fit in the same memory".
+
+Examples (the device):
+    python recipes/llama_long_context.py --json llama_13b_4l.json
+    python recipes/llama_long_context.py --layers 2 --seq-lens 16384,32768,65536 --offload --json off.json
+    python recipes/llama_long_context.py --shape tiny --device cpu --seq-lens 64,128 --iters 1   # smoke test
+
+Nothing is downloaded: the config is built here and the weights are random.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+SHAPES = {
+    # hidden, heads, kv heads, intermediate, vocab
+    "13b": dict(hidden_size=5120, num_attention_heads=40, num_key_value_heads=40, intermediate_size=13824, vocab_size=32000),
+    "7b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
+    "70b-gqa": dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000),
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=1000),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="13b", help="model shape (default: Llama-2-13B)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers to build (default 4)")
+    p.add_argument("--seq-lens", default="4096,8192,16384,32768,65536", help="comma-separated prefill lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--impls", default="sdpa,elsa", help="comma-separated: sdpa, elsa, eager")
+    p.add_argument("--sdpa-backend", default="auto", choices=("auto", "math", "efficient", "flash", "cudnn"),
+                   help="restrict native SDPA to one backend (default: PyTorch's choice)")
+    p.add_argument("--precision", default=None, choices=("strict", "precise", "turbo"), help="ELSA fp32 mode")
+    p.add_argument("--backend", default="auto", choices=("auto", "elsa", "reference"),
+                   help="ELSA backend (auto falls back to the reference off-GPU; 'elsa' refuses to)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--tf32", action="store_true", help="allow TF32 for the (non-attention) matmuls of both runs")
+    p.add_argument("--offload", action="store_true", help="accelerate cpu_offload: weights on CPU, streamed per layer")
+    p.add_argument("--memory-gib", type=float, default=None, help="cap PyTorch's GPU memory (same budget for both)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=3, help="timed runs per point (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-seconds", type=float, default=120.0,
+                   help="skip longer lengths for an implementation once one run exceeds this")
+    p.add_argument("--check-parity", type=int, default=2048,
+                   help="compare ELSA with SDPA hidden states at this length first (0: skip)")
+    p.add_argument("--use-cache", action="store_true", help="build the KV cache during prefill (more memory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+def _dtype(name):
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def build_model(args, device):
+    from transformers import LlamaConfig, LlamaModel
+
+    shape = dict(SHAPES[args.shape])
+    cfg = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max(args.lengths) + 1,
+                      rope_theta=10000.0, attn_implementation="sdpa", **shape)
+    torch.manual_seed(args.seed)
+    target = torch.device("cpu") if args.offload else device
+    with torch.device(target):
+        model = LlamaModel(cfg).to(_dtype(args.dtype)).eval()
+    if args.offload:
+        from accelerate import cpu_offload
+
+        cpu_offload(model, execution_device=device)
+    return model, cfg
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "outofresources" in type(exc).__name__.lower()
+
+
+def _sdpa_context(name):
+    import contextlib
+
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name])
+
+
+def set_impl(model, impl, args):
+    import elsa_surgery
+
+    elsa_surgery.revert(model)
+    if impl == "elsa":
+        report = elsa_surgery.convert(model, backend=args.backend, precision=args.precision, verify=False)
+        return {"converted": report.num_converted}
+    model.set_attn_implementation(impl)
+    return {}
+
+
+def forward(model, ids, args):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=args.use_cache).last_hidden_state
+
+
+def measure(model, impl, n, args, device) -> Dict[str, Any]:
+    from elsa_surgery import dispatch
+
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, n), device=device,
+                        generator=torch.Generator(device=device).manual_seed(args.seed))
+    res: Dict[str, Any] = {"impl": impl, "seq_len": n, "batch": args.batch}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    times = []
+    try:
+        with _sdpa_context(args.sdpa_backend if impl == "sdpa" else "auto"), dispatch.record() as log:
+            for i in range(args.warmup + args.iters):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = forward(model, ids, args)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                del out
+                if i >= args.warmup:
+                    times.append(dt)
+                if dt > args.max_seconds:
+                    break
+    except Exception as exc:  # OOM is a result, anything else is an error; both are recorded
+        res["status"] = "OOM" if _is_oom(exc) else "error"
+        res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+        if device.type == "cuda":
+            res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return res
+    times = times or [dt]
+    times.sort()
+    med = times[len(times) // 2]
+    res.update(status="ok", latency_s=med, tokens_per_s=args.batch * n / med, runs=len(times))
+    if device.type == "cuda":
+        res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        res["peak_extra_mem_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    if impl == "elsa":
+        used = sorted({d.backend + (f"/{d.precision}" if d.precision else "") for d in log})
+        res["elsa_backends"] = used
+        fb = sorted({d.reason for d in log if d.fallback})
+        if fb:
+            res["fallbacks"] = fb
+    return res
+
+
+def parity(model, n, args, device) -> Dict[str, Any]:
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device=device,
+                        generator=torch.Generator(device=device).manual_seed(args.seed + 1))
+    try:
+        set_impl(model, "sdpa", args)
+        with _sdpa_context(args.sdpa_backend):
+            ref = forward(model, ids, args).float()
+        set_impl(model, "elsa", args)
+        out = forward(model, ids, args).float()
+    except Exception as exc:
+        return {"seq_len": n, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    d = (out - ref).abs()
+    res = {"seq_len": n, "max_abs_diff": d.max().item(), "ref_max_abs": ref.abs().max().item(),
+           "rel_l2": (d.norm() / ref.norm()).item()}
+    del ref, out
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.lengths = [int(x) for x in args.seq_lens.split(",") if x.strip()]
+    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA GPU (use --device cpu --shape tiny for a smoke test)", file=sys.stderr)
+        return 2
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    import elsa_surgery  # noqa: F401  (registers the transformers attention functions)
+    import transformers
+
+    info: Dict[str, Any] = {
+        "recipe": "llama_long_context", "argv": sys.argv[1:], "shape": args.shape, "layers": args.layers,
+        "dtype": args.dtype, "offload": args.offload, "batch": args.batch, "sdpa_backend": args.sdpa_backend,
+        "precision": args.precision, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_mem_gib"] = props.total_memory / 2**30
+        if args.memory_gib:
+            frac = min(1.0, args.memory_gib * 2**30 / props.total_memory)
+            torch.cuda.set_per_process_memory_fraction(frac, device)
+            info["memory_cap_gib"] = args.memory_gib
+    print(f"# {json.dumps(info)}", flush=True)
+    t0 = time.perf_counter()
+    model, cfg = build_model(args, device)
+    info["build_s"] = time.perf_counter() - t0
+    info["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+
+    results: List[Dict[str, Any]] = []
+    if args.check_parity and "elsa" in impls and "sdpa" in impls:
+        info["parity"] = parity(model, min(args.check_parity, max(args.lengths)), args, device)
+        print(f"# parity {json.dumps(info['parity'])}", flush=True)
+
+    stopped = {impl: None for impl in impls}
+    header = f"{'impl':6} {'tokens':>7} {'status':>6} {'latency s':>10} {'tokens/s':>10} {'peak GiB':>9}"
+    print(header, flush=True)
+    for n in args.lengths:
+        for impl in impls:
+            if stopped[impl] is not None:
+                r = {"impl": impl, "seq_len": n, "status": "skipped", "error": stopped[impl]}
+            else:
+                try:
+                    extra = set_impl(model, impl, args)
+                except Exception as exc:
+                    r = {"impl": impl, "seq_len": n, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:400]}
+                else:
+                    r = measure(model, impl, n, args, device)
+                    r.update(extra)
+                if r.get("status") == "ok" and r["latency_s"] > args.max_seconds:
+                    stopped[impl] = f"a shorter length took {r['latency_s']:.0f} s > --max-seconds"
+            results.append(r)
+            lat = f"{r['latency_s']:.3f}" if "latency_s" in r else "-"
+            tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "-"
+            mem = f"{r['peak_mem_gib']:.2f}" if "peak_mem_gib" in r else "-"
+            print(f"{impl:6} {n:>7} {r['status']:>6} {lat:>10} {tps:>10} {mem:>9}"
+                  + (f"  {r.get('error', '')}" if r["status"] != "ok" else ""), flush=True)
+
+    # ratios ELSA / SDPA per length
+    ratios = []
+    for n in args.lengths:
+        e = next((r for r in results if r["impl"] == "elsa" and r["seq_len"] == n), None)
+        s = next((r for r in results if r["impl"] == "sdpa" and r["seq_len"] == n), None)
+        if e and s:
+            row = {"seq_len": n, "elsa": e["status"], "sdpa": s["status"]}
+            if e["status"] == s["status"] == "ok":
+                row["speedup_tokens_per_s"] = e["tokens_per_s"] / s["tokens_per_s"]
+                if "peak_mem_gib" in e and "peak_mem_gib" in s:
+                    row["memory_ratio"] = e["peak_mem_gib"] / s["peak_mem_gib"]
+            ratios.append(row)
+    for row in ratios:
+        sp = f"{row['speedup_tokens_per_s']:.2f}x" if "speedup_tokens_per_s" in row else f"elsa {row['elsa']} / sdpa {row['sdpa']}"
+        print(f"# {row['seq_len']:>7} tokens: ELSA vs SDPA {sp}", flush=True)
+    out = {"info": info, "results": results, "ratios": ratios}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
