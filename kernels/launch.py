@@ -1,0 +1,169 @@
+"""Launch code: allocate outputs, pick tiles and partitions, run phase 1 and (if split) phase 2.
+
+Plain functions on tensors (no torch.library here: ops.py wraps these). Inputs are never copied:
+strides go to the kernels as they are. Sizes are runtime arguments of the kernels, so a new sequence
+length reuses the compiled kernel. No host syncs: nothing here reads tensor data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import occupancy as occ
+
+LOG2E = 1.4426950408889634
+
+
+def _scan():
+    from . import scan  # imported on first launch, after TRITON_INTERPRET has been decided
+
+    return scan
+
+
+def _dot_kind(dtype: torch.dtype, precision: Optional[str]) -> int:
+    if dtype == torch.bfloat16 and occ.interpreting():
+        return occ.DOT_INTERP_BF16
+    if dtype in (torch.float16, torch.bfloat16):
+        return occ.DOT_LOWP
+    if dtype == torch.float32:
+        return occ.DOT_OF_PRECISION[precision or "strict"]
+    raise TypeError(f"the ELSA kernels take float16, bfloat16 or float32 tensors, got {dtype}")
+
+
+def _mask_arg(mask: Optional[torch.Tensor]):
+    """(tensor for the kernel, kind, strides). Bool masks are reinterpreted as uint8 (a view, no copy)."""
+    if mask is None:
+        return None, 0, (0, 0, 0, 0), 1
+    kind = 1 if mask.dtype == torch.bool else 2
+    m = mask.view(torch.uint8) if kind == 1 else mask
+    strides = tuple(0 if size == 1 else st for size, st in zip(m.shape, m.stride()))  # broadcast axes
+    return m, kind, strides, m.shape[0]
+
+
+def _partition_len(n_k: int, parts: int, block_n: int) -> int:
+    per = -(-max(n_k, 1) // parts)
+    return -(-per // block_n) * block_n
+
+
+def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
+         is_causal=False, varlen_dims=None, out=None, lse=None, state=None, want_lse=True,
+         num_partitions=None, eta=None):
+    """Shared launcher. Dense: q [B,Hq,Nq,D]. Varlen: q [total,Hq,D] with varlen_dims=(B, max_q, max_k)."""
+    scan = _scan()
+    dot = _dot_kind(q.dtype, precision)
+    varlen = varlen_dims is not None
+    if varlen:
+        B, Nq, Nk = varlen_dims
+        Hq, D = q.shape[1], q.shape[2]
+        Hkv, Dv = k.shape[1], v.shape[2]
+        # [total, H, D] -> (batch stride 0, head, row, dim); the row offset comes from cu_seqlens
+        sq = (0, q.stride(1), q.stride(0), q.stride(2))
+        sk = (0, k.stride(1), k.stride(0), k.stride(2))
+        sv = (0, v.stride(1), v.stride(0), v.stride(2))
+    else:
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        sq, sk, sv = q.stride(), k.stride(), v.stride()
+    groups = Hq // Hkv
+    cfg = occ.tile_config(dot, D, Dv)
+    BD, BDV = occ.block_dim(D), occ.block_dim(Dv)
+    n_mblocks = -(-Nq // cfg.block_m) if Nq > 0 else 0
+    BH = B * Hq
+    if state is None:
+        if out is None:
+            out = q.new_empty((q.shape[0], Hq, Dv) if varlen else (B, Hq, Nq, Dv))
+        if want_lse and lse is None:
+            lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
+    if n_mblocks == 0 or BH == 0:
+        return out, lse, state
+    if varlen:
+        so = (0, out.stride(1), out.stride(0), out.stride(2))
+        sl = (0, lse.stride(0), lse.stride(1)) if want_lse else (0, 0, 0)
+    elif state is None:
+        so = out.stride()
+        sl = lse.stride() if want_lse else (0, 0, 0)
+    else:
+        so, sl = (0, 0, 0, 0), (0, 0, 0)
+
+    rows = BH * Nq
+    parts = occ.num_partitions(q.device, tiles=n_mblocks * BH, n_k=Nk, block_n=cfg.block_n, rows=rows, dv=Dv,
+                               out_bytes=rows * Dv * q.element_size(), eta=eta, forced=num_partitions)
+    part_len = _partition_len(Nk, parts, cfg.block_n)
+    parts = max(1, -(-max(Nk, 1) // part_len))
+
+    mask_t, mask_kind, sm, period = _mask_arg(mask)
+    dummy = q
+    f32 = dict(device=q.device, dtype=torch.float32)
+    if parts > 1:
+        pm = torch.empty((parts, BH, Nq), **f32)
+        ps = torch.empty((parts, BH, Nq), **f32)
+        pw = torch.empty((parts, BH, Nq, Dv), **f32)
+    elif state is not None:
+        pm, ps, pw = state
+    else:
+        pm = ps = pw = dummy
+    write_state = parts > 1 or state is not None
+
+    grid = (n_mblocks * BH, parts)
+    scan.elsa_fwd[grid](
+        q, k, v, mask_t if mask_t is not None else dummy,
+        q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
+        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+        out if out is not None else dummy, lse if want_lse and lse is not None else dummy, pm, ps, pw,
+        float(scale) * LOG2E, Nq, Nk, Hq, groups, n_mblocks, part_len, Nq, BH, period,
+        *sq, *sk, *sv, *sm, *so, *sl,
+        D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
+        HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state,
+        WRITE_LSE=bool(want_lse and lse is not None), DOT=dot,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if parts > 1:
+        merge_m = 64 if BDV <= 128 else 32
+        nmb = -(-Nq // merge_m)
+        fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
+        scan.elsa_merge[(nmb * BH,)](
+            pm, ps, pw, cu_q if cu_q is not None else dummy,
+            out if out is not None else dummy, lse if want_lse and lse is not None else dummy, fm, fs, fw,
+            Nq, Hq, nmb, Nq, BH, parts, *so, *sl,
+            DV=Dv, BLOCK_DV=BDV, BLOCK_M=merge_m, VARLEN=varlen, WRITE_STATE=state is not None,
+            WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
+        )
+    return out, lse, state
+
+
+def attention(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
+              precision=None, return_lse=True, out=None, lse=None, num_partitions=None, eta=None):
+    """Dense attention: ``(out [B,Hq,Nq,Dv], lse [B,Hq,Nq] or None)``. ``out``/``lse`` may be preallocated."""
+    out, lse, _ = _run(q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=q_lengths,
+                       kv_lengths=kv_lengths, is_causal=is_causal, out=out, lse=lse, want_lse=return_lse,
+                       num_partitions=num_partitions, eta=eta)
+    return out, (lse if return_lse else None)
+
+
+def attention_state(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
+                    precision=None, state=None, num_partitions=None, eta=None):
+    """Dense partial attention as a monoid state ``(m, S, W)``: fp32 ``[B,Hq,Nq]``, ``[B,Hq,Nq]``, ``[B,Hq,Nq,Dv]``."""
+    B, Hq, Nq, _ = q.shape
+    Dv = v.shape[3]
+    if state is None:
+        f32 = dict(device=q.device, dtype=torch.float32)
+        state = (torch.empty((B, Hq, Nq), **f32), torch.empty((B, Hq, Nq), **f32),
+                 torch.empty((B, Hq, Nq, Dv), **f32))
+    _run(q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+         is_causal=is_causal, state=state, want_lse=False, num_partitions=num_partitions, eta=eta)
+    return state
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, scale: float,
+                     is_causal=False, precision=None, return_lse=True, out=None, lse=None, num_partitions=None,
+                     eta=None):
+    """Packed varlen: ``(out [total_q,Hq,Dv], lse [Hq,total_q] or None)``."""
+    B = cu_seqlens_q.shape[0] - 1
+    out, lse, _ = _run(q, k, v, scale=scale, precision=precision, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
+                       is_causal=is_causal, varlen_dims=(B, int(max_seqlen_q), int(max_seqlen_k)), out=out,
+                       lse=lse, want_lse=return_lse, num_partitions=num_partitions, eta=eta)
+    return out, (lse if return_lse else None)

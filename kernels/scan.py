@@ -1,0 +1,287 @@
+"""The ELSA scan in Triton: phase 1 folds K/V partitions into per-row monoid states, phase 2 merges them.
+
+State of one query row over a key set ``J``: ``m = max s_j``, ``S = sum exp(s_j - m)``,
+``W = sum exp(s_j - m) v_j``; the output is ``W / S``. Inside the kernels logits are kept in the base-2
+domain (``s * scale * log2(e)``, so ``exp2`` does the exponentials); every state that leaves a kernel
+stores ``m`` in natural-log units.
+
+Phase 1 (:func:`elsa_fwd`): one program per (query block, batch*head, K-partition). It walks the key
+blocks of its partition in two loops: blocks where every (row, key) pair is visible run without any
+masking arithmetic, the few boundary blocks (causal diagonal, ragged key tail, explicit mask) run
+masked; blocks wholly above the causal frontier or past a row's valid length are never visited. With
+one partition the program finishes the row itself (``out = W / S``, ``lse = m + log S``); otherwise it
+writes its partial state and phase 2 (:func:`elsa_merge`) merges the partitions (⊕ is associative).
+
+Dot products: ``DOT = 0`` fp16/bf16 tensor cores (fp32 accumulate), ``1`` IEEE fp32 (no tensor
+cores), ``2`` TF32, ``3`` 3xTF32 (hi/lo split done by Triton's ``input_precision="tf32x3"``), ``4``
+bf16 under the CPU interpreter only (operands upcast to fp32 before the dot).
+Head dims that are not powers of two are padded inside the kernel with masked loads.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Runtime sizes that must not trigger a recompilation when they change (Triton would otherwise
+# specialise integers on ``== 1`` and on divisibility by 16).
+_RUNTIME_SIZES = ["Nq", "Nk", "n_mblocks", "part_len", "n_rows_buf", "BH", "mask_period"]
+
+
+@triton.jit
+def _dot(a, b, acc, DOT: tl.constexpr):
+    if DOT == 0:
+        acc = tl.dot(a, b, acc)
+    elif DOT == 1:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif DOT == 2:
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    elif DOT == 3:
+        acc = tl.dot(a, b, acc, input_precision="tf32x3")
+    else:  # DOT == 4: the CPU interpreter's bf16 (its numpy matmul cannot multiply bf16): upcast first
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return acc
+
+
+@triton.jit
+def _fold_block(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+    kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+):
+    """``state ⊕ block``: fold keys ``[start_n, start_n + BLOCK_N)`` into the running row states."""
+    cols = start_n + offs_n
+    kd_ok = offs_d[:, None] < D
+    vd_ok = offs_dv[None, :] < DV
+    if MASKED:
+        col_ok = cols < kv_len
+        kt = tl.load(k_ptrs + start_n * stride_kn, mask=kd_ok & col_ok[None, :], other=0.0)
+    elif BLOCK_D != D:
+        kt = tl.load(k_ptrs + start_n * stride_kn, mask=kd_ok, other=0.0)
+    else:
+        kt = tl.load(k_ptrs + start_n * stride_kn)
+    s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
+    if MASKED:
+        vis = col_ok[None, :]
+        if IS_CAUSAL:
+            vis = vis & (cols[None, :] <= offs_m[:, None] + causal_off)
+        if MASK_KIND == 1:
+            mk = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_row_ok[:, None] & col_ok[None, :], other=0)
+            vis = vis & (mk != 0)
+        elif MASK_KIND == 2:
+            mk = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_row_ok[:, None] & col_ok[None, :], other=0.0)
+            mk = mk.to(tl.float32)
+            # finite "minus huge" masks (torch.finfo.min) stay finite after the log2(e) scaling
+            mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, -1.0e38))
+            s = s + mk * 1.4426950408889634
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row merges as identity
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=col_ok[:, None] & vd_ok, other=0.0)
+    elif BLOCK_DV != DV:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=vd_ok, other=0.0)
+    else:
+        v = tl.load(v_ptrs + start_n * stride_vn)
+    acc = _dot(p.to(v.dtype), v, acc, DOT)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SIZES)
+def elsa_fwd(
+    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
+    OUT, LSE, PM, PS, PW,
+    qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
+    VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    pid_m = pid % n_mblocks
+    pid_bh = pid // n_mblocks
+    if IS_CAUSAL:
+        pid_m = n_mblocks - 1 - pid_m  # the longest rows first: better load balance
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUPS
+    b64 = b.to(tl.int64)
+
+    if VARLEN:
+        q0 = tl.load(CUQ + b)
+        q_len = tl.load(CUQ + b + 1) - q0
+        k0 = tl.load(CUK + b)
+        kv_len = tl.load(CUK + b + 1) - k0
+        store_rows = q_len
+        q_row0 = q0.to(tl.int64)
+        k_row0 = k0.to(tl.int64)
+    else:
+        q_len = Nq
+        kv_len = Nk
+        if HAS_QLEN:
+            q_len = tl.load(QLEN + b)
+        if HAS_KVLEN:
+            kv_len = tl.load(KVLEN + b)
+        store_rows = Nq
+        q_row0 = b64 * 0
+        k_row0 = b64 * 0
+    causal_off = kv_len - q_len
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_row0 * stride_qn
+    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_row0 * stride_kn
+    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_row0 * stride_vn
+
+    # this program's keys: [lo, hi) of its partition, cut at the valid length and the causal frontier
+    lo = pid_p * part_len
+    hi = tl.minimum(lo + part_len, kv_len)
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)
+    if start_m >= q_len:
+        hi = lo
+    hi = tl.maximum(hi, lo)
+    # blocks in [lo, full_hi) need no masking: every key valid and visible from every row of the tile
+    if MASK_KIND == 0:
+        full_lim = hi
+        if IS_CAUSAL:
+            full_lim = tl.minimum(full_lim, start_m + causal_off + 1)
+        full_hi = lo + tl.maximum(full_lim - lo, 0) // BLOCK_N * BLOCK_N
+    else:
+        full_hi = lo
+
+    q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < store_rows) & (offs_d[None, :] < D), other=0.0)
+    k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd
+    v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd
+    mask_ptrs = MASK
+    mask_row_ok = offs_m < Nq
+    if MASK_KIND != 0:
+        mrow = (b % mask_period).to(tl.int64)
+        mask_ptrs = (MASK + mrow * stride_mp + h.to(tl.int64) * stride_mh
+                     + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    for start_n in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _fold_block(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+            kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
+            D, DV, BLOCK_D, BLOCK_DV, False, IS_CAUSAL, MASK_KIND, DOT)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _fold_block(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+            kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
+            D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT)
+
+    row_ok = offs_m < q_len
+    row_store = offs_m < store_rows
+    if WRITE_STATE:
+        # partial state of partition pid_p, m in natural-log units; padded rows are the identity
+        m_out = m_i * 0.6931471805599453
+        if HAS_QLEN:
+            m_out = tl.where(row_ok, m_out, float("-inf"))
+            l_i = tl.where(row_ok, l_i, 0.0)
+            acc = tl.where(row_ok[:, None], acc, 0.0)
+        srow = (pid_p * BH + pid_bh).to(tl.int64) * n_rows_buf + offs_m
+        tl.store(PM + srow, m_out, mask=row_store)
+        tl.store(PS + srow, l_i, mask=row_store)
+        tl.store(PW + srow[:, None] * DV + offs_dv[None, :], acc, mask=row_store[:, None] & (offs_dv[None, :] < DV))
+    else:
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), m_i * 0.6931471805599453 + tl.log(l_safe))
+        if HAS_QLEN:
+            out = tl.where(row_ok[:, None], out, 0.0)
+            lse = tl.where(row_ok, lse, float("-inf"))
+        o_ptrs = (OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
+                  + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_store[:, None] & (offs_dv[None, :] < DV))
+        if WRITE_LSE:
+            l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
+            tl.store(l_ptrs, lse, mask=row_store)
+
+
+@triton.jit(do_not_specialize=["Nq", "n_mblocks", "n_rows_buf", "BH", "NUM_PART"])
+def elsa_merge(
+    PM, PS, PW, CUQ, OUT, LSE, FM, FS, FW,
+    Nq, Hq, n_mblocks, n_rows_buf, BH, NUM_PART,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Phase 2: ⊕ over the partitions of each row, then finish (``out``, ``lse``) or write the state."""
+    pid = tl.program_id(0)
+    pid_m = pid % n_mblocks
+    pid_bh = pid // n_mblocks
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    b64 = b.to(tl.int64)
+    if VARLEN:
+        q0 = tl.load(CUQ + b)
+        store_rows = tl.load(CUQ + b + 1) - q0
+        q_row0 = q0.to(tl.int64)
+    else:
+        store_rows = Nq
+        q_row0 = b64 * 0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_store = offs_m < store_rows
+    dv_ok = offs_dv[None, :] < DV
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for p in range(0, NUM_PART):
+        srow = (p * BH + pid_bh).to(tl.int64) * n_rows_buf + offs_m
+        m_p = tl.load(PM + srow, mask=row_store, other=float("-inf"))
+        s_p = tl.load(PS + srow, mask=row_store, other=0.0)
+        w_p = tl.load(PW + srow[:, None] * DV + offs_dv[None, :], mask=row_store[:, None] & dv_ok, other=0.0)
+        m_new = tl.maximum(m, m_p)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - ref)
+        c = tl.exp(m_p - ref)
+        s = s * a + s_p * c
+        w = w * a[:, None] + w_p * c[:, None]
+        m = m_new
+
+    if WRITE_STATE:
+        frow = pid_bh.to(tl.int64) * n_rows_buf + offs_m
+        tl.store(FM + frow, m, mask=row_store)
+        tl.store(FS + frow, s, mask=row_store)
+        tl.store(FW + frow[:, None] * DV + offs_dv[None, :], w, mask=row_store[:, None] & dv_ok)
+    else:
+        empty = s == 0.0
+        s_safe = tl.where(empty, 1.0, s)
+        out = w / s_safe[:, None]
+        o_ptrs = (OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
+                  + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_store[:, None] & dv_ok)
+        if WRITE_LSE:
+            lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
+            l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
+            tl.store(l_ptrs, lse, mask=row_store)

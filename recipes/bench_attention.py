@@ -1,0 +1,336 @@
+"""ELSA kernels vs PyTorch SDPA backends (math, efficient, flash, cudnn) and compiled FlexAttention.
+
+One process, same inputs, CUDA-event timing (``triton.testing.do_bench``, median). Prints ms,
+TFLOP/s (``4·B·H·Nq·Nk·D``, halved for causal), peak extra memory, the ratio of every baseline's
+time to ELSA's (>1 = ELSA faster), and the GPU's measured IEEE SGEMM rate.
+
+Examples::
+
+    python recipes/bench_attention.py                                   # the full grid (long)
+    python recipes/bench_attention.py --dtypes bf16,fp16 --n 4096,16384 --shapes 8x64
+    python recipes/bench_attention.py --dtypes fp32-precise --n 16384 --sweep   # tile sweep
+    python recipes/bench_attention.py --varlen-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import elsa_surgery
+from elsa_surgery.kernels import launch, occupancy
+
+DTYPES = {"fp32-strict": (torch.float32, "strict"), "fp32-precise": (torch.float32, "precise"),
+          "fp32-turbo": (torch.float32, "turbo"), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None)}
+MATH_LIMIT_BYTES = 12 << 30  # skip math SDPA when its score matrix alone would exceed this
+
+
+def bench(fn, warmup=25, rep=100):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def peak_extra(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def sgemm_tflops(n=8192):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    ms = bench(lambda: a @ b, rep=200)
+    torch.backends.cuda.matmul.allow_tf32 = old
+    return 2 * n**3 / ms / 1e9
+
+
+def sdpa_fn(backend, q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+          "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel([be]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+_flex_cache = {}
+
+
+def flex_fn(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _flex_cache:
+        _flex_cache["fn"] = torch.compile(flex_attention, dynamic=False)
+    B, H, N, _ = q.shape
+    bm = None
+    if causal:
+        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, N, N, device="cuda")
+    fn = _flex_cache["fn"]
+    return lambda: fn(q, k, v, block_mask=bm)
+
+
+def elsa_fn(q, k, v, causal, precision):
+    return lambda: elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=precision)
+
+
+GRAPH = False
+
+
+def graph_ms(fn):
+    """Kernel time without Python launch overhead: the call captured in a CUDA graph, replays timed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay)
+
+
+def lean_tradeoff(dname="bf16", H=8, D=128, nq=128, nk=65536):
+    """ELSA-Lean: time and partition-state memory vs eta (decode-like: few query rows, long keys)."""
+    dtype, prec = DTYPES[dname]
+    q = torch.randn(1, H, nq, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, H, nk, D, device="cuda", dtype=dtype) for _ in range(2))
+    for eta in (0.0, 1.0, 4.0, 16.0, None):
+        fn = lambda: launch.attention(q, k, v, scale=D ** -0.5, precision=prec, return_lse=False, eta=eta)
+        fn()
+        ms = bench(fn)
+        mem = peak_extra(fn)
+        out_mb = q.numel() * q.element_size() / 2**20
+        print(f"LEAN {dname} H={H} D={D} Nq={nq} Nk={nk} eta={eta}: {ms:.3f} ms, peak extra {mem:.2f} MB "
+              f"(output {out_mb:.2f} MB)", flush=True)
+
+
+def rel(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def dense_cell(dname, H, D, N, causal, baselines, B=1):
+    dtype, prec = DTYPES[dname]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+    row = {"dtype": dname, "B": B, "H": H, "D": D, "N": N, "causal": causal}
+    fe = elsa_fn(q, k, v, causal, prec)
+    out = fe()
+    # accuracy vs an fp32-math reference on a slice of the heads (cheap sanity check of the timed kernel)
+    hs = slice(0, 1)
+    if N <= 4096:
+        ref = elsa_surgery.attention(q[:, hs].double(), k[:, hs].double(), v[:, hs].double(), is_causal=causal,
+                                     backend="reference")
+        row["rel_err"] = rel(out[:, hs], ref)
+    row["elsa_ms"] = bench(fe)
+    if GRAPH:
+        row["elsa_graph_ms"] = graph_ms(fe)
+    row["elsa_tflops"] = flops / row["elsa_ms"] / 1e9
+    row["elsa_mem_mb"] = peak_extra(fe)
+    for name in baselines:
+        if name == "math" and B * H * N * N * 4 * 3 > MATH_LIMIT_BYTES:
+            row[f"{name}_ms"] = None
+            continue
+        if name in ("flash", "cudnn") and dtype == torch.float32:
+            continue
+        try:
+            fn = flex_fn(q, k, v, causal) if name == "flex" else sdpa_fn(name, q, k, v, causal)
+            fn()
+            row[f"{name}_ms"] = bench(fn)
+            row[f"{name}_mem_mb"] = peak_extra(fn)
+            row[f"ratio_{name}"] = row[f"{name}_ms"] / row["elsa_ms"]
+        except Exception as exc:  # a backend that cannot run this case
+            row[f"{name}_ms"] = None
+            row[f"{name}_err"] = str(exc).splitlines()[0][:120]
+        torch.cuda.empty_cache()
+    return row
+
+
+def varlen_cell(dname, H, D, causal, seed=0):
+    """8 sequences of random length in [256, 1792]: packed ELSA, padded ELSA (lengths, zero-copy),
+    padded SDPA (efficient, key-padding mask) incl. pad/unpad, and unpad -> flash varlen -> repad."""
+    dtype, prec = DTYPES[dname]
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(256, 1793, (8,), generator=gen)
+    cu = torch.zeros(9, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    cu = cu.cuda()
+    total, maxn = int(lens.sum()), int(lens.max())
+    q, k, v = (torch.randn(total, H, D, device="cuda", dtype=dtype) for _ in range(3))
+    row = {"dtype": dname, "H": H, "D": D, "causal": causal, "lens": lens.tolist(), "varlen": True}
+    flops = sum(4 * H * int(n) ** 2 * D * (0.5 if causal else 1.0) for n in lens)
+    fe = lambda: elsa_surgery.attention_varlen(q, k, v, cu, cu, maxn, maxn, is_causal=causal, backend="elsa",
+                                               precision=prec)
+    row["elsa_packed_ms"] = bench(fe)
+    row["elsa_tflops"] = flops / row["elsa_packed_ms"] / 1e9
+    # padded layout [8, H, maxn, D] built once (the caller's data is padded already in this scenario)
+    idx_b = torch.repeat_interleave(torch.arange(8), lens).cuda()
+    idx_t = torch.cat([torch.arange(int(n)) for n in lens]).cuda()
+    qp, kp, vp = (torch.zeros(8, maxn, H, D, device="cuda", dtype=dtype) for _ in range(3))
+    for src, dst in ((q, qp), (k, kp), (v, vp)):
+        dst[idx_b, idx_t] = src
+    qp, kp, vp = (t.transpose(1, 2) for t in (qp, kp, vp))
+    lens_c = lens.to(torch.int32).cuda()
+    fpad = lambda: elsa_surgery.attention(qp, kp, vp, is_causal=causal, backend="elsa", precision=prec,
+                                          q_lengths=lens_c, kv_lengths=lens_c)
+    row["elsa_padded_ms"] = bench(fpad)
+    keymask = (torch.arange(maxn, device="cuda")[None, :] < lens_c[:, None])[:, None, None, :]
+    if causal:
+        keymask = keymask & torch.ones(maxn, maxn, dtype=torch.bool, device="cuda").tril()[None, None]
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def padded_sdpa():  # pack -> pad, SDPA with a key-padding mask, unpad (end to end from packed data)
+        pads = []
+        for src in (q, k, v):
+            dst = torch.zeros(8, maxn, H, D, device="cuda", dtype=dtype)
+            dst[idx_b, idx_t] = src
+            pads.append(dst.transpose(1, 2))
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            o = F.scaled_dot_product_attention(*pads, attn_mask=keymask)
+        return o.transpose(1, 2)[idx_b, idx_t]
+
+    try:
+        padded_sdpa()
+        row["sdpa_padded_ms"] = bench(padded_sdpa)
+    except Exception as exc:
+        row["sdpa_padded_err"] = str(exc).splitlines()[0][:120]
+
+    def unpad_flash_repad():  # padded data -> unpad -> flash varlen -> repad
+        qu, ku, vu = (t.transpose(1, 2)[idx_b, idx_t] for t in (qp, kp, vp))
+        o = torch.ops.aten._flash_attention_forward(qu, ku, vu, cu, cu, maxn, maxn, 0.0, causal, False)[0]
+        res = torch.zeros(8, maxn, H, D, device="cuda", dtype=dtype)
+        res[idx_b, idx_t] = o
+        return res
+
+    if dtype != torch.float32:
+        try:
+            unpad_flash_repad()
+            row["unpad_flash_repad_ms"] = bench(unpad_flash_repad)
+        except Exception as exc:
+            row["unpad_flash_repad_err"] = str(exc).splitlines()[0][:160]
+    for key in ("sdpa_padded_ms", "unpad_flash_repad_ms"):
+        if row.get(key):
+            row["ratio_" + key[:-3]] = row[key] / row["elsa_packed_ms"]
+    return row
+
+
+def sweep(dname, H, D, N, causal, space):
+    dtype, prec = DTYPES[dname]
+    q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+    res = []
+    for bm, bn, w, s in itertools.product(space["bm"], space["bn"], space["w"], space["s"]):
+        occupancy.set_config_override(occupancy.TileConfig(bm, bn, w, s))
+        try:
+            fn = lambda: launch.attention(q, k, v, scale=D ** -0.5, is_causal=causal, precision=prec,
+                                          return_lse=False)
+            fn()
+            ms = bench(fn, warmup=10, rep=40)
+            res.append((ms, bm, bn, w, s))
+            print(f"  sweep {dname} H={H} D={D} N={N} causal={causal} bm={bm} bn={bn} w={w} s={s}: {ms:.3f} ms",
+                  flush=True)
+        except Exception as exc:
+            print(f"  sweep bm={bm} bn={bn} w={w} s={s}: failed ({str(exc).splitlines()[0][:80]})", flush=True)
+    occupancy.set_config_override(None)
+    res.sort()
+    return res[:5]
+
+
+def fmt(row):
+    keys = [k for k in row if k.endswith("_ms") and row[k] is not None]
+    parts = [f"{row['dtype']:>12} " + (f"H={row['H']} D={row['D']} N={row.get('N', 'var')} "
+                                        f"{'causal' if row['causal'] else 'full  '}")]
+    parts += [f"{k[:-3]}={row[k]:.3f}" for k in keys]
+    if "elsa_tflops" in row:
+        parts.append(f"TF/s={row['elsa_tflops']:.1f}")
+    parts += [f"x{k[6:]}={row[k]:.2f}" for k in row if k.startswith("ratio_")]
+    if "rel_err" in row:
+        parts.append(f"err={row['rel_err']:.1e}")
+    if "elsa_mem_mb" in row:
+        parts.append(f"mem={row['elsa_mem_mb']:.0f}MB(eff={row.get('efficient_mem_mb', float('nan')):.0f})")
+    return " ".join(parts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--n", default="1024,4096,16384,65536")
+    ap.add_argument("--shapes", default="8x64,32x128", help="HxD list")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--baselines", default="math,efficient,flash,cudnn,flex")
+    ap.add_argument("--no-varlen", action="store_true")
+    ap.add_argument("--varlen-only", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the comparison")
+    ap.add_argument("--space", default="bm=64,128;bn=32,64,128;w=4,8;s=2,3",
+                    help="sweep space, e.g. 'bm=32,64;bn=16,32;w=4;s=1,2'")
+    ap.add_argument("--graph", action="store_true", help="also time ELSA replayed from a CUDA graph")
+    ap.add_argument("--lean", action="store_true", help="ELSA-Lean eta trade-off only")
+    ap.add_argument("--json", default=None, help="append rows as JSON lines to this file")
+    a = ap.parse_args(argv)
+    dnames = a.dtypes.split(",")
+    ns = [int(x) for x in a.n.split(",")]
+    shapes = [tuple(int(y) for y in s.split("x")) for s in a.shapes.split(",")]
+    causals = [bool(int(c)) for c in a.causal.split(",")]
+    baselines = [b for b in a.baselines.split(",") if b]
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    import triton
+
+    print(f"triton {triton.__version__}; IEEE SGEMM: {sgemm_tflops():.1f} TFLOP/s", flush=True)
+    global GRAPH
+    GRAPH = a.graph
+    sink = open(a.json, "a") if a.json else None
+    # warm the clocks up before the first timed cell
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):
+        x @ x
+    torch.cuda.synchronize()
+    if a.lean:
+        for dname in dnames:
+            lean_tradeoff(dname)
+        return
+    if a.sweep:
+        for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
+            space = {kv.split("=")[0]: [int(x) for x in kv.split("=")[1].split(",")] for kv in a.space.split(";")}
+            best = sweep(dname, H, D, N, c, space)
+            print(f"BEST {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
+        return
+    if not a.varlen_only:
+        for (H, D), dname, N, c in itertools.product(shapes, dnames, ns, causals):
+            try:
+                row = dense_cell(dname, H, D, N, c, baselines)
+            except torch.cuda.OutOfMemoryError as exc:
+                print(f"{dname} H={H} D={D} N={N} causal={c}: OOM ({exc})", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            print(fmt(row), flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+            torch.cuda.empty_cache()
+    if not a.no_varlen:
+        for dname, c in itertools.product([d for d in dnames if d in ("bf16", "fp16", "fp32-precise")], causals):
+            row = varlen_cell(dname, 16, 128, c)
+            print(fmt(row) + f" padded_elsa={row['elsa_padded_ms']:.3f}", flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""ELSA Triton kernels against the float64 oracle (the package's reference backend at float64).
+
+On CPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported).
+Note: the interpreter evaluates every ``tl.dot`` in numpy fp32 whatever its ``input_precision``, so on
+CPU ``turbo`` (TF32) and ``precise`` (3xTF32) show strict-like errors; their own error budgets are
+checked on the GPU (tests/test_kernels_gpu.py). Outputs are checked through poisoned (NaN-filled)
+preallocated buffers, so an element the kernel forgets to write fails the test.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are decorated (kernels/scan.py is imported lazily)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import elsa_surgery
+from elsa_surgery import dispatch, monoid
+from elsa_surgery.kernels import launch, unsupported_reason
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {"strict": 2e-6, "precise": 2e-6, "turbo": 2e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def rel(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    d = ref.norm()
+    return float((x - ref).norm() / d) if d > 0 else float((x - ref).norm())
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).to(DEV)
+
+
+def oracle(q, k, v, mask=None, **kw):
+    mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    return elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference",
+                                  return_lse=True, enable_gqa=True, **kw)
+
+
+def poisoned_run(q, k, v, *, scale=None, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
+                 precision="strict", num_partitions=None):
+    B, Hq, Nq, D = q.shape
+    out = torch.full((B, Hq, Nq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32, device=q.device)
+    scale = D ** -0.5 if scale is None else scale
+    launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                     kv_lengths=kv_lengths, precision=precision if q.dtype == torch.float32 else None,
+                     return_lse=True, out=out, lse=lse, num_partitions=num_partitions)
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, tol):
+    assert not torch.isnan(out).any(), "NaN (or an unwritten element) in out"
+    assert not torch.isnan(lse).any(), "NaN (or an unwritten element) in lse"
+    assert rel(out, ref_out) <= tol, rel(out, ref_out)
+    fin = torch.isfinite(ref_lse.cpu())
+    assert torch.equal(torch.isfinite(lse.cpu()), fin), "lse -inf pattern differs from the oracle"
+    if fin.any():
+        assert rel(lse.cpu()[fin], ref_lse.cpu()[fin]) <= max(tol, 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["strict", "precise", "turbo", torch.float16, torch.bfloat16])
+def test_dtypes_and_modes(mode):
+    dtype = mode if isinstance(mode, torch.dtype) else torch.float32
+    q, k, v = rand(1, 2, 150, 64, dtype=dtype), rand(1, 2, 170, 64, dtype=dtype), rand(1, 2, 170, 64, dtype=dtype)
+    out, lse = poisoned_run(q, k, v, precision=mode if dtype == torch.float32 else None)
+    assert out.dtype == dtype
+    check(out, lse, *oracle(q, k, v), TOL[mode])
+
+
+@pytest.mark.parametrize("d,dv", [(8, 8), (48, 48), (72, 40), (80, 80), (88, 24), (104, 104), (256, 16)])
+def test_head_dims_padded_in_kernel(d, dv):
+    q, k, v = rand(1, 1, 33, d), rand(1, 1, 47, d), rand(1, 1, 47, dv)
+    out, lse = poisoned_run(q, k, v)
+    check(out, lse, *oracle(q, k, v), TOL["strict"])
+
+
+@pytest.mark.parametrize("nq,nk", [(70, 70), (40, 100), (100, 40)])
+def test_causal_bottom_right(nq, nk):
+    q, k, v = rand(2, 2, nq, 32), rand(2, 2, nk, 32), rand(2, 2, nk, 32)
+    out, lse = poisoned_run(q, k, v, is_causal=True)
+    ro, rl = oracle(q, k, v, is_causal=True)
+    check(out, lse, ro, rl, TOL["strict"])
+    if nq > nk:  # the first nq - nk rows see no key: zeros and -inf
+        assert torch.all(out[:, :, : nq - nk] == 0) and torch.all(lse[:, :, : nq - nk] == float("-inf"))
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_gqa_and_noncontiguous(hkv):
+    B, Hq, N, D = 2, 4, 57, 40
+    q = rand(B, N, Hq, D).transpose(1, 2)  # [B, Hq, N, D] view of a [B, N, H, D] buffer
+    kv = rand(B, N, 2, hkv, D)  # fused k/v buffer: strided views, never copied
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out, lse = poisoned_run(q, k, v, scale=1.0)
+    check(out, lse, *oracle(q, k, v, scale=1.0), TOL["strict"])
+
+
+def test_bool_mask_broadcast_and_fully_masked_rows():
+    B, H, Nq, Nk = 2, 2, 45, 60
+    q, k, v = rand(B, H, Nq, 32), rand(B, H, Nk, 32), rand(B, H, Nk, 32)
+    mask = torch.rand(B, 1, Nq, Nk, device=DEV) > 0.4
+    mask[:, :, 3] = False  # a row with no visible key
+    canon = mask.expand(B, H, Nq, Nk)
+    out, lse = poisoned_run(q, k, v, mask=canon)
+    ro, rl = oracle(q, k, v, mask)
+    check(out, lse, ro, rl, TOL["strict"])
+    assert torch.all(out[:, :, 3] == 0)
+
+
+@pytest.mark.parametrize("mdtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_additive_mask_with_inf_and_key_padding(mdtype):
+    B, H, Nq, Nk = 2, 3, 40, 75
+    q, k, v = rand(B, H, Nq, 16), rand(B, H, Nk, 16), rand(B, H, Nk, 16)
+    bias = torch.randn(1, H, Nq, Nk, device=DEV).to(mdtype)
+    bias[..., 50:] = float("-inf")
+    bias[0, 1, 7] = float("-inf")  # fully masked row
+    out, lse = poisoned_run(q, k, v, mask=bias.expand(B, H, Nq, Nk))
+    check(out, lse, *oracle(q, k, v, bias), TOL["strict"])
+    # key-padding style [B, 1, 1, Nk] mask (stride 0 over heads and rows) with torch.finfo.min
+    pad = torch.zeros(B, 1, 1, Nk, device=DEV)
+    pad[1, ..., 30:] = torch.finfo(torch.float32).min
+    out, lse = poisoned_run(q, k, v, mask=pad.expand(B, 1, Nq, Nk))
+    check(out, lse, *oracle(q, k, v, pad), TOL["strict"])
+
+
+def test_windowed_mask_swin_through_api():
+    nW, Bimg, H, N = 4, 2, 2, 49
+    B = nW * Bimg
+    q, k, v = rand(B, H, N, 32), rand(B, H, N, 32), rand(B, H, N, 32)
+    wmask = torch.where(torch.rand(nW, 1, N, N, device=DEV) > 0.3, 0.0, -100.0)
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(q, k, v, wmask, windowed_mask=True, backend="elsa", precision="strict")
+    assert log[-1].backend == "elsa"
+    ro = elsa_surgery.attention(q.double(), k.double(), v.double(), wmask.double(), windowed_mask=True,
+                                backend="reference")
+    assert rel(out, ro) <= TOL["strict"]
+
+
+def test_padded_lengths_causal():
+    B, H, N = 3, 2, 70
+    q, k, v = rand(B, H, N, 24), rand(B, H, N + 10, 24), rand(B, H, N + 10, 24)
+    ql = torch.tensor([70, 33, 0], dtype=torch.int32, device=DEV)
+    kl = torch.tensor([80, 41, 12], dtype=torch.int32, device=DEV)
+    for causal in (False, True):
+        out, lse = poisoned_run(q, k, v, is_causal=causal, q_lengths=ql, kv_lengths=kl)
+        ro, rl = oracle(q, k, v, is_causal=causal, q_lengths=ql, kv_lengths=kl)
+        check(out, lse, ro, rl, TOL["strict"])
+        assert torch.all(out[1, :, 33:] == 0) and torch.all(out[2] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_partitioned_scan_matches(causal):
+    """The two-level scan (phase 1 over 3 K-partitions + phase 2 merge) equals the oracle."""
+    q, k, v = rand(1, 2, 64, 32), rand(1, 2, 150, 32), rand(1, 2, 150, 24)
+    mask = torch.rand(1, 1, 64, 150, device=DEV) > 0.2
+    mask[..., 5, :] = False
+    out, lse = poisoned_run(q, k, v, is_causal=causal, mask=mask.expand(1, 2, 64, 150), num_partitions=3)
+    check(out, lse, *oracle(q, k, v, mask, is_causal=causal), TOL["strict"])
+    ql = torch.tensor([50], dtype=torch.int32, device=DEV)
+    out, lse = poisoned_run(q, k, v, is_causal=causal, q_lengths=ql, num_partitions=4)
+    check(out, lse, *oracle(q, k, v, is_causal=causal, q_lengths=ql), TOL["strict"])
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_state_merges_with_monoid(parts):
+    q, k, v = rand(2, 2, 40, 32), rand(2, 1, 130, 32), rand(2, 1, 130, 16)
+    scale = 32 ** -0.5
+    full = launch.attention_state(q, k, v, scale=scale, precision="strict", num_partitions=parts)
+    ref = elsa_surgery.attention_state(q.double(), k.double(), v.double(), backend="reference")
+    fin_k = monoid.finalize(monoid.State(*full))
+    fin_r = monoid.finalize(ref)
+    assert rel(fin_k[0], fin_r[0]) <= TOL["strict"] and rel(fin_k[1], fin_r[1]) <= TOL["strict"]
+    # states over two disjoint key halves merge to the whole (through the public API)
+    a = elsa_surgery.attention_state(q, k[:, :, :70], v[:, :, :70], backend="elsa", precision="strict")
+    b = elsa_surgery.attention_state(q, k[:, :, 70:], v[:, :, 70:], backend="elsa", precision="strict")
+    merged = monoid.finalize(monoid.merge(a, b))
+    assert rel(merged[0], fin_r[0]) <= TOL["strict"]
+    assert not any(torch.isnan(t).any() for t in full)
+
+
+@pytest.mark.parametrize("causal,parts", [(False, 1), (True, 1), (True, 2)])
+def test_varlen_packed(causal, parts):
+    lens_q = [37, 0, 90, 5]
+    lens_k = [37, 10, 120, 5] if causal else [50, 3, 90, 0]
+    Hq, Hkv, D = 4, 2, 32
+    cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ck = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v = rand(sum(lens_q), Hq, D), rand(sum(lens_k), Hkv, D), rand(sum(lens_k), Hkv, 16)
+    out = torch.full((q.shape[0], Hq, 16), float("nan"), device=DEV)
+    lse = torch.full((Hq, q.shape[0]), float("nan"), device=DEV)
+    launch.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), scale=D ** -0.5, is_causal=causal,
+                            precision="strict", out=out, lse=lse, num_partitions=parts)
+    ro, rl = elsa_surgery.attention_varlen(q.double(), k.double(), v.double(), cq, ck, max(lens_q), max(lens_k),
+                                           is_causal=causal, backend="reference", return_lse=True)
+    check(out, lse, ro, rl, TOL["strict"])
+    # through the public API (custom op)
+    o2, l2 = elsa_surgery.attention_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), is_causal=causal,
+                                           backend="elsa", precision="strict", return_lse=True)
+    check(o2, l2, ro, rl, TOL["strict"])
+
+
+def test_api_return_lse_and_dispatch():
+    q, k, v = rand(1, 2, 30, 16), rand(1, 2, 30, 16), rand(1, 2, 30, 16)
+    with dispatch.record() as log:
+        out, lse = elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa", precision="strict",
+                                          return_lse=True)
+    assert log[-1].backend == "elsa" and log[-1].precision == "strict"
+    check(out, lse, *oracle(q, k, v, is_causal=True), TOL["strict"])
+
+
+def test_unsupported_reasons(monkeypatch):
+    q = torch.randn(1, 1, 4, 64)
+    assert unsupported_reason(q, q, q, None) is None
+    assert "float64" in unsupported_reason(q.double(), q.double(), q.double(), None)
+    big = torch.randn(1, 1, 4, 264)
+    assert "D=264" in unsupported_reason(big, big, big, None)
+    odd = torch.randn(1, 1, 4, 12)
+    assert "multiples of 8" in unsupported_reason(odd, odd, odd, None)
+    assert "Dv=300" in unsupported_reason(q, q, torch.randn(1, 1, 4, 300), None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "CUDA" in unsupported_reason(q, q, q, None)
+
+
+def test_fake_impls_shapes():
+    """The custom ops' fake implementations (what torch.compile traces) give the real shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from elsa_surgery.kernels import ops
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(2, 4, 33, 16), torch.empty(2, 2, 40, 16), torch.empty(2, 2, 40, 8)
+        out, lse = ops.attention_op(q, k, v, None, None, None, 0.25, True, "strict")
+        assert out.shape == (2, 4, 33, 8) and lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+        m, S, W = ops.attention_state_op(q, k, v, None, None, None, 0.25, False, "")
+        assert m.shape == (2, 4, 33) and W.shape == (2, 4, 33, 8)
+        cu = torch.empty(3, dtype=torch.int32)
+        o, l = ops.attention_varlen_op(torch.empty(20, 4, 16), torch.empty(30, 2, 16), torch.empty(30, 2, 8),
+                                       cu, cu, 10, 15, 0.25, False, "")
+        assert o.shape == (20, 4, 8) and l.shape == (4, 20)
+
+
+def test_custom_ops_real_impl_and_compile():
+    """The torch.library ops run the kernels, and a compiled caller (fullgraph) goes through them."""
+    from elsa_surgery.kernels import ops
+
+    q, k, v = rand(1, 2, 40, 16), rand(1, 1, 50, 16), rand(1, 1, 50, 8)
+    out, lse = ops.attention_op(q, k, v, None, None, None, 0.25, True, "strict")
+    ro, rl = oracle(q, k, v, is_causal=True, scale=0.25)
+    check(out, lse, ro, rl, TOL["strict"])
+    m, S, W = ops.attention_state_op(q, k, v, None, None, None, 0.25, True, "strict")
+    assert rel(monoid.finalize(monoid.State(m, S, W))[0], ro) <= TOL["strict"]
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = lambda q, k, v: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa", precision="strict",
+                                               enable_gqa=True) * 2
+    cf = torch.compile(f, fullgraph=True, backend="eager")
+    for n in (20, 33, 47):
+        qn, kn, vn = rand(1, 2, n, 16), rand(1, 1, n, 16), rand(1, 1, n, 8)
+        assert rel(cf(qn, kn, vn), oracle(qn, kn, vn, is_causal=True)[0] * 2) <= TOL["strict"]
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("ELSA_TEST_RANDOM_CASES", "8"))))
+def test_random_feature_combinations(seed):
+    """Fresh random problems mixing GQA, strides, masks, causal, padded lengths and forced K-partitions."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
+    B, hkv, groups = pick([1, 2]), pick([1, 2]), pick([1, 2, 3])
+    hq = hkv * groups
+    nq, nk = int(torch.randint(1, 120, (1,), generator=g)), int(torch.randint(1, 160, (1,), generator=g))
+    d, dv = pick([8, 16, 24, 40, 64]), pick([8, 32, 48])
+    dtype = pick([torch.float32, torch.float32, torch.float16, torch.bfloat16])
+    q = rand(B, nq, hq, d, dtype=dtype).transpose(1, 2) if seed % 2 else rand(B, hq, nq, d, dtype=dtype)
+    k, v = rand(B, hkv, nk, d, dtype=dtype), rand(B, hkv, nk, dv, dtype=dtype)
+    causal = bool(seed % 3 == 0)
+    mask = None
+    kind = pick(["none", "bool", "float"])
+    if kind == "bool":
+        mask = torch.rand(B, pick([1, hq]), nq, nk, generator=g).to(DEV) > 0.3
+    elif kind == "float":
+        mask = torch.randn(pick([1, B]), 1, nq, nk, generator=g).to(DEV)
+    lengths = {}
+    if seed % 4 == 1:
+        lengths = dict(q_lengths=torch.randint(0, nq + 1, (B,), generator=g, dtype=torch.int32).to(DEV),
+                       kv_lengths=torch.randint(0, nk + 1, (B,), generator=g, dtype=torch.int32).to(DEV))
+    canon = None if mask is None else mask.expand(mask.shape[0], hq if mask.shape[1] == hq else 1, nq, nk)
+    out, lse = poisoned_run(q, k, v, mask=canon, is_causal=causal, num_partitions=pick([1, 2, 3]), **lengths)
+    ro, rl = oracle(q, k, v, mask, is_causal=causal, **lengths)
+    check(out, lse, ro, rl, TOL["strict"] if dtype == torch.float32 else TOL[dtype])
+
+
+def test_eager_kernel_call_under_grad_mode_refuses_backward():
+    """Outputs stay connected to autograd, and backward raises instead of returning silent zeros/None."""
+    q, k, v = (torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
+    out = elsa_surgery.attention(q, k, v, backend="elsa", precision="strict")
+    assert out.requires_grad
+    ref = elsa_surgery.attention(q.detach().double(), k.detach().double(), v.detach().double(), backend="reference")
+    assert ((out.detach().double() - ref).norm() / ref.norm()) < 2e-6
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not elsa_surgery.attention(q, k, v, backend="elsa").requires_grad
+    out2, lse = elsa_surgery.attention(q, k, v, backend="elsa", return_lse=True)
+    assert out2.requires_grad and lse.shape == (1, 2, 20)
