@@ -4,9 +4,6 @@
 are imported on first use.
 """
 
-import sys as _sys
-import types as _types
-
 from . import monoid
 from .api import attention, attention_state, attention_varlen
 from .dispatch import BACKENDS, PRECISIONS, BackendUnavailable, Decision, decide
@@ -20,17 +17,9 @@ from .io import load, save
 __version__ = "0.1.0"
 
 
-class _Package(_types.ModuleType):
-    """``elsa_surgery.convert`` stays the function even after the CLI submodule ``elsa_surgery.convert``
-    is imported (importing a submodule would otherwise rebind the package attribute to the module)."""
-
-    def __setattr__(self, name, value):
-        if name == "convert" and isinstance(value, _types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package
+# ``python -m elsa_surgery.convert`` is the CLI module; importing it rebinds ``elsa_surgery.convert`` to that
+# module, which is itself callable and forwards to :func:`elsa_surgery.surgery.convert`. (No ModuleType
+# subclass on the package: torch.compile cannot trace ``from . import`` on one.)
 
 __all__ = [
     "attention", "attention_varlen", "attention_state", "monoid",

@@ -14,10 +14,7 @@ from . import dispatch, monoid, reference, sdpa
 from .semantics import Lengths, build_problem, build_varlen_problem
 
 
-def _kernels():
-    from . import kernels  # imported on first use: triton is only needed when the kernels run
-
-    return kernels
+_kernels = dispatch.kernels_module  # imported on first use: triton is only needed when the kernels run
 
 
 def attention(

@@ -82,13 +82,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
+_KERNELS = None
+
+
+def kernels_module():
+    """``elsa_surgery.kernels``, imported once on first use (Triton is not imported by ``import elsa_surgery``).
+
+    Cached in a global so that code traced by torch.compile reads an attribute instead of tracing an import."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import kernels
+
+        _KERNELS = kernels
+    return _KERNELS
+
+
 def kernel_unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
     """Why the Triton kernels cannot run this case, or None when they can."""
     if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
         return (f"{q.device.type} tensors: the ELSA Triton kernels need CUDA "
                 f"(or TRITON_INTERPRET=1 to run them on CPU tensors in the interpreter)")
     try:
-        from . import kernels
+        kernels = kernels_module()
     except ImportError as exc:  # triton missing
         return f"the Triton kernels cannot be imported ({exc})"
     return kernels.unsupported_reason(q, k, v, mask, varlen=varlen)
