@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from elsa_surgery.registry import Adapter, PatchConfig, bind_forward
 
@@ -58,6 +59,7 @@ class TimmAdapter(Adapter):
     library = "timm"
     target: Tuple[str, str] = ("", "")  # (module path, class name)
     forward_fn: Callable = None  # forward(self, ..., *, config)
+    input_linears: Tuple[str, ...] = ()  # the module's input projection(s): the first one present gives dim
 
     def matches(self, module: nn.Module) -> bool:
         cls = timm_class(*self.target)
@@ -73,9 +75,30 @@ class TimmAdapter(Adapter):
         return x
 
     def module_inputs(self, module: nn.Module) -> Optional[Any]:
-        """Inputs for a lone module of this class (the parity check of ``convert(attention_module)``)."""
+        """Inputs for a lone module of this class (the parity check of ``convert(attention_module)``):
+        ``[EXAMPLE_BATCH, module_tokens, in_features]`` of the first of ``input_linears`` the module has."""
+        for name in self.input_linears:
+            linear = getattr(module, name, None)
+            if linear is not None:
+                return token_inputs(module, linear.in_features, tokens=self.module_tokens(module))
         return None
+
+    def module_tokens(self, module: nn.Module) -> int:
+        return EXAMPLE_TOKENS
 
 
 def token_inputs(module: nn.Module, dim: int, tokens: int = EXAMPLE_TOKENS, batch: int = EXAMPLE_BATCH):
     return _randn((batch, tokens, dim), _first_param(module))
+
+
+def fused_qkv(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's fused ``qkv`` projection with its optional separate ``q_bias`` / ``k_bias`` / ``v_bias``
+    (EVA, SwinV2): the bias added after the matmul when ``qkv_bias_separate``, else inside ``F.linear``."""
+    if module.q_bias is None:
+        return module.qkv(x)
+    qkv_bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
+    if module.qkv_bias_separate:
+        qkv = module.qkv(x)
+        qkv += qkv_bias
+        return qkv
+    return F.linear(x, weight=module.qkv.weight, bias=qkv_bias)

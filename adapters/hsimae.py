@@ -24,14 +24,15 @@ A bool ``attn_bias`` (which the original *adds* as 0/1) runs the original implem
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from elsa_surgery.registry import Adapter, PatchConfig
+from elsa_surgery.registry import PatchConfig
 
-from .torch_mha import attention, bind_forward, clear_patch_state, original_forward, patch_config, record_native_call
+from ._common import StructuralAdapter
+from .torch_mha import attention, bind_forward, original_forward, patch_config, record_native_call
 
 
 def has_hsimae_structure(module: nn.Module) -> bool:
@@ -78,39 +79,28 @@ def _forward(self, x: torch.Tensor, attn_bias: Optional[torch.Tensor] = None) ->
     return out.view(B, -1, out.shape[-1])
 
 
-class HSIMAEAttention(Adapter):
-    library = None
+class HSIMAEAttention(StructuralAdapter):
+    """``HSIMAEAttention(name="hsimae.attention", classes=None)``: ``classes`` replaces the built-in match."""
+
+    name = "hsimae.attention"
     description = ("HSIMAE Attention (separate q/k/v linears, optional additive attn_bias, explicit softmax): "
                    "matched by class name, module path and structure, or by classes registered explicitly")
+    structure_reason = ("does not have HSIMAE's attention structure (q/k/v/proj Linear(C, C), num_heads, scale, "
+                        "input_size)")
 
-    def __init__(self, name: str = "hsimae.attention", classes: Optional[Sequence[type]] = None):
-        self.name = name
-        self.classes = None if classes is None else tuple(classes)
-        if self.classes is not None:
-            for c in self.classes:
-                if not (isinstance(c, type) and issubclass(c, nn.Module)):
-                    raise TypeError(f"classes must be nn.Module subclasses, got {c!r}")
-
-    def matches(self, module: nn.Module) -> bool:
+    def matches_builtin(self, module: nn.Module) -> bool:
         cls = type(module)
-        if self.classes is not None:
-            return cls in self.classes
         return cls.__name__ == "Attention" and _hsimae_module_path(cls) and has_hsimae_structure(module)
 
-    def skip_reason(self, module: nn.Module, config: PatchConfig) -> Optional[str]:
-        if not has_hsimae_structure(module):
-            return "does not have HSIMAE's attention structure (q/k/v/proj Linear(C, C), num_heads, scale, input_size)"
-        return None
+    def has_structure(self, module: nn.Module) -> bool:
+        return has_hsimae_structure(module)
 
     def patch(self, module: nn.Module, config: PatchConfig) -> None:
         bind_forward(module, _forward, config)
 
-    def unpatch(self, module: nn.Module) -> None:
-        clear_patch_state(module)
-
     def example_inputs(self, model: nn.Module):
         """A batch of 4 hyperspectral patches ``[4, 1, bands, H, W]`` for a model with a Conv3d patch embedding."""
-        if not any(self.matches(m) for m in model.modules()):
+        if not self.matches_any(model):
             return None
         conv = next((m for m in model.modules() if isinstance(m, nn.Conv3d)), None)
         pe = getattr(model, "patch_embed", None)

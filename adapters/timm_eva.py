@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from elsa_surgery.api import attention
 from elsa_surgery.registry import PatchConfig
 
-from ._timm import TimmAdapter, token_inputs
+from ._timm import TimmAdapter, fused_qkv
 
 _EVA = "timm.models.eva"
 _ATTN = "timm.layers.attention"
@@ -47,16 +46,7 @@ def eva_attention_forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = 
     B, N, C = x.shape
     gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
     if self.qkv is not None:
-        if self.q_bias is None:
-            qkv = self.qkv(x)
-        else:
-            qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-            if self.qkv_bias_separate:
-                qkv = self.qkv(x)
-                qkv += qkv_bias
-            else:
-                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-        q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = fused_qkv(self, x).reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     else:
         q = self.q_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
         k = self.k_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
@@ -93,10 +83,7 @@ class EvaAttentionAdapter(TimmAdapter):
     description = "timm EvaAttention (RoPE, prefix tokens, fused/split qkv)"
     target = (_EVA, "EvaAttention")
     forward_fn = eva_attention_forward
-
-    def module_inputs(self, module):
-        dim = module.qkv.in_features if module.qkv is not None else module.q_proj.in_features
-        return token_inputs(module, dim)
+    input_linears = ("qkv", "q_proj")
 
 
 class AttentionRopeAdapter(TimmAdapter):
@@ -104,10 +91,7 @@ class AttentionRopeAdapter(TimmAdapter):
     description = "timm AttentionRope (RoPE, prefix tokens, fused/split qkv, GQA)"
     target = (_ATTN, "AttentionRope")
     forward_fn = attention_rope_forward
-
-    def module_inputs(self, module):
-        dim = module.qkv.in_features if module.qkv is not None else module.q_proj.in_features
-        return token_inputs(module, dim)
+    input_linears = ("qkv", "q_proj")
 
 
 ADAPTERS = [EvaAttentionAdapter(), AttentionRopeAdapter()]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from elsa_surgery.api import attention
 from elsa_surgery.registry import PatchConfig
 
-from ._timm import TimmAdapter, token_inputs
+from ._timm import TimmAdapter, fused_qkv
 
 _V1 = "timm.models.swin_transformer"
 _V2 = "timm.models.swin_transformer_v2"
@@ -58,16 +58,7 @@ def _v2_position_bias(self) -> torch.Tensor:
 
 def swin_v2_forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, *, config: PatchConfig):
     B_, N, C = x.shape
-    if self.q_bias is None:
-        qkv = self.qkv(x)
-    else:
-        qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-        if self.qkv_bias_separate:
-            qkv = self.qkv(x)
-            qkv += qkv_bias
-        else:
-            qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-    q, k, v = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = fused_qkv(self, x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
     q = F.normalize(q, dim=-1) * logit_scale
     k = F.normalize(k, dim=-1)
@@ -84,9 +75,10 @@ class SwinV1Adapter(TimmAdapter):
     description = "timm Swin v1 WindowAttention (relative-position bias, shifted-window mask per window)"
     target = (_V1, "WindowAttention")
     forward_fn = swin_v1_forward
+    input_linears = ("qkv",)
 
-    def module_inputs(self, module):
-        return token_inputs(module, module.qkv.in_features, tokens=module.window_area)
+    def module_tokens(self, module):
+        return module.window_area
 
 
 class SwinV2Adapter(TimmAdapter):
@@ -94,12 +86,9 @@ class SwinV2Adapter(TimmAdapter):
     description = "timm SwinV2 WindowAttention (cosine attention: logit scale folded into q, scale=1)"
     target = (_V2, "WindowAttention")
     forward_fn = swin_v2_forward
+    input_linears = ("qkv",)
 
-    def module_inputs(self, module):
-        return token_inputs(module, module.qkv.in_features, tokens=self.window_tokens(module))
-
-    @staticmethod
-    def window_tokens(module):
+    def module_tokens(self, module):
         return module.window_size[0] * module.window_size[1]
 
 

@@ -26,7 +26,7 @@ from elsa_surgery.api import attention
 from elsa_surgery.modules import timm_attention_forward
 from elsa_surgery.registry import PatchConfig
 
-from ._timm import EXAMPLE_BATCH, EXAMPLE_TOKENS, TimmAdapter, _first_param, _randn, token_inputs
+from ._timm import EXAMPLE_TOKENS, TimmAdapter, token_inputs
 
 _ATTN = "timm.layers.attention"
 _POOL = "timm.layers.attention_pool"
@@ -78,19 +78,14 @@ def pool_prr_forward(self, x: torch.Tensor, *, config: PatchConfig):
     return x
 
 
-def parallel_scaling_block_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                                   is_causal: bool = False, *, config: PatchConfig):
-    B, N, C = x.shape
+def _parallel_block(self, x: torch.Tensor, attention_part) -> torch.Tensor:
+    """The frame of timm's parallel-scaling blocks: one ``in_proj`` gives the MLP input and q, k, v;
+    ``attention_part(q, k, v) -> [B, N, C]``; fused ``out_proj`` or separate attention / MLP projections."""
     y = self.in_proj(self.in_norm(x))
     x_mlp, q, k, v = torch.split(y, self.in_split, dim=-1)
     if self.mlp_bias is not None:
         x_mlp = x_mlp + self.mlp_bias
-    q = self.q_norm(q.view(B, N, self.num_heads, self.head_dim)).transpose(1, 2)
-    k = self.k_norm(k.view(B, N, self.num_heads, self.head_dim)).transpose(1, 2)
-    v = v.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-    x_attn = attention(q, k, v, attn_mask=attn_mask, dropout_p=_dropout(self, self.attn_drop.p),
-                       is_causal=is_causal, scale=self.scale, backend=config.backend, precision=config.precision)
-    x_attn = x_attn.transpose(1, 2).reshape(B, N, C)
+    x_attn = attention_part(q, k, v)
     x_mlp = self.mlp_drop(self.mlp_act(x_mlp))
     if self.out_proj is not None:
         y = self.out_proj(torch.cat((x_attn, x_mlp), dim=-1))
@@ -99,29 +94,45 @@ def parallel_scaling_block_forward(self, x: torch.Tensor, attn_mask: Optional[to
     return x + self.drop_path(self.ls(y))
 
 
+def parallel_scaling_block_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                                   is_causal: bool = False, *, config: PatchConfig):
+    B, N, C = x.shape
+
+    def attention_part(q, k, v):
+        q = self.q_norm(q.view(B, N, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, N, self.num_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        x_attn = attention(q, k, v, attn_mask=attn_mask, dropout_p=_dropout(self, self.attn_drop.p),
+                           is_causal=is_causal, scale=self.scale, backend=config.backend, precision=config.precision)
+        return x_attn.transpose(1, 2).reshape(B, N, C)
+
+    return _parallel_block(self, x, attention_part)
+
+
 def _differential(self, q, k, v, attn_mask, is_causal, config: PatchConfig):
-    """``softmax(q1 k1) v - λ softmax(q2 k2) v`` with q/k heads laid out as timm does (2 per output head)."""
-    B, _, N, D = q.shape
+    """Differential attention on ``q, k, v [B, N, C]`` (timm's layout: 2 q/k heads per output head, v heads
+    of 2·head_dim): ``sub_norm(softmax(q1 k1) v - λ softmax(q2 k2) v) · (1 - λ_init)`` -> ``[B, N, C]``."""
+    B, N, C = q.shape
+    q = q.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2)
+    k = k.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2)
+    v = v.reshape(B, N, self.num_heads, 2 * self.head_dim).transpose(1, 2)
+    q, k = self.q_norm(q), self.k_norm(k)
+    D = self.head_dim
     lambda_full = self._compute_lambda().type_as(q)
     q1, q2 = q.reshape(B, self.num_heads, 2, N, D).unbind(2)
     k1, k2 = k.reshape(B, self.num_heads, 2, N, D).unbind(2)
     kw = dict(attn_mask=attn_mask, dropout_p=_dropout(self, self.attn_drop_p), is_causal=is_causal,
               scale=self.scale, backend=config.backend, precision=config.precision)
-    return attention(q1, k1, v, **kw) - lambda_full * attention(q2, k2, v, **kw)
+    x = attention(q1, k1, v, **kw) - lambda_full * attention(q2, k2, v, **kw)
+    x = self.sub_norm(x)
+    x = x * (1 - self.lambda_init)
+    return x.transpose(1, 2).reshape(B, N, C)
 
 
 def diff_attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                            is_causal: bool = False, *, config: PatchConfig):
-    B, N, C = x.shape
     q, k, v = self.qkv(x).chunk(3, dim=2)
-    q = q.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2)
-    k = k.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2)
-    v = v.reshape(B, N, self.num_heads, 2 * self.head_dim).transpose(1, 2)
-    q, k = self.q_norm(q), self.k_norm(k)
     x = _differential(self, q, k, v, attn_mask, is_causal, config)
-    x = self.sub_norm(x)
-    x = x * (1 - self.lambda_init)
-    x = x.transpose(1, 2).reshape(B, N, C)
     x = self.norm(x)
     x = self.proj(x)
     return self.proj_drop(x)
@@ -129,22 +140,7 @@ def diff_attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tens
 
 def diff_parallel_scaling_block_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                                         is_causal: bool = False, *, config: PatchConfig):
-    B, N, C = x.shape
-    y = self.in_proj(self.in_norm(x))
-    x_mlp, q, k, v = torch.split(y, self.in_split, dim=-1)
-    if self.mlp_bias is not None:
-        x_mlp = x_mlp + self.mlp_bias
-    q = q.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2)
-    k = k.reshape(B, N, 2 * self.num_heads, self.head_dim).transpose(1, 2)
-    v = v.reshape(B, N, self.num_heads, 2 * self.head_dim).transpose(1, 2)
-    q, k = self.q_norm(q), self.k_norm(k)
-    x_attn = _differential(self, q, k, v, attn_mask, is_causal, config)
-    x_attn = self.sub_norm(x_attn)
-    x_attn = x_attn * (1 - self.lambda_init)
-    x_attn = x_attn.transpose(1, 2).reshape(B, N, C)
-    x_mlp = self.mlp_drop(self.mlp_act(x_mlp))
-    y = self.out_proj(torch.cat((x_attn, x_mlp), dim=-1))
-    return x + self.drop_path(self.ls(y))
+    return _parallel_block(self, x, lambda q, k, v: _differential(self, q, k, v, attn_mask, is_causal, config))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -156,9 +152,7 @@ class AttentionAdapter(TimmAdapter):
     description = "timm Attention (ViT, DeiT, DINOv2, CLIP ViT; masks and is_causal)"
     target = (_ATTN, "Attention")
     forward_fn = timm_attention_forward
-
-    def module_inputs(self, module):
-        return token_inputs(module, module.qkv.in_features)
+    input_linears = ("qkv",)
 
 
 class AttentionPoolLatentAdapter(TimmAdapter):
@@ -166,10 +160,10 @@ class AttentionPoolLatentAdapter(TimmAdapter):
     description = "timm AttentionPoolLatent (latent-query cross-attention pooling)"
     target = (_POOL, "AttentionPoolLatent")
     forward_fn = pool_latent_forward
+    input_linears = ("kv",)
 
-    def module_inputs(self, module):
-        n = module.feat_size if module.pos_embed is not None else EXAMPLE_TOKENS
-        return token_inputs(module, module.kv.in_features, tokens=n)
+    def module_tokens(self, module):
+        return module.feat_size if module.pos_embed is not None else EXAMPLE_TOKENS
 
 
 class AttentionPoolPrrAdapter(TimmAdapter):
@@ -179,9 +173,7 @@ class AttentionPoolPrrAdapter(TimmAdapter):
     forward_fn = pool_prr_forward
 
     def module_inputs(self, module):
-        like = _first_param(module)
-        x = _randn((EXAMPLE_BATCH, EXAMPLE_TOKENS, module.out_features), like)
-        return x
+        return token_inputs(module, module.out_features)  # parameter-free: no input projection to read
 
 
 class ParallelScalingBlockAdapter(TimmAdapter):
@@ -189,9 +181,7 @@ class ParallelScalingBlockAdapter(TimmAdapter):
     description = "timm ParallelScalingBlock (ViT-22B style parallel attention + MLP)"
     target = (_VIT, "ParallelScalingBlock")
     forward_fn = parallel_scaling_block_forward
-
-    def module_inputs(self, module):
-        return token_inputs(module, module.in_proj.in_features)
+    input_linears = ("in_proj",)
 
 
 class DiffAttentionAdapter(TimmAdapter):
@@ -199,9 +189,7 @@ class DiffAttentionAdapter(TimmAdapter):
     description = "timm DiffAttention (differential attention, two ELSA calls)"
     target = (_DIFF, "DiffAttention")
     forward_fn = diff_attention_forward
-
-    def module_inputs(self, module):
-        return token_inputs(module, module.qkv.in_features)
+    input_linears = ("qkv",)
 
 
 class DiffParallelScalingBlockAdapter(TimmAdapter):
@@ -209,9 +197,7 @@ class DiffParallelScalingBlockAdapter(TimmAdapter):
     description = "timm DiffParallelScalingBlock"
     target = (_VIT, "DiffParallelScalingBlock")
     forward_fn = diff_parallel_scaling_block_forward
-
-    def module_inputs(self, module):
-        return token_inputs(module, module.in_proj.in_features)
+    input_linears = ("in_proj",)
 
 
 ADAPTERS = [

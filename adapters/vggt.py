@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from elsa_surgery.registry import Adapter, PatchConfig
+from elsa_surgery.registry import PatchConfig
 
-from .torch_mha import attention, bind_forward, clear_patch_state, original_forward, patch_config, record_native_call
+from ._common import StructuralAdapter
+from .torch_mha import attention, bind_forward, original_forward, patch_config, record_native_call
 
 CLASS_NAMES = ("Attention", "MemEffAttention")
 
@@ -101,42 +102,31 @@ def _memeff_forward(self, x: torch.Tensor, attn_bias=None, pos: Optional[torch.T
     return _core(self, x, None)
 
 
-class VGGTAttention(Adapter):
-    library = None  # matching needs no import: exact classes are looked up only if vggt is imported
+class VGGTAttention(StructuralAdapter):
+    """``VGGTAttention(name="vggt.attention", classes=None)``: ``classes`` replaces the built-in match."""
+
+    # matching needs no import: exact classes are looked up only if vggt is imported (library = None)
+    name = "vggt.attention"
     description = ("VGGT Attention / MemEffAttention (fused qkv, qk-norm, 2-D RoPE with pos): exact classes, "
                    "vendored copies under a 'vggt' package path, or classes registered explicitly")
+    structure_reason = "does not have VGGT's attention structure (qkv Linear(C, 3C), q_norm, k_norm, rope, proj, pos)"
 
-    def __init__(self, name: str = "vggt.attention", classes: Optional[Sequence[type]] = None):
-        self.name = name
-        self.classes = None if classes is None else tuple(classes)
-        if self.classes is not None:
-            for c in self.classes:
-                if not (isinstance(c, type) and issubclass(c, nn.Module)):
-                    raise TypeError(f"classes must be nn.Module subclasses, got {c!r}")
-
-    def matches(self, module: nn.Module) -> bool:
+    def matches_builtin(self, module: nn.Module) -> bool:
         cls = type(module)
-        if self.classes is not None:
-            return cls in self.classes
         if cls in _installed_classes():
             return True
         return _is_vendored_vggt(cls) and has_vggt_structure(module)
 
-    def skip_reason(self, module: nn.Module, config: PatchConfig) -> Optional[str]:
-        if not has_vggt_structure(module):
-            return "does not have VGGT's attention structure (qkv Linear(C, 3C), q_norm, k_norm, rope, proj, pos)"
-        return None
+    def has_structure(self, module: nn.Module) -> bool:
+        return has_vggt_structure(module)
 
     def patch(self, module: nn.Module, config: PatchConfig) -> None:
         takes_bias = "attn_bias" in inspect.signature(type(module).forward).parameters
         bind_forward(module, _memeff_forward if takes_bias else _attention_forward, config)
 
-    def unpatch(self, module: nn.Module) -> None:
-        clear_patch_state(module)
-
     def example_inputs(self, model: nn.Module):
         """Images ``[1, 2, 3, 28, 42]`` in [0, 1] for a VGGT model or aggregator (patch size 14)."""
-        if not any(self.matches(m) for m in model.modules()):
+        if not self.matches_any(model):
             return None
         try:
             p = next(model.parameters())

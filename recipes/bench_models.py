@@ -9,8 +9,9 @@ fp32 and bf16. Execution modes, each applied identically to the native and the c
   inference service does); peak memory then includes the graph's private pool.
 * ``compile``: ``torch.compile(model)`` (default mode). Slow to build: select few configurations.
 
-Timing: ``triton.testing.do_bench`` (CUDA events, median). Peak memory: ``max_memory_allocated`` above
-what was allocated before the measured call (weights and the input excluded). The converted model is
+Timing (``elsa_surgery.benchmark.measure``, as in every recipe): ``--warmup`` calls, then ``--iters`` calls
+each timed with CUDA events, median. Peak memory: ``max_memory_allocated`` above what was allocated before
+the mode's setup and first call (weights and the input excluded). The converted model is
 checked against the native one on the benchmark inputs (relative max error) and its dispatch decisions are
 recorded: any fallback is printed and stored, never hidden.
 
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
 import sys
 import time
 import traceback
 
 import torch
+
+from elsa_surgery import benchmark
+from elsa_surgery.benchmark import DTYPES, comma_list
 
 MODELS = {
     # name: (timm architecture, default sizes, extra kwargs per size)
@@ -40,7 +42,6 @@ MODELS = {
     "vit_l14_clip": ("vit_large_patch14_clip_224", (224, 336, 448, 560), {}),
     "swin_t": ("swin_tiny_patch4_window7_224", (224, 384), {384: {"window_size": 12}}),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("eager", "cudagraph", "compile")
 
 
@@ -57,30 +58,25 @@ def parse_args(argv=None):
                    help="backend of the converted model ('elsa' refuses to fall back)")
     p.add_argument("--matmul-tf32", action="store_true",
                    help="allow TF32 in the models' fp32 matmuls (both native and converted)")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time (ms)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before the timed ones")
+    p.add_argument("--iters", type=int, default=20, help="timed calls (the median is reported)")
     p.add_argument("--no-verify", action="store_true", help="skip convert()'s parity check (saves time)")
     p.add_argument("--out", default=None, help="write the records as JSON here")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="run the flow on the CPU (eager only, wall-clock timing, no memory numbers): a check of "
-                        "this script, not a measurement")
+                   help="run the flow on the CPU (eager only, wall-clock timing of 3 calls, no memory numbers): "
+                        "a check of this script, not a measurement")
     a = p.parse_args(argv)
-    a.models = [m for m in a.models.split(",") if m]
-    for m in a.models:
-        if m not in MODELS:
-            p.error(f"--models: unknown model {m!r}; choose from {', '.join(MODELS)}")
-    a.dtypes = [d for d in a.dtypes.split(",") if d]
-    for d in a.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    a.modes = [m for m in a.modes.split(",") if m]
-    for m in a.modes:
-        if m not in MODES:
-            p.error(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
-    a.sizes = None if a.sizes is None else [int(s) for s in a.sizes.split(",") if s]
+    a.models = comma_list(p, "--models", a.models, MODELS, "model")
+    a.dtypes = comma_list(p, "--dtypes", a.dtypes, DTYPES, "dtype")
+    a.modes = comma_list(p, "--modes", a.modes, MODES, "mode")
+    a.sizes = None if a.sizes is None else comma_list(p, "--sizes", a.sizes, type=int)
     if a.batch < 1:
         p.error("--batch must be >= 1")
+    if a.cpu_smoke:
+        a.warmup, a.iters = 0, 3
+    if a.warmup < 0 or a.iters < 1:
+        p.error("--warmup must be >= 0 and --iters >= 1")
     return a
 
 
@@ -100,19 +96,6 @@ def build(name, size, dtype, device="cuda", **smoke):
     # initialised on the device directly (random init of ViT-L on the host takes seconds)
     model = timm.create_model(arch, pretrained=False, img_size=size, device=device, **dict(extra.get(size, {}), **smoke))
     return model.eval().to(device, dtype)
-
-
-def do_bench(fn, args):
-    if args.cpu_smoke:
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[1]
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
 
 def runner(model, x, mode):
@@ -151,21 +134,15 @@ def runner(model, x, mode):
 
 
 def measure(model, x, mode, args):
-    cuda = x.is_cuda
+    """(median ms, peak extra MiB of the mode's setup and first call, setup seconds, first output)."""
     gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    fn = runner(model, x, mode)
-    out = fn()
-    if cuda:
-        torch.cuda.synchronize()
+    with benchmark.PeakMemory(x.device) as mem:  # setup included: a CUDA graph's private pool counts
+        t0 = time.perf_counter()
+        fn = runner(model, x, mode)
+        out = fn()
     setup_s = time.perf_counter() - t0
-    peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else 0.0
-    ms = do_bench(fn, args)
+    peak_mb = 0.0 if mem.mib is None else mem.mib
+    ms = benchmark.measure(fn, x.device, args.warmup, args.iters)[0]
     out = out.detach().float().clone()
     del fn
     if mode == "compile":
@@ -196,15 +173,15 @@ def bench_one(name, size, dt, mode, args):
             rec["parity"] = {k: rep.parity.to_dict()[k] for k in ("verified", "passed", "rel_err", "rtol", "atol")}
         with elsa_surgery.dispatch.record() as log:
             rec["elsa_ms"], rec["elsa_peak_mb"], rec["elsa_setup_s"], out = measure(model, x, mode, args)
-        backends = sorted({d.backend + (f"/{d.precision}" if d.precision else "") for d in log})
-        rec["backends_used"] = backends or rep.backends_used  # a graph replay records nothing: use convert's
-        rec["fallbacks"] = sorted({d.reason for d in log if d.fallback}) + rep.fallbacks
+        used = benchmark.dispatch_summary(log)
+        rec["backends_used"] = sorted(used["backends"]) or rep.backends_used  # a graph replay records nothing
+        rec["fallbacks"] = used["fallbacks"] + rep.fallbacks
         rec["rel_err_vs_native"] = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         rec["speedup"] = rec["native_ms"] / rec["elsa_ms"]
         rec["memory_ratio"] = rec["elsa_peak_mb"] / rec["native_peak_mb"] if rec["native_peak_mb"] > 0 else None
         revert(model)
     except Exception as exc:  # one configuration failing (OOM, capture error) must not stop the sweep
-        rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["error"] = benchmark.error_text(exc)
         rec["traceback"] = traceback.format_exc(limit=6)
     finally:
         del model, x
@@ -250,12 +227,10 @@ def main(argv=None):
     import timm
     import triton
 
-    cuda = torch.cuda.is_available() and not args.cpu_smoke
-    env = dict(gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke run)",
-               capability=list(torch.cuda.get_device_capability()) if cuda else [],
-               torch=torch.__version__, triton=triton.__version__, timm=timm.__version__,
-               python=platform.python_version(), command=" ".join([sys.executable] + sys.argv),
-               matmul_tf32=bool(args.matmul_tf32))
+    env = benchmark.env_info("cpu" if args.cpu_smoke else "cuda")
+    env.setdefault("gpu", "cpu (smoke run)")
+    env.setdefault("capability", [])
+    env.update(triton=triton.__version__, timm=timm.__version__, matmul_tf32=bool(args.matmul_tf32))
     print(f"# {env['gpu']} (sm{''.join(map(str, env['capability']))}), torch {env['torch']}, triton {env['triton']}, "
           f"timm {env['timm']}, batch {args.batch}", flush=True)
     records = []
@@ -268,8 +243,7 @@ def main(argv=None):
                                      f"{rec['speedup']:.3f}x, mem {rec['native_peak_mb']:.0f} -> {rec['elsa_peak_mb']:.0f} MiB")
         print(f"{n} {s}px {d} {m}: {brief} ({rec['wall_s']:.0f} s)", flush=True)
         if args.out:  # written after every configuration: a cut-off run keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(dict(env=env, records=records), f, indent=2)
+            benchmark.write_json(args.out, dict(env=env, records=records), announce=False)
     print()
     print(table(records))
     return 0

@@ -25,15 +25,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
-import platform
-import statistics
 import sys
-import time
 import warnings
-from collections import Counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -41,66 +36,10 @@ import torch  # noqa: E402
 
 import elsa_surgery  # noqa: E402
 from elsa_surgery import dispatch  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# --------------------------------------------------------------------------------------------------
-# timing and memory (CUDA events on the GPU, perf_counter on the CPU)
-# --------------------------------------------------------------------------------------------------
-
-def measure(fn, device: torch.device, warmup: int, iters: int):
-    """Median milliseconds of ``fn()`` and the peak memory it allocates beyond what was live before (MiB)."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            for _ in range(iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end))
-            peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-        else:
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            peak = None
-    return statistics.median(times), peak
-
-
-
-def dispatch_summary(log) -> dict:
-    """What the converted calls ran on: {"backend/precision": calls}, plus distinct fallback reasons."""
-    used = Counter(d.backend + (f"/{d.precision}" if d.precision else "") for d in log)
-    return {"backends": dict(used), "fallbacks": sorted({d.reason for d in log if d.fallback})}
-
-
-def modes_for(dtype_name: str, modes):
-    """Conversion modes for one dtype: (label, precision) pairs, native first."""
-    out = [("native", None)]
-    if dtype_name == "fp32":
-        out += [(f"elsa-{m}", m) for m in modes]
-    else:
-        out += [("elsa", None)]
-    return out
-
-
-def env_info(device: torch.device) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-            "elsa_surgery": elsa_surgery.__version__,
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
+from elsa_surgery.benchmark import (  # noqa: E402
+    DTYPES, comma_list, dispatch_summary, env_info, error_text, measure_modes, modes_for, peak_text,
+    plot_time_memory, write_json,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,35 +199,13 @@ def latency(task, args, device):
             try:
                 tower = task.image_tower(size, dtype)
             except Exception as exc:
-                rows.append({"size": size, "dtype": dname, "error": f"{type(exc).__name__}: {exc}"})
+                rows.append({"size": size, "dtype": dname, "error": error_text(exc)})
                 print(f"{size}px {dname}: cannot build the image tower ({exc})")
                 continue
             x = torch.randn(args.batch, 3, size, size, device=device, dtype=dtype)
-            native_ms = None
-            for label, precision in modes_for(dname, args.modes):
-                row = {"size": size, "dtype": dname, "mode": label, "batch": args.batch}
-                try:
-                    if precision is not None or label != "native":
-                        rep = elsa_surgery.convert(tower, backend=args.backend, precision=precision, verify=False)
-                        row["converted_modules"] = rep.num_converted
-                    with dispatch.record() as log:
-                        ms, peak = measure(lambda: tower(x), device, args.warmup, args.iters)
-                    row.update(ms=ms, peak_mib=peak)
-                    if label != "native":
-                        row.update(dispatch_summary(log))
-                    if label == "native":
-                        native_ms, native_peak = ms, peak
-                    else:
-                        row["speedup_vs_native"] = native_ms / ms if native_ms else None
-                        row["memory_vs_native"] = (peak / native_peak) if (peak and native_peak) else None
-                except Exception as exc:  # e.g. out of memory: record it and go on
-                    row["error"] = f"{type(exc).__name__}: {exc}"
-                finally:
-                    elsa_surgery.revert(tower)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                rows.append(row)
-                print(fmt_row(row))
+            rows += measure_modes(tower, lambda: tower(x), modes_for(dname, args.modes), device, args.warmup,
+                                  args.iters, {"size": size, "dtype": dname, "batch": args.batch},
+                                  backend=args.backend, show=lambda row: print(fmt_row(row)))
             del tower
     return rows
 
@@ -296,35 +213,16 @@ def latency(task, args, device):
 def fmt_row(r):
     if "error" in r:
         return f"{r['size']:4d}px {r['dtype']:4s} {r.get('mode', '-'):13s} ERROR {r['error']}"
-    peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:9.1f} MiB"
+    peak = peak_text(r["peak_mib"])
     extra = f"  x{r['speedup_vs_native']:.3f} vs native" if r.get("speedup_vs_native") else ""
     return f"{r['size']:4d}px {r['dtype']:4s} {r['mode']:13s} {r['ms']:10.3f} ms  peak {peak}{extra}"
 
 
 def plot(result, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    rows = [r for r in result["latency"] if "ms" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(r["dtype"], r["mode"]) for r in rows}):
-        pts = sorted((r["size"], r["ms"], r["peak_mib"]) for r in rows if (r["dtype"], r["mode"]) == key)
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
-        if all(p[2] is not None for p in pts):
-            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=" ".join(key))
-    axes[0].set(xlabel="image size (px)", ylabel="ms / batch", title=f"{result['model']} image encoder latency")
-    axes[1].set(xlabel="image size (px)", ylabel="peak extra MiB", title="peak memory")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    title = f"{result['model']} image encoder latency"
+    plot_time_memory(result["latency"], path, "size",
+                     dict(xlabel="image size (px)", ylabel="ms / batch", title=title),
+                     dict(xlabel="image size (px)", ylabel="peak extra MiB", title="peak memory"))
 
 
 def parse_args(argv=None):
@@ -356,15 +254,9 @@ def parse_args(argv=None):
         args.batch, args.zs_images, args.zs_classes, args.warmup, args.iters = 2, 8, 10, 1, 2
         args.model = "ViT-B-32" if args.model == "ViT-L-14" else args.model
         args.pretrained = None
-    args.sizes = [int(s) for s in str(args.sizes).split(",") if s]
-    args.dtypes = [d for d in str(args.dtypes).split(",") if d]
-    args.modes = [m for m in str(args.modes).split(",") if m]
-    for d in args.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
-    for m in args.modes:
-        if m not in elsa_surgery.PRECISIONS:
-            p.error(f"--modes: unknown precision {m!r} (choose from {', '.join(elsa_surgery.PRECISIONS)})")
+    args.sizes = comma_list(p, "--sizes", args.sizes, type=int)
+    args.dtypes = comma_list(p, "--dtypes", args.dtypes, DTYPES, "dtype")
+    args.modes = comma_list(p, "--modes", args.modes, elsa_surgery.PRECISIONS, "precision")
     return args
 
 
@@ -379,9 +271,7 @@ def main(argv=None):
     if not args.skip_latency:
         result["latency"] = latency(task, args, device)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"json: {args.out}")
+        write_json(args.out, result)
     if args.plot and result.get("latency"):
         plot(result, args.plot)
     return result

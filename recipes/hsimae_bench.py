@@ -19,11 +19,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -33,39 +29,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import elsa_surgery  # noqa: E402
-from elsa_surgery import dispatch  # noqa: E402
-
-
-def measure(fn, device, warmup, iters):
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        times, out = [], None
-        for _ in range(iters):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                out = fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-    return statistics.median(times), peak, out
-
-
-
-def dispatch_summary(log) -> dict:
-    """What the converted calls ran on: {"backend/precision": calls}, plus distinct fallback reasons."""
-    used = Counter(d.backend + (f"/{d.precision}" if d.precision else "") for d in log)
-    return {"backends": dict(used), "fallbacks": sorted({d.reason for d in log if d.fallback})}
+from elsa_surgery.benchmark import (  # noqa: E402
+    comma_list, env_info, measure_modes, modes_for, output_diff, peak_text, write_json,
+)
 
 
 def run(args):
@@ -79,35 +45,20 @@ def run(args):
         model = hsimae_like.build(shape, **overrides).to(device).eval()
         for batch in args.batch:
             x = torch.rand(batch, 1, 64, 9, 9, device=device)
-            ref, native = None, None
-            for label, precision in [("native", None)] + [(f"elsa-{m}", m) for m in args.modes]:
-                row = {"shape": f"HSIMAE-{shape}", "batch": batch, "mode": label, "dtype": "fp32"}
-                try:
-                    if precision is not None:
-                        rep = elsa_surgery.convert(model, backend=args.backend, precision=precision, verify=False)
-                        row["converted_modules"] = rep.num_converted
-                    with dispatch.record() as log:
-                        ms, peak, out = measure(lambda: model(x), device, args.warmup, args.iters)
-                    if label != "native":
-                        row.update(dispatch_summary(log))
-                    row.update(ms=ms, images_per_s=batch / (ms / 1e3), peak_mib=peak)
-                    latent = out[0].float()
-                    if label == "native":
-                        ref, native = latent, row
-                    else:
-                        d = (latent - ref).abs().max().item()
-                        row.update(speedup_vs_native=native["ms"] / ms, max_abs_diff=d,
-                                   rel_diff=d / max(ref.abs().max().item(), 1e-30))
-                        if peak is not None and native["peak_mib"]:
-                            row["memory_vs_native"] = peak / native["peak_mib"]
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                finally:
-                    elsa_surgery.revert(model)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                rows.append(row)
-                print(fmt(row), flush=True)
+            ref = {}
+
+            def parity(row, out):
+                row["images_per_s"] = batch / (row["ms"] / 1e3)
+                latent = out[0].float()
+                if row["mode"] == "native":
+                    ref["latent"] = latent
+                else:
+                    row.update(output_diff(latent, ref.get("latent")))
+
+            rows += measure_modes(model, lambda: model(x), modes_for("fp32", args.modes), device, args.warmup,
+                                  args.iters, {"shape": f"HSIMAE-{shape}", "batch": batch, "dtype": "fp32"},
+                                  backend=args.backend, on_output=parity, show=lambda row: print(fmt(row), flush=True))
+            del ref, x
         del model
     return rows
 
@@ -116,8 +67,7 @@ def fmt(r):
     head = f"{r['shape']:9s} batch {r['batch']:6d} {r['mode']:13s}"
     if "error" in r:
         return f"{head} ERROR {r['error']}"
-    peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:9.1f} MiB"
-    s = f"{head} {r['ms']:9.3f} ms  {r['images_per_s']:12.0f} img/s  peak {peak}"
+    s = f"{head} {r['ms']:9.3f} ms  {r['images_per_s']:12.0f} img/s  peak {peak_text(r['peak_mib'])}"
     if "speedup_vs_native" in r:
         s += f"  x{r['speedup_vs_native']:.3f} vs native  max|Δ| {r['max_abs_diff']:.2e}"
     return s
@@ -142,33 +92,22 @@ def parse_args(argv=None):
             args.modes = "strict"
     from tests.models.hsimae_like import SHAPES
 
-    args.shapes = [s for s in str(args.shapes).split(",") if s]
-    for s in args.shapes:
-        if s not in SHAPES:
-            p.error(f"--shapes: unknown shape {s!r} (choose from {', '.join(SHAPES)})")
-    args.batch = [int(b) for b in str(args.batch).split(",") if b]
-    args.modes = [m for m in str(args.modes).split(",") if m]
-    for m in args.modes:
-        if m not in elsa_surgery.PRECISIONS:
-            p.error(f"--modes: unknown precision {m!r} (choose from {', '.join(elsa_surgery.PRECISIONS)})")
+    args.shapes = comma_list(p, "--shapes", args.shapes, SHAPES, "shape")
+    args.batch = comma_list(p, "--batch", args.batch, type=int)
+    args.modes = comma_list(p, "--modes", args.modes, elsa_surgery.PRECISIONS, "precision")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     rows = run(args)
-    env = {"torch": torch.__version__, "device": args.device}
-    if args.device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
     for r in rows:
         if "speedup_vs_native" in r:
             verdict = "not slower: MET" if r["speedup_vs_native"] >= 1.0 else "SLOWER than native"
             print(f"target {r['shape']} batch {r['batch']} {r['mode']}: x{r['speedup_vs_native']:.3f} ({verdict})")
-    result = {"recipe": "hsimae_bench", "env": env, "args": vars(args), "rows": rows}
+    result = {"recipe": "hsimae_bench", "env": env_info(args.device), "args": vars(args), "rows": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"json: {args.out}")
+        write_json(args.out, result)
     return result
 
 

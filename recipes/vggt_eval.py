@@ -26,11 +26,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -40,47 +36,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import elsa_surgery  # noqa: E402
-from elsa_surgery import dispatch  # noqa: E402
 from elsa_surgery.adapters.vggt import VGGTAttention  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def measure(fn, device, warmup, iters):
-    """(median ms, peak extra MiB or None, last output)."""
-    out = None
-    with torch.no_grad():
-        for _ in range(warmup):
-            out = fn()
-            del out
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(iters):
-            out = None
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                out = fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-    return statistics.median(times), peak, out
-
-
-
-def dispatch_summary(log) -> dict:
-    """What the converted calls ran on: {"backend/precision": calls}, plus distinct fallback reasons."""
-    used = Counter(d.backend + (f"/{d.precision}" if d.precision else "") for d in log)
-    return {"backends": dict(used), "fallbacks": sorted({d.reason for d in log if d.fallback})}
+from elsa_surgery.benchmark import (  # noqa: E402
+    DTYPES, comma_list, env_info, measure_modes, modes_for, output_diff, peak_text, plot_time_memory, write_json,
+)
 
 
 def last_tensor(out):
@@ -124,40 +83,20 @@ def run(args):
             gen = torch.Generator().manual_seed(S)
             images = torch.rand(1, S, 3, args.height, args.width, generator=gen).to(device, dtype)
             tokens = 5 + (args.height // 14) * (args.width // 14)
-            modes = [("native", None)] + ([(f"elsa-{m}", m) for m in args.modes] if dname == "fp32" else [("elsa", None)])
-            ref, native = None, None
-            for label, precision in modes:
-                row = {"frames": S, "tokens_per_frame": tokens, "global_tokens": S * tokens, "dtype": dname,
-                       "mode": label}
-                try:
-                    if label != "native":
-                        rep = elsa_surgery.convert(model, backend=args.backend, precision=precision, verify=False,
-                                                   adapters=adapters)
-                        row["converted_modules"] = rep.num_converted
-                    with dispatch.record() as log:
-                        ms, peak, out = measure(lambda: model(images), device, args.warmup, args.iters)
-                    if label != "native":
-                        row.update(dispatch_summary(log))
-                    y = last_tensor(out).float()
-                    del out
-                    row.update(ms=ms, peak_mib=peak)
-                    if label == "native":
-                        ref, native = y, row
-                    else:
-                        row["speedup_vs_native"] = native["ms"] / ms
-                        if peak is not None and native["peak_mib"]:
-                            row["memory_vs_native"] = peak / native["peak_mib"]
-                        d = (y - ref).abs().max().item()
-                        row.update(max_abs_diff=d, rel_diff=d / max(ref.abs().max().item(), 1e-30))
-                    del y
-                except Exception as exc:  # out of memory etc.: keep going, say so
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                finally:
-                    elsa_surgery.revert(model)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                rows.append(row)
-                print(fmt(row), flush=True)
+            ref = {}
+
+            def parity(row, out):
+                y = last_tensor(out).float()
+                if row["mode"] == "native":
+                    ref["y"] = y
+                else:
+                    row.update(output_diff(y, ref.get("y")))
+
+            rows += measure_modes(model, lambda: model(images), modes_for(dname, args.modes), device, args.warmup,
+                                  args.iters, {"frames": S, "tokens_per_frame": tokens, "global_tokens": S * tokens,
+                                               "dtype": dname},
+                                  backend=args.backend, adapters=adapters, on_output=parity,
+                                  show=lambda row: print(fmt(row), flush=True))
             del ref, images
     return model_name, rows
 
@@ -166,37 +105,17 @@ def fmt(r):
     head = f"S={r['frames']:4d} ({r['global_tokens']:6d} tok) {r['dtype']:4s} {r['mode']:13s}"
     if "error" in r:
         return f"{head} ERROR {r['error']}"
-    peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:10.1f} MiB"
-    s = f"{head} {r['ms']:11.2f} ms  peak {peak}"
+    s = f"{head} {r['ms']:11.2f} ms  peak {peak_text(r['peak_mib'], 10)}"
     if "speedup_vs_native" in r:
         s += f"  x{r['speedup_vs_native']:.3f} vs native  max|Δ| {r['max_abs_diff']:.2e} (rel {r['rel_diff']:.2e})"
     return s
 
 
 def plot(result, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    rows = [r for r in result["rows"] if "ms" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(r["dtype"], r["mode"]) for r in rows}):
-        pts = sorted((r["frames"], r["ms"], r["peak_mib"]) for r in rows if (r["dtype"], r["mode"]) == key)
-        axes[0].plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=" ".join(key))
-        if all(p[2] is not None for p in pts):
-            axes[1].plot([p[0] for p in pts], [p[2] / 1024 for p in pts], marker="o", label=" ".join(key))
-    axes[0].set(xlabel="frames S (x1041 tokens)", ylabel="s / forward", title="VGGT aggregator time")
-    axes[1].set(xlabel="frames S", ylabel="peak extra GiB", title="peak memory")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    plot_time_memory(result["rows"], path, "frames",
+                     dict(xlabel="frames S (x1041 tokens)", ylabel="s / forward", title="VGGT aggregator time"),
+                     dict(xlabel="frames S", ylabel="peak extra GiB", title="peak memory"),
+                     time_scale=1e-3, memory_scale=1 / 1024)
 
 
 def parse_args(argv=None):
@@ -223,15 +142,9 @@ def parse_args(argv=None):
         args.frames, args.warmup, args.iters = "2,3", 0, 1
         if args.device == "cpu":
             args.dtypes, args.modes = "fp32", "strict"
-    args.frames = [int(s) for s in str(args.frames).split(",") if s]
-    args.dtypes = [d for d in str(args.dtypes).split(",") if d]
-    args.modes = [m for m in str(args.modes).split(",") if m]
-    for d in args.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
-    for m in args.modes:
-        if m not in elsa_surgery.PRECISIONS:
-            p.error(f"--modes: unknown precision {m!r} (choose from {', '.join(elsa_surgery.PRECISIONS)})")
+    args.frames = comma_list(p, "--frames", args.frames, type=int)
+    args.dtypes = comma_list(p, "--dtypes", args.dtypes, DTYPES, "dtype")
+    args.modes = comma_list(p, "--modes", args.modes, elsa_surgery.PRECISIONS, "precision")
     if args.dim % args.heads:
         p.error("--dim must be a multiple of --heads")
     return args
@@ -240,18 +153,14 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     model_name, rows = run(args)
-    env = {"torch": torch.__version__, "device": args.device}
-    if args.device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
-    result = {"recipe": "vggt_eval", "model": model_name, "env": env, "args": vars(args), "rows": rows}
+    result = {"recipe": "vggt_eval", "model": model_name, "env": env_info(args.device), "args": vars(args),
+              "rows": rows}
     target = [r for r in rows if r.get("frames") == 100 and r["dtype"] == "fp32" and "speedup_vs_native" in r]
     for r in target:
         ok = r["speedup_vs_native"] >= 2.0 and (r.get("memory_vs_native") or 0) <= 1.0
         print(f"target (100 frames fp32, >= 2.0x, memory <= native) {r['mode']}: {'MET' if ok else 'NOT MET'}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"json: {args.out}")
+        write_json(args.out, result)
     if args.plot:
         plot(result, args.plot)
     return result

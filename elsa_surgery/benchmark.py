@@ -1,0 +1,253 @@
+"""Measurement and output helpers shared by the benchmark recipes (``recipes/*.py``).
+
+One timing method and one memory method for every recipe:
+
+* **time**: ``warmup`` calls, then ``iters`` calls each timed on its own — CUDA events recorded around
+  the call on a GPU, ``time.perf_counter`` on the CPU — and the **median** in milliseconds;
+* **peak memory**: ``torch.cuda.max_memory_allocated`` over the measured block minus what was allocated
+  when it started (after ``torch.cuda.reset_peak_memory_stats``), in MiB; ``None`` on the CPU.
+
+:func:`measure_modes` measures one model native and then converted in each mode, a row each. Also: the
+dispatch summary of a :func:`elsa_surgery.dispatch.record` log, the environment record, the native /
+converted mode list, comma-list arguments, JSON output and the latency / memory plot.
+
+Needs only torch (matplotlib is imported by :func:`plot_time_memory` when called); never imported by
+``import elsa_surgery``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .dispatch import record
+from .surgery import convert, revert
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------------
+# timing and memory
+# --------------------------------------------------------------------------------------------------
+
+class PeakMemory:
+    """``with PeakMemory(device) as mem: ...`` then ``mem.mib``: the peak memory allocated inside the block
+    beyond what was live when it started (MiB); ``None`` on a non-CUDA device."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.mib: Optional[float] = None
+        self._base = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        return False
+
+
+def measure(fn: Callable[[], object], device, warmup: int, iters: int):
+    """``(median ms, peak extra MiB or None, output of the last call)`` of ``fn()`` under ``torch.no_grad``.
+
+    ``warmup`` untimed calls first (their outputs dropped at once); each timed call's output is released
+    before the next call, so the peak holds one call's output and workspace, not two.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    times: List[float] = []
+    out = None
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        with PeakMemory(device) as mem:
+            for _ in range(iters):
+                out = None
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = fn()
+                    end.record()
+                    torch.cuda.synchronize(device)
+                    times.append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    out = fn()
+                    times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), mem.mib, out
+
+
+def versus_native(ms: float, peak: Optional[float], native_ms: Optional[float],
+                  native_peak: Optional[float]) -> dict:
+    """``speedup_vs_native`` (None without a native time) and ``memory_vs_native`` (None unless both peaks
+    are known and the native one is positive)."""
+    return {"speedup_vs_native": native_ms / ms if native_ms else None,
+            "memory_vs_native": peak / native_peak if (peak is not None and native_peak) else None}
+
+
+def output_diff(y: torch.Tensor, ref: Optional[torch.Tensor]) -> dict:
+    """``max_abs_diff`` = max |y - ref| and ``rel_diff`` = that / max |ref| (the converted output against the
+    native one)."""
+    if ref is None:
+        raise RuntimeError("no native output to compare with (the native run failed)")
+    d = (y - ref).abs().max().item()
+    return {"max_abs_diff": d, "rel_diff": d / max(ref.abs().max().item(), 1e-30)}
+
+
+def measure_modes(model: torch.nn.Module, fn: Callable[[], object], modes: Sequence[Tuple[str, Optional[str]]],
+                  device, warmup: int, iters: int, base_row: dict, *, backend: str = "auto", adapters=None,
+                  on_output: Optional[Callable[[dict, object], None]] = None,
+                  show: Optional[Callable[[dict], None]] = None) -> List[dict]:
+    """Time ``fn()`` (which runs ``model``) for each ``(label, precision)`` of ``modes`` (see :func:`modes_for`):
+    ``native`` as the model is, the others after ``convert(model, backend=..., precision=..., adapters=...)``.
+
+    One row per mode: ``base_row``, ``mode``, ``ms``, ``peak_mib``; converted rows also ``converted_modules``,
+    ``backends`` / ``fallbacks`` (:func:`dispatch_summary`) and :func:`versus_native`. ``on_output(row, out)``
+    adds the recipe's own fields (output parity, throughput); whatever raises (out of memory...) leaves
+    ``row["error"]`` and the sweep goes on. The model is reverted after every mode; ``show(row)`` after each.
+    """
+    device = torch.device(device)
+    rows: List[dict] = []
+    native: Optional[dict] = None
+    for label, precision in modes:
+        row = dict(base_row, mode=label)
+        out = None
+        try:
+            if label != "native":
+                rep = convert(model, backend=backend, precision=precision, verify=False, adapters=adapters)
+                row["converted_modules"] = rep.num_converted
+            with record() as log:
+                ms, peak, out = measure(fn, device, warmup, iters)
+            row.update(ms=ms, peak_mib=peak)
+            if label == "native":
+                native = row
+            else:
+                row.update(dispatch_summary(log))
+                row.update(versus_native(ms, peak, native and native["ms"], native and native["peak_mib"]))
+            if on_output is not None:
+                on_output(row, out)
+        except Exception as exc:  # e.g. out of memory: record it and go on
+            row["error"] = error_text(exc)
+        finally:
+            del out
+            revert(model)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+        if show is not None:
+            show(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# what ran, where
+# --------------------------------------------------------------------------------------------------
+
+def dispatch_summary(log) -> dict:
+    """What the converted calls ran on: {"backend/precision": calls}, plus distinct fallback reasons."""
+    used = Counter(d.backend + (f"/{d.precision}" if d.precision else "") for d in log)
+    return {"backends": dict(used), "fallbacks": sorted({d.reason for d in log if d.fallback})}
+
+
+def env_info(device) -> dict:
+    """Versions, device, TF32 switches and the command line of this run."""
+    from . import __version__
+
+    device = torch.device(device)
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+            "elsa_surgery": __version__,
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "command": " ".join([sys.executable] + sys.argv)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["capability"] = list(torch.cuda.get_device_capability(device))
+    return info
+
+
+def error_text(exc: BaseException) -> str:
+    """``"Type: first line of the message"`` for a configuration that failed (out of memory...)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments and output
+# --------------------------------------------------------------------------------------------------
+
+def modes_for(dtype_name: str, modes: Iterable[str]) -> List[Tuple[str, Optional[str]]]:
+    """``(label, precision)`` pairs to measure, native first: fp32 converts once per precision mode
+    (``elsa-<mode>``); other dtypes once (``elsa``: their precision is fixed)."""
+    out: List[Tuple[str, Optional[str]]] = [("native", None)]
+    if dtype_name == "fp32":
+        out += [(f"elsa-{m}", m) for m in modes]
+    else:
+        out += [("elsa", None)]
+    return out
+
+
+def comma_list(parser, flag: str, value, choices: Optional[Sequence] = None, what: str = "value",
+               type: Callable = str) -> list:
+    """``"a,b"`` -> ``[type(a), type(b)]``; an item not in ``choices`` is a usage error naming ``flag``."""
+    items = [type(s) for s in str(value).split(",") if s]
+    if choices is not None:
+        for item in items:
+            if item not in choices:
+                parser.error(f"{flag}: unknown {what} {item!r} (choose from {', '.join(map(str, choices))})")
+    return items
+
+
+def write_json(path, obj, announce: bool = True) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+    if announce:
+        print(f"json: {path}")
+
+
+def peak_text(mib: Optional[float], width: int = 9) -> str:
+    return "-" if mib is None else f"{mib:{width}.1f} MiB"
+
+
+def plot_time_memory(rows, path, x_key: str, time_axes: dict, memory_axes: dict,
+                     time_scale: float = 1.0, memory_scale: float = 1.0) -> None:
+    """Two panels, one line per (dtype, mode): ``ms * time_scale`` and ``peak_mib * memory_scale`` against
+    ``row[x_key]`` (rows without ``ms`` are left out; memory only where every point has one). ``*_axes``
+    are ``Axes.set`` keywords (xlabel, ylabel, title). Needs matplotlib: without it, says so and returns."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    rows = [r for r in rows if "ms" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["dtype"], r["mode"]) for r in rows}):
+        pts = sorted((r[x_key], r["ms"], r["peak_mib"]) for r in rows if (r["dtype"], r["mode"]) == key)
+        axes[0].plot([p[0] for p in pts], [p[1] * time_scale for p in pts], marker="o", label=" ".join(key))
+        if all(p[2] is not None for p in pts):
+            axes[1].plot([p[0] for p in pts], [p[2] * memory_scale for p in pts], marker="o", label=" ".join(key))
+    axes[0].set(**time_axes)
+    axes[1].set(**memory_axes)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
