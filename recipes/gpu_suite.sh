@@ -1,24 +1,44 @@
 #!/usr/bin/env bash
-# Every GPU measurement and GPU test behind docs/PERF.md, in the order they were run on the device
-# machine (each part fits one 10-minute call). Usage: bash recipes/gpu_suite.sh PART OUTDIR
+# The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
+# fits one 10-minute call. Usage (from the repository root): bash recipes/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | models | llama | vision
+# Works from a plain checkout: the package is mapped onto PYTHONPATH (kernels/ -> elsa_surgery.kernels,
+# adapters/ -> elsa_surgery.adapters) when it is not installed. open_clip wheels, if carried in .whl/,
+# are installed into /tmp/site first.
 set -uo pipefail
 part=${1:?part: tests|models|llama|vision}
 out=${2:-${OUT:-/tmp/elsa_out}}
+repo=$(pwd)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+if ! python3 -c "import elsa_surgery.kernels" 2>/dev/null; then
+  pp=/tmp/elsa_pp/elsa_surgery
+  rm -rf /tmp/elsa_pp && mkdir -p "$pp"
+  ln -s "$repo"/elsa_surgery/*.py "$pp"/
+  ln -s "$repo/kernels" "$pp/kernels"
+  ln -s "$repo/adapters" "$pp/adapters"
+  export PYTHONPATH=/tmp/elsa_pp:$repo${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu_$part.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu_$part.txt"
 case "$part" in
-  tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/pytest_gpu.log" ;;
+  tests)  # from outside the checkout so that the repo's unmapped elsa_surgery/ is not imported first
+    (cd /tmp && timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
+       --rootdir "$repo" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.log" | tail -60) ;;
   models)
-    python3 recipes/bench_models.py --models vit_b16,vit_l14_clip,swin_t --modes cudagraph --out "$out/models.json" 2>&1 | tee "$out/models.log" ;;
+    timeout 560 python3 recipes/bench_models.py --models vit_b16,vit_l14_clip,swin_t --dtypes fp32,bf16 \
+      --modes cudagraph --iters 10 --no-verify --out "$out/models.json" 2>&1 | tee "$out/models.log" | tail -60 ;;
   llama)
-    python3 recipes/llama_long_context.py --json "$out/llama.json" 2>&1 | tee "$out/llama.log" ;;
+    timeout 560 python3 recipes/llama_long_context.py --seq-lens 4096,8192,16384,32768,65536 \
+      --json "$out/llama.json" 2>&1 | tee "$out/llama.log" | tail -40 ;;
   vision)
-    python3 recipes/vggt_eval.py --frames 8,32,64,100,150 --dtypes fp32,bf16 --out "$out/vggt.json" 2>&1 | tee "$out/vggt.log"
-    python3 recipes/hsimae_bench.py --out "$out/hsimae.json" 2>&1 | tee "$out/hsimae.log"
-    python3 recipes/clip_eval.py --model ViT-L-14 --out "$out/clip.json" 2>&1 | tee "$out/clip.log" ;;
+    timeout 300 python3 recipes/vggt_eval.py --frames 8,32,64,100,150 --dtypes fp32,bf16 --out "$out/vggt.json" \
+      2>&1 | tee "$out/vggt.log" | tail -30
+    timeout 120 python3 recipes/hsimae_bench.py --out "$out/hsimae.json" 2>&1 | tee "$out/hsimae.log" | tail -20
+    timeout 150 python3 recipes/clip_eval.py --model ViT-L-14 --out "$out/clip.json" 2>&1 | tee "$out/clip.log" | tail -30 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
