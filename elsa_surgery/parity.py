@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 
 from .api import attention
@@ -74,7 +75,8 @@ def summarize(rows: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, float]]:
         if x.numel() == 0:
             out[name] = {"median": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
             continue
-        qs = torch.quantile(x, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64))
+        # numpy: any device's rows (moved to the host) and any count (torch.quantile stops at 2**24)
+        qs = np.quantile(x.detach().cpu().numpy(), [0.5, 0.95, 0.99])
         out[name] = {"median": float(qs[0]), "p95": float(qs[1]), "p99": float(qs[2]), "max": float(x.max())}
     return out
 

@@ -54,6 +54,10 @@ class ParityResult:
     # The six drift metrics (elsa_surgery.parity.drift_metrics) of the primary output: P = softmax over
     # its last axis, Y = the output itself. Absent when the parity module does not provide them.
     drift: Optional[Dict[str, Dict[str, float]]] = None
+    # Token positions left out of every comparison because the example inputs' 2-D ``attention_mask``
+    # marks them as padding: their outputs are undefined (PyTorch's CUDA SDPA kernels disagree among
+    # themselves on fully masked rows; ELSA returns zeros there).
+    padding_positions_excluded: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,6 +149,9 @@ class ConversionReport:
                          f"max|δ|={_fmt(p.max_abs_err)}, rel={_fmt(p.rel_err)}, rel_l2={_fmt(p.rel_l2_err)}")
             if p.worst_module is not None:
                 lines.append(f"  worst module: {p.worst_module} (rel. err {_fmt(p.worst_module_rel_err)})")
+            if p.padding_positions_excluded:
+                lines.append(f"  {p.padding_positions_excluded} padding position(s) of attention_mask left out "
+                             f"(their outputs are undefined)")
             if p.drift:
                 lines.append("  drift: " + ", ".join(
                     f"{k}={_fmt(v.get('max', v.get('rate')))}" for k, v in p.drift.items()))

@@ -104,8 +104,30 @@ def flatten_outputs(out: Any, prefix: str = "output") -> List[Tuple[str, torch.T
     return found
 
 
-def compare(ref: Any, test: Any) -> Dict[str, Dict[str, float]]:
-    """Per output tensor: ``max_abs``, ``ref_max``, ``rel`` (max_abs / ref_max), ``rel_l2``."""
+def padding_keep(inputs: Any) -> Optional[torch.Tensor]:
+    """``[B, L]`` bool, True at real tokens, from a Hugging Face-style ``attention_mask`` in dict inputs."""
+    if not isinstance(inputs, Mapping):
+        return None
+    am = inputs.get("attention_mask")
+    if not isinstance(am, torch.Tensor) or am.dim() != 2 or am.is_floating_point() and not bool(((am == 0) | (am == 1)).all()):
+        return None
+    keep = am.bool()
+    return None if bool(keep.all()) else keep
+
+
+def _real_rows(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The token rows of ``t`` that are not padding (tensors shaped ``[B, L, ...]`` only)."""
+    if keep is None or t.dim() < 2 or tuple(t.shape[:2]) != tuple(keep.shape):
+        return t
+    return t[keep.to(t.device)]
+
+
+def compare(ref: Any, test: Any, keep: Optional[torch.Tensor] = None) -> Dict[str, Dict[str, float]]:
+    """Per output tensor: ``max_abs``, ``ref_max``, ``rel`` (max_abs / ref_max), ``rel_l2``.
+
+    With ``keep`` (``[B, L]``, True at real tokens), outputs shaped ``[B, L, ...]`` are compared at real
+    tokens only: padding positions carry no defined value.
+    """
     a, b = flatten_outputs(ref), flatten_outputs(test)
     if [n for n, _ in a] != [n for n, _ in b]:
         raise ParityError(f"the converted model's outputs have a different structure: {[n for n, _ in a]} "
@@ -114,7 +136,7 @@ def compare(ref: Any, test: Any) -> Dict[str, Dict[str, float]]:
     for (name, x), (_, y) in zip(a, b):
         if x.shape != y.shape:
             raise ParityError(f"{name} changed shape: {tuple(x.shape)} before, {tuple(y.shape)} after")
-        x64, y64 = x.detach().double(), y.detach().double()
+        x64, y64 = _real_rows(x.detach(), keep).double(), _real_rows(y.detach(), keep).double()
         d = y64 - x64
         if x64.numel() == 0:
             out[name] = dict(max_abs=0.0, ref_max=0.0, rel=0.0, rel_l2=0.0)
@@ -141,7 +163,7 @@ def within(stats: Mapping[str, float], rtol: float, atol: float) -> bool:
     return stats["max_abs"] <= atol + rtol * stats["ref_max"]
 
 
-def _drift(ref: Any, test: Any) -> Optional[Dict[str, Dict[str, float]]]:
+def _drift(ref: Any, test: Any, keep: Optional[torch.Tensor] = None) -> Optional[Dict[str, Dict[str, float]]]:
     try:
         from .parity import drift_metrics
     except ImportError:  # the parity module is optional: no metrics rather than made-up ones
@@ -149,7 +171,7 @@ def _drift(ref: Any, test: Any) -> Optional[Dict[str, Dict[str, float]]]:
     a, b = flatten_outputs(ref), flatten_outputs(test)
     if not a or a[0][1].dim() == 0 or a[0][1].is_complex():
         return None
-    y_ref, y_test = a[0][1].detach().double(), b[0][1].detach().double()
+    y_ref, y_test = _real_rows(a[0][1].detach(), keep).double(), _real_rows(b[0][1].detach(), keep).double()
     if y_ref.dim() == 1:
         y_ref, y_test = y_ref[None], y_test[None]
     if not (torch.isfinite(y_ref).all() and torch.isfinite(y_test).all()):
@@ -236,7 +258,8 @@ class ParityCheck:
         with torch.no_grad(), eval_mode(self.model), dispatch.record() as log:
             test_out = call_model(self.model, self.inputs)
         self.decisions = list(log)
-        stats = compare(self.ref_out, test_out)
+        keep = padding_keep(self.inputs)
+        stats = compare(self.ref_out, test_out, keep)
         dtypes = [t.dtype for _, t in flatten_outputs(self.ref_out)]
         dtypes += [p.dtype for m in self.modules.values() for p in m.parameters(recurse=True)]
         dtype = least_precise(dtypes)
@@ -261,7 +284,8 @@ class ParityCheck:
             rel_l2_err=max((s["rel_l2"] for s in stats.values()), default=0.0),
             worst_output=worst_out, worst_module=worst_mod,
             worst_module_rel_err=None if worst_mod is None else per_module[worst_mod]["rel"],
-            drift=_drift(self.ref_out, test_out),
+            drift=_drift(self.ref_out, test_out, keep),
+            padding_positions_excluded=0 if keep is None else int((~keep).sum()),
         )
         if not model_ok:
             result.reason = f"{worst_out} differs from the original model"
@@ -288,7 +312,7 @@ class ParityCheck:
                     a, b = flatten_outputs(out)[:1], flatten_outputs(new)[:1]
                     if not a or not b:
                         continue
-                    s = compare(a[0][1], b[0][1])["output"]
+                    s = compare(a[0][1], b[0][1], padding_keep(self.inputs))["output"]
                 except Exception as exc:
                     errors[name] = dict(error=f"{type(exc).__name__}: {exc}")
                     continue

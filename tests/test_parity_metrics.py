@@ -66,3 +66,9 @@ def test_scenarios_shapes():
         q, k, v = parity.scenario_inputs(sc, rows=8)
         assert q.shape == (1, 1, 8, sc.d) and k.shape == (1, 1, sc.n, sc.d)
     assert (parity.SCENARIOS["regular"].n, parity.SCENARIOS["long"].n, parity.SCENARIOS["stress"].n) == (1024, 8192, 4096)
+
+
+def test_summary_of_many_rows_on_any_device():
+    rows = {name: torch.rand(2**24 + 5, dtype=torch.float64) for name in parity.METRICS}
+    s = parity.summarize(rows)
+    assert abs(s["dP_inf"]["median"] - 0.5) < 1e-3 and s["dP_inf"]["p99"] > s["dP_inf"]["p95"]

@@ -492,3 +492,22 @@ def test_hidden_branch_is_still_checked(bad_adapter):
     rep = convert(m, adapters=["timm"], example_inputs=x)  # the right adapter passes
     assert rep.parity.passed
     revert(m)
+
+
+def test_parity_leaves_out_padding_positions():
+    """Outputs at padding positions are undefined (CUDA SDPA kernels disagree on fully masked rows):
+    parity compares real tokens only, and says how many positions it left out."""
+    from elsa_surgery.verify import compare, padding_keep
+
+    ref = torch.randn(2, 5, 3)
+    test = ref.clone()
+    test[1, :2] += 100.0  # garbage at two padding positions
+    am = torch.ones(2, 5, dtype=torch.long)
+    am[1, :2] = 0
+    keep = padding_keep({"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": am})
+    assert keep is not None and int((~keep).sum()) == 2
+    assert compare(ref, test, keep)["output"]["max_abs"] == 0.0
+    assert compare(ref, test)["output"]["max_abs"] > 99.0  # without the mask the garbage counts
+    test[0, 3] += 1.0  # a real token differs: still seen
+    assert abs(compare(ref, test, keep)["output"]["max_abs"] - 1.0) < 1e-5
+    assert padding_keep({"attention_mask": torch.ones(2, 5)}) is None and padding_keep(torch.ones(2, 5)) is None
