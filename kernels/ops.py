@@ -16,6 +16,8 @@ from torch import Tensor
 from . import launch
 
 NS = "elsa_surgery"
+if __name__ != "elsa_surgery.kernels.ops":  # see kernels/__init__.py: never register the ops twice
+    raise ImportError(f"the ELSA custom ops live in elsa_surgery.kernels.ops, not {__name__}")
 
 
 @torch.library.custom_op(f"{NS}::attention", mutates_args=())

@@ -38,3 +38,31 @@ def test_no_top_level_kernels_or_adapters_module():
         spec = importlib.util.find_spec(name)
         # run from the repo root, a bare `kernels` could resolve to the source folder; never to an install
         assert spec is None or "site-packages" not in (spec.origin or str(spec.submodule_search_locations))
+
+
+CLASH = textwrap.dedent("""
+    import importlib, sys, torch
+    import elsa_surgery.kernels
+    from elsa_surgery.kernels import ops
+    import torch._library.custom_ops as co
+    first = co.OPDEFS["elsa_surgery::attention"]
+    sys.path.insert(0, {root!r})  # a source checkout on sys.path, as `python -m pytest` from the root has
+    bare = importlib.import_module("kernels")  # what transformers does to probe Hugging Face's `kernels`
+    assert not hasattr(bare, "attention"), "the bare `kernels` import must stay inert"
+    assert co.OPDEFS["elsa_surgery::attention"] is first, "custom ops registered twice"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 5, 8)
+        out, lse = ops.attention_op(q, q, q, None, None, None, 0.5, False, "")
+    print(tuple(out.shape))
+""")
+
+
+def test_bare_kernels_import_from_a_checkout_is_inert():
+    """transformers imports a top-level `kernels` if one is importable; ours must not re-register ops."""
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", CLASH.format(root=root)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "(1, 2, 5, 8)"

@@ -1,0 +1,144 @@
+"""The interface the framework calls (re-exported by ``elsa_surgery.kernels``) (inputs already validated and canonical, see
+``elsa_surgery/semantics.py``):
+
+* :func:`unsupported_reason` — ``None`` when the kernels can run a case, else a sentence saying why not.
+* :func:`attention` — ``(out, lse or None)``.
+* :func:`attention_state` — ``(m, S, W)`` fp32, mergeable with ``elsa_surgery.monoid.merge``.
+* :func:`attention_varlen` — packed sequences, ``(out, lse [Hq, total_q] or None)``.
+
+Files: ``scan.py`` the Triton kernels, ``launch.py`` the launchers, ``occupancy.py`` tile table and
+partition model (ELSA-Lean knob ``ELSA_LEAN_ETA``), ``ops.py`` the ``torch.library`` custom ops.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+try:
+    import triton  # noqa: F401
+
+    _TRITON_ERROR: Optional[str] = None
+except ImportError as exc:  # pragma: no cover - triton is a dependency on Linux
+    _TRITON_ERROR = f"triton is not installed ({exc})"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def _dim_reason(name: str, d: int) -> Optional[str]:
+    if d < MIN_HEAD_DIM or d > MAX_HEAD_DIM or d % HEAD_DIM_STEP:
+        return (f"{name}={d}: the kernels take head dims from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} "
+                f"in multiples of {HEAD_DIM_STEP}")
+    return None
+
+
+def unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
+    """Why the kernels cannot run this (canonical) case, or None when they can."""
+    if _TRITON_ERROR is not None:
+        return _TRITON_ERROR
+    dev = q.device
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
+        return f"{dev.type} tensors: the kernels need CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype}: the kernels take float16, bfloat16 or float32"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    for name, d in (("D", q.shape[-1]), ("Dv", v.shape[-1])):
+        why = _dim_reason(name, d)
+        if why:
+            return why
+    if dev.type == "cuda" and q.dtype == torch.bfloat16 and torch.cuda.get_device_capability(dev)[0] < 8:
+        return "bfloat16 needs a GPU of compute capability 8.0 or newer"
+    if mask is not None:
+        if mask.dim() != 4:
+            return f"mask must be the canonical 4-D view, got {mask.dim()}-D"
+        if not (mask.dtype == torch.bool or mask.dtype in SUPPORTED_DTYPES):
+            return f"mask dtype {mask.dtype}: bool or float16/bfloat16/float32 additive masks"
+        if mask.device != dev:
+            return "mask is on another device than q"
+    return None
+
+
+from . import launch, ops  # noqa: E402,F401  (torch only; triton is imported by launch on the first launch)
+
+
+def _ops():
+    return ops
+
+
+def _eager() -> bool:
+    """Outside torch.compile tracing, call the launchers directly: the custom-op dispatch costs tens of
+    microseconds per call, which is the whole kernel time at N=1K. Under tracing, the ops are used."""
+    return not torch.compiler.is_compiling()
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Runs a kernel call so that its outputs join the autograd graph, and refuses backward loudly.
+
+    Without it an eager call under grad mode would return outputs silently detached from q/k/v."""
+
+    @staticmethod
+    def forward(ctx, call, *inputs):
+        outs = tuple(t for t in call() if t is not None)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "elsa_surgery: the ELSA kernels are forward-only (inference). Run the model under torch.no_grad() "
+            "or torch.inference_mode(), or use backend='reference' or 'sdpa' where gradients are needed")
+
+
+def _run_eager(call, *tensors):
+    """``call()`` directly, or through :class:`_ForwardOnly` when autograd would want its gradient."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        return tuple(call())
+    empty = []
+
+    def tensors_only():
+        res = tuple(call())
+        empty[:] = [r is None for r in res]
+        return res
+
+    outs = _ForwardOnly.apply(tensors_only, *[t for t in tensors if t is not None])
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    return tuple(None if e else outs.pop(0) for e in empty)
+
+
+def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, precision=None,
+              return_lse=False):
+    if _eager():
+        return _run_eager(lambda: launch.attention(
+            q, k, v, scale=float(scale), mask=mask, is_causal=bool(is_causal), q_lengths=q_lengths,
+            kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse), q, k, v, mask)
+    out, lse = _ops().attention_op(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
+                                   precision or "")
+    return out, (lse if return_lse else None)
+
+
+def attention_state(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, precision=None):
+    if _eager():
+        return _run_eager(lambda: launch.attention_state(
+            q, k, v, scale=float(scale), mask=mask, is_causal=bool(is_causal), q_lengths=q_lengths,
+            kv_lengths=kv_lengths, precision=precision or None), q, k, v, mask)
+    m, S, W = _ops().attention_state_op(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
+                                        precision or "")
+    return m, S, W
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
+                     precision=None, return_lse=False):
+    if _eager():
+        return _run_eager(lambda: launch.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale=float(scale),
+            is_causal=bool(is_causal), precision=precision or None, return_lse=return_lse), q, k, v)
+    out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                          int(max_seqlen_k), float(scale), bool(is_causal), precision or "")
+    return out, (lse if return_lse else None)
