@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import socket
+import urllib.parse
 import json
 import logging
 import os
@@ -188,7 +190,29 @@ def _hub_failure(what: str, name: str, exc: BaseException) -> CliError:
     return CliError(f"could not load {what} {name!r}: {first}", EXIT_USAGE)
 
 
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    """False when the hub's host name cannot even be resolved (no network): fail fast from the cache."""
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return False
+    endpoint = os.environ.get("HF_ENDPOINT", "")
+    if endpoint:
+        host = urllib.parse.urlparse(endpoint).hostname or host
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
 def load_hf(name: str, args, console: Console):
+    if not Path(name).expanduser().exists() and not _hub_reachable():
+        # No route to the hub: look in the local cache only, instead of the hub client's retry backoff
+        # (about 20 s of retries per file) before the same offline failure. The hub client reads the
+        # variable when it is imported, so set its constant too if it is loaded already.
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        hub_constants = sys.modules.get("huggingface_hub.constants")
+        if hub_constants is not None:
+            hub_constants.HF_HUB_OFFLINE = True
     try:
         import transformers
     except ImportError:

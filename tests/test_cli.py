@@ -6,6 +6,7 @@ the real ``-m`` entry, the offline hub, the post-import hook and the default (Mi
 """
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -114,6 +115,18 @@ def test_cli_offline_hub_id(tmp_path):
     assert "offline" in r.stderr and "local path" in r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["ok"] is False and rep["exit_code"] == cli.EXIT_OFFLINE and "offline" in rep["error"]
+
+
+def test_cli_unreachable_hub_fails_fast_from_the_cache(tmp_path, monkeypatch):
+    """No HF_HUB_OFFLINE set, but the hub's host does not resolve: one offline line, no retry backoff."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert not cli._hub_reachable("hub.invalid")  # the .invalid TLD never resolves (RFC 2606)
+    t0 = time.perf_counter()
+    r = _run(["-m", "elsa_surgery.convert", "--hf", "nobody-here/not-a-cached-model", "--quiet"], tmp_path,
+             HF_ENDPOINT="https://hub.invalid", HF_HOME=str(tmp_path / "hf_home"))
+    assert r.returncode == cli.EXIT_OFFLINE, (r.returncode, r.stderr[-500:])
+    assert "Retrying" not in r.stderr and "Traceback" not in r.stderr
+    assert time.perf_counter() - t0 < 60
 
 
 def test_cli_planted_parity_failure_does_not_save(tiny_llama_dir, tmp_path, monkeypatch, capsys):
