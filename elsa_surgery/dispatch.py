@@ -78,10 +78,6 @@ def default_precision(device: torch.device) -> str:
     return "strict"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-
-
 _KERNELS = None
 
 
@@ -99,9 +95,6 @@ def kernels_module():
 
 def kernel_unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
     """Why the Triton kernels cannot run this case, or None when they can."""
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
-        return (f"{q.device.type} tensors: the ELSA Triton kernels need CUDA "
-                f"(or TRITON_INTERPRET=1 to run them on CPU tensors in the interpreter)")
     try:
         kernels = kernels_module()
     except ImportError as exc:  # triton missing

@@ -49,12 +49,6 @@ def _mask_view(p: AttentionProblem) -> Optional[torch.Tensor]:
     return m.reshape(m.shape[0], p.heads_kv, p.groups, p.n_q, p.n_k)
 
 
-def _lengths_2d(lengths: Optional[torch.Tensor], default: int, batch: int, device) -> torch.Tensor:
-    if lengths is None:
-        return torch.full((batch,), default, dtype=torch.int64, device=device)
-    return lengths.to(torch.int64)
-
-
 def run_state(p: AttentionProblem) -> monoid.State:
     """Fold every visible key into per-row states ``m, S [B, Hq, Nq]``, ``W [B, Hq, Nq, Dv]``."""
     acc = _acc_dtype(p.q.dtype)
@@ -72,11 +66,6 @@ def run_state(p: AttentionProblem) -> monoid.State:
     period = 1 if mask5 is None else mask5.shape[0]
     batch_rows = torch.arange(B, device=dev) % period
 
-    use_index_mask = p.is_causal or p.q_lengths is not None or p.kv_lengths is not None
-    q_len = _lengths_2d(p.q_lengths, Nq, B, dev)
-    kv_len = _lengths_2d(p.kv_lengths, Nk, B, dev)
-    # Bottom-right causal offset per batch row: query i sees key j iff j <= i + offset[b].
-    offset = kv_len - q_len
     # Static skip bounds (no host sync): with no lengths the causal frontier is known exactly.
     static_offset = Nk - Nq if (p.q_lengths is None and p.kv_lengths is None) else None
 
@@ -98,12 +87,8 @@ def run_state(p: AttentionProblem) -> monoid.State:
                     s.masked_fill_(~mc, float("-inf"))
                 else:
                     s.add_(mc.to(acc))
-            if use_index_mask:
-                cols = torch.arange(j0, j1, device=dev)
-                vis = cols.view(1, 1, -1) < kv_len.view(-1, 1, 1)
-                vis = vis & (rows.view(1, -1, 1) < q_len.view(-1, 1, 1))
-                if p.is_causal:
-                    vis = vis & (cols.view(1, 1, -1) <= rows.view(1, -1, 1) + offset.view(-1, 1, 1))
+            if p.has_index_mask:
+                vis = p.visible(rows, torch.arange(j0, j1, device=dev))
                 s.masked_fill_(~vis.view(B, 1, 1, i1 - i0, j1 - j0), float("-inf"))
             st = monoid.fold_scores(st, s, v5[:, :, :, j0:j1].to(acc))
         ms.append(st.m)

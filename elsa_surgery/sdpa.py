@@ -14,25 +14,13 @@ import torch.nn.functional as F
 from .semantics import AttentionProblem
 
 
-def _index_mask(p: AttentionProblem) -> torch.Tensor:
-    dev = p.q.device
-    B, Nq, Nk = p.batch, p.n_q, p.n_k
-    q_len = p.q_lengths.long() if p.q_lengths is not None else torch.full((B,), Nq, device=dev)
-    kv_len = p.kv_lengths.long() if p.kv_lengths is not None else torch.full((B,), Nk, device=dev)
-    rows = torch.arange(Nq, device=dev).view(1, -1, 1)
-    cols = torch.arange(Nk, device=dev).view(1, 1, -1)
-    vis = (cols < kv_len.view(-1, 1, 1)) & (rows < q_len.view(-1, 1, 1))
-    if p.is_causal:
-        vis = vis & (cols <= rows + (kv_len - q_len).view(-1, 1, 1))
-    return vis.unsqueeze(1)  # [B, 1, Nq, Nk]
-
-
 def run(p: AttentionProblem) -> torch.Tensor:
     mask = p.mask
     if mask is not None and mask.shape[0] not in (1, p.batch):  # per-window: row b uses b % nW
         mask = mask[torch.arange(p.batch, device=mask.device) % mask.shape[0]]
-    if p.is_causal or p.q_lengths is not None or p.kv_lengths is not None:
-        vis = _index_mask(p)
+    if p.has_index_mask:
+        dev = p.q.device
+        vis = p.visible(torch.arange(p.n_q, device=dev), torch.arange(p.n_k, device=dev)).unsqueeze(1)
         if mask is None:
             mask = vis
         elif mask.dtype == torch.bool:

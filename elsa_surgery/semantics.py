@@ -86,6 +86,26 @@ class AttentionProblem:
     def empty_output(self) -> torch.Tensor:
         return self.q.new_zeros(self.output_shape(), dtype=self.q.dtype)
 
+    @property
+    def has_index_mask(self) -> bool:
+        """Whether causality or padded lengths hide some (query, key) pairs."""
+        return self.is_causal or self.q_lengths is not None or self.kv_lengths is not None
+
+    def visible(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``[B, len(rows), len(cols)]`` bool: query ``i`` may see key ``j`` under lengths and causality.
+
+        Keys ``j >= kv_len[b]`` and padding rows ``i >= q_len[b]`` see nothing; causal is bottom-right:
+        ``j <= i + kv_len[b] - q_len[b]``.
+        """
+        B, dev = self.batch, rows.device
+        q_len = self.q_lengths.long() if self.q_lengths is not None else torch.full((B,), self.n_q, device=dev)
+        kv_len = self.kv_lengths.long() if self.kv_lengths is not None else torch.full((B,), self.n_k, device=dev)
+        r, c = rows.view(1, -1, 1), cols.view(1, 1, -1)
+        vis = (c < kv_len.view(-1, 1, 1)) & (r < q_len.view(-1, 1, 1))
+        if self.is_causal:
+            vis = vis & (c <= r + (kv_len - q_len).view(-1, 1, 1))
+        return vis
+
     def restore_shape(self, out: torch.Tensor, lse: Optional[torch.Tensor] = None):
         if self.squeeze_head:
             out = out.squeeze(1)

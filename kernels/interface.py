@@ -12,10 +12,11 @@ partition model (ELSA-Lean knob ``ELSA_LEAN_ETA``), ``ops.py`` the ``torch.libra
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
+
+from . import occupancy
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,10 +27,6 @@ try:
     _TRITON_ERROR: Optional[str] = None
 except ImportError as exc:  # pragma: no cover - triton is a dependency on Linux
     _TRITON_ERROR = f"triton is not installed ({exc})"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
 def _dim_reason(name: str, d: int) -> Optional[str]:
@@ -44,7 +41,7 @@ def unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
     if _TRITON_ERROR is not None:
         return _TRITON_ERROR
     dev = q.device
-    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
+    if dev.type != "cuda" and not (dev.type == "cpu" and occupancy.interpreting()):
         return f"{dev.type} tensors: the kernels need CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype}: the kernels take float16, bfloat16 or float32"
