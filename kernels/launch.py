@@ -43,6 +43,13 @@ def _mask_arg(mask: Optional[torch.Tensor]):
     return m, kind, strides, m.shape[0]
 
 
+def _stage_v(v, varlen: bool):
+    """V as a view whose key axis is contiguous in memory (occupancy.stage_operands); the caller's V is only read."""
+    perm, inv = ((1, 2, 0), (2, 0, 1)) if varlen else ((0, 1, 3, 2), (0, 1, 3, 2))
+    vt = v.permute(perm)  # keys last
+    return v if vt.stride(-1) == 1 else vt.contiguous().permute(inv)
+
+
 def _partition_len(n_k: int, parts: int, block_n: int) -> int:
     per = -(-max(n_k, 1) // parts)
     return -(-per // block_n) * block_n
@@ -55,6 +62,12 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     scan = _scan()
     dot = _dot_kind(q.dtype, precision)
     varlen = varlen_dims is not None
+    if varlen:
+        rows_per_kv = q.shape[0] * q.shape[1] // max(k.shape[1], 1) // max(varlen_dims[0], 1)
+    else:
+        rows_per_kv = q.shape[2] * q.shape[1] // max(k.shape[1], 1)
+    if occ.stage_operands(dot, rows_per_kv):
+        v = _stage_v(v, varlen)
     if varlen:
         B, Nq, Nk = varlen_dims
         Hq, D = q.shape[1], q.shape[2]

@@ -15,6 +15,11 @@ writes its partial state and phase 2 (:func:`elsa_merge`) merges the partitions 
 Dot products: ``DOT = 0`` fp16/bf16 tensor cores (fp32 accumulate), ``1`` IEEE fp32 (no tensor
 cores), ``2`` TF32, ``3`` 3xTF32 (hi/lo split done by Triton's ``input_precision="tf32x3"``), ``4``
 bf16 under the CPU interpreter only (operands upcast to fp32 before the dot).
+
+TF32 tensor-core MMAs (``DOT`` 2, 3) need both shared-memory operands K-major. K (``[N, D]``, D contiguous)
+is; V in its natural layout (Dv contiguous) is not, and Triton then fills V's tile with 4-byte copies. The
+launcher therefore passes V transposed in memory (keys contiguous, ``stride_vn == 1``) for these modes; the
+kernel is the same, only the strides differ.
 Head dims that are not powers of two are padded inside the kernel with masked loads.
 """
 
@@ -154,7 +159,7 @@ def elsa_fwd(
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_row0 * stride_vn
 
     # this program's keys: [lo, hi) of its partition, cut at the valid length and the causal frontier
-    lo = pid_p * part_len
+    lo = tl.multiple_of(pid_p * part_len, BLOCK_N)  # part_len is a multiple of BLOCK_N (launch.py)
     hi = tl.minimum(lo + part_len, kv_len)
     if IS_CAUSAL:
         hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)

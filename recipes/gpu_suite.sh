@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash recipes/gpu_suite.sh PART [OUTDIR]
-#   PART: tests | models | llama | vision
+#   PART: tests | models | llama | vision | exec (then: OUTDIR COMMAND..., run with the package mapped)
 # Works from a plain checkout: the package is mapped onto PYTHONPATH (kernels/ -> elsa_surgery.kernels,
 # adapters/ -> elsa_surgery.adapters) when it is not installed. open_clip wheels, if carried in .whl/,
 # are installed into /tmp/site first.
 set -uo pipefail
 part=${1:?part: tests|models|llama|vision}
 out=${2:-${OUT:-/tmp/elsa_out}}
+shift $(( $# >= 2 ? 2 : $# ))
 repo=$(pwd)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -40,5 +41,6 @@ case "$part" in
       2>&1 | tee "$out/vggt.log" | tail -30
     timeout 120 python3 recipes/hsimae_bench.py --out "$out/hsimae.json" 2>&1 | tee "$out/hsimae.log" | tail -20
     timeout 150 python3 recipes/clip_eval.py --model ViT-L-14 --out "$out/clip.json" 2>&1 | tee "$out/clip.log" | tail -30 ;;
+  exec) "$@" 2>&1 | tee "$out/exec.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

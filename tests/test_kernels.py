@@ -314,3 +314,49 @@ def test_eager_kernel_call_under_grad_mode_refuses_backward():
         assert not elsa_surgery.attention(q, k, v, backend="elsa").requires_grad
     out2, lse = elsa_surgery.attention(q, k, v, backend="elsa", return_lse=True)
     assert out2.requires_grad and lse.shape == (1, 2, 20)
+
+
+@pytest.mark.parametrize("mode", ["turbo", "precise"])
+def test_staged_v_for_tensor_core_modes(mode, monkeypatch):
+    """fp32 TF32/3xTF32 with V staged transposed in memory (keys contiguous): every feature path still
+    matches the oracle, staging really happens (and not when opted out or decode-like), and the caller's
+    K/V are left untouched. (Under the interpreter every dot is fp32, so this checks the data movement;
+    the TF32 error budgets are checked on the GPU.)"""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    staged = []
+    real_stage = launch._stage_v
+    monkeypatch.setattr(launch, "_stage_v", lambda v, varlen: staged.append(v) or real_stage(v, varlen))
+    B, Hq, Hkv, D, Dv = 2, 4, 2, 72, 40
+    q = rand(B, 53, Hq, D).transpose(1, 2)
+    kv = rand(B, 61, 2, Hkv, D)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
+    k0, v0 = k.clone(), v.clone()
+    mask = torch.randn(1, Hq, 53, 61, device=DEV)
+    mask[..., 7, :] = float("-inf")
+    kvl = torch.tensor([61, 30], dtype=torch.int32, device=DEV)
+    for kw, parts in [(dict(), 1), (dict(is_causal=True), 2), (dict(mask=mask), 1), (dict(kv_lengths=kvl), 3)]:
+        out, lse = poisoned_run(q, k, v, precision=mode, num_partitions=parts, **kw)
+        check(out, lse, *oracle(q, k, v, **kw), TOL["strict"])
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert len(staged) == 4
+    # varlen (packed rows: V's key axis is the packed row axis)
+    lens = [37, 90, 5]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    qp, kp, vp = rand(sum(lens), Hq, 32), rand(sum(lens), Hkv, 32), rand(sum(lens), Hkv, 16)
+    o, l = launch.attention_varlen(qp, kp, vp, cu, cu, max(lens), max(lens), scale=32 ** -0.5, is_causal=True,
+                                   precision=mode)
+    ro, rl = elsa_surgery.attention_varlen(qp.double(), kp.double(), vp.double(), cu, cu, max(lens), max(lens),
+                                           is_causal=True, backend="reference", return_lse=True)
+    check(o, l, ro, rl, TOL["strict"])
+    assert len(staged) == 5
+    # opted out, or too few query rows per K/V head, or a half-precision/strict call: not staged
+    monkeypatch.setenv(occ.ENV_STAGE, "0")
+    poisoned_run(q, k, v, precision=mode)
+    monkeypatch.delenv(occ.ENV_STAGE)
+    poisoned_run(q, k, v, precision="strict")
+    poisoned_run(q.half(), k.half(), v.half())
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 10_000)
+    poisoned_run(q, k, v, precision=mode)
+    assert len(staged) == 5
