@@ -127,7 +127,10 @@ def runner(model, x, mode):
             static_out = model(static_x)
 
         def fn():
+            # the graph reads static_x's memory: the closure must keep it alive (once it was dropped here,
+            # and PeakMemory's empty_cache() unmapped it: "illegal memory access" on the next replay)
             graph.replay()
+            assert static_x is not None
             return static_out
         return fn
     raise ValueError(mode)
