@@ -61,6 +61,33 @@ class PeakMemory:
         return False
 
 
+def cuda_graph(fn: Callable[[], object], warmup: int = 1) -> Callable[[], object]:
+    """``fn()`` captured in a CUDA graph: returns ``replay()``, which reruns the graph and returns the output
+    tensors of the captured call.
+
+    ``warmup`` calls run first on a side stream (kernel compilation, library workspaces), as capture
+    requires. The returned callable holds ``fn`` and the graph, and with ``fn`` every tensor it reads: the
+    memory a replay reads and writes stays allocated for as long as ``replay`` lives (a graph whose static
+    input had been freed, then unmapped by ``empty_cache()``, read unmapped memory on the next replay).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    replay.graph, replay.captured = graph, fn  # explicit keep-alive of the graph's inputs
+    return replay
+
+
 def measure(fn: Callable[[], object], device, warmup: int, iters: int):
     """``(median ms, peak extra MiB or None, output of the last call)`` of ``fn()`` under ``torch.no_grad``.
 

@@ -43,6 +43,11 @@ def _mask_arg(mask: Optional[torch.Tensor]):
     return m, kind, strides, m.shape[0]
 
 
+def _strides4(t, varlen: bool):
+    """(batch, head, row, dim) strides; packed varlen ``[total, H, D]`` has batch stride 0 (rows come from cu_seqlens)."""
+    return (0, t.stride(1), t.stride(0), t.stride(2)) if varlen else t.stride()
+
+
 def _stage_v(v, varlen: bool):
     """V as a view whose key axis is contiguous in memory (occupancy.stage_operands); the caller's V is only read."""
     perm, inv = ((1, 2, 0), (2, 0, 1)) if varlen else ((0, 1, 3, 2), (0, 1, 3, 2))
@@ -63,24 +68,17 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     dot = _dot_kind(q.dtype, precision)
     varlen = varlen_dims is not None
     if varlen:
-        rows_per_kv = q.shape[0] * q.shape[1] // max(k.shape[1], 1) // max(varlen_dims[0], 1)
-    else:
-        rows_per_kv = q.shape[2] * q.shape[1] // max(k.shape[1], 1)
-    if occ.stage_operands(dot, rows_per_kv):
-        v = _stage_v(v, varlen)
-    if varlen:
         B, Nq, Nk = varlen_dims
         Hq, D = q.shape[1], q.shape[2]
         Hkv, Dv = k.shape[1], v.shape[2]
-        # [total, H, D] -> (batch stride 0, head, row, dim); the row offset comes from cu_seqlens
-        sq = (0, q.stride(1), q.stride(0), q.stride(2))
-        sk = (0, k.stride(1), k.stride(0), k.stride(2))
-        sv = (0, v.stride(1), v.stride(0), v.stride(2))
     else:
         B, Hq, Nq, D = q.shape
         Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-        sq, sk, sv = q.stride(), k.stride(), v.stride()
     groups = Hq // Hkv
+    rows_per_kv = q.shape[0] * groups // max(B, 1) if varlen else Nq * groups  # varlen: mean per sequence
+    if occ.stage_operands(dot, rows_per_kv):
+        v = _stage_v(v, varlen)
+    sq, sk, sv = (_strides4(t, varlen) for t in (q, k, v))
     cfg = occ.tile_config(dot, D, Dv)
     BD, BDV = occ.block_dim(D), occ.block_dim(Dv)
     n_mblocks = -(-Nq // cfg.block_m) if Nq > 0 else 0
@@ -93,7 +91,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     if n_mblocks == 0 or BH == 0:
         return out, lse, state
     if varlen:
-        so = (0, out.stride(1), out.stride(0), out.stride(2))
+        so = _strides4(out, True)
         sl = (0, lse.stride(0), lse.stride(1)) if want_lse else (0, 0, 0)
     elif state is None:
         so = out.stride()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import elsa_surgery
+from elsa_surgery import benchmark
 from elsa_surgery.kernels import launch, occupancy
 
 DTYPES = {"fp32-strict": (torch.float32, "strict"), "fp32-precise": (torch.float32, "precise"),
@@ -95,15 +96,7 @@ GRAPH = False
 
 def graph_ms(fn):
     """Kernel time without Python launch overhead: the call captured in a CUDA graph, replays timed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
+    return bench(benchmark.cuda_graph(fn))
 
 
 def lean_tradeoff(dname="bf16", H=8, D=128, nq=128, nk=65536):

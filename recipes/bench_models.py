@@ -116,23 +116,11 @@ def runner(model, x, mode):
         return fn
     if mode == "cudagraph":
         static_x = x.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.no_grad():
-            for _ in range(3):  # warm up (Triton autotuning, cuBLAS workspaces) before capture
-                model(static_x)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            static_out = model(static_x)
 
-        def fn():
-            # the graph reads static_x's memory: the closure must keep it alive (once it was dropped here,
-            # and PeakMemory's empty_cache() unmapped it: "illegal memory access" on the next replay)
-            graph.replay()
-            assert static_x is not None
-            return static_out
-        return fn
+        def call():
+            with torch.no_grad():
+                return model(static_x)
+        return benchmark.cuda_graph(call, warmup=3)  # warm-up: Triton compiles, cuBLAS workspaces
     raise ValueError(mode)
 
 

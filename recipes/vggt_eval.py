@@ -160,10 +160,10 @@ def main(argv=None):
         fast = r["speedup_vs_native"] >= 2.0
         mem = r.get("memory_vs_native")
         lean = mem is not None and mem <= 1.0
+        mem_text = "not measured" if mem is None else f"{mem:.6f}x native"
         print(f"target (100 frames fp32, >= 2.0x, memory <= native) {r['mode']}: "
               f"{'MET' if fast and lean else 'NOT MET'} (speed {r['speedup_vs_native']:.3f}x: "
-              f"{'met' if fast else 'not met'}; memory {mem if mem is None else f'{mem:.6f}'}x native: "
-              f"{'met' if lean else 'not met'})")
+              f"{'met' if fast else 'not met'}; memory {mem_text}: {'met' if lean else 'not met'})")
     if args.out:
         write_json(args.out, result)
     if args.plot:

@@ -259,17 +259,22 @@ def test_bert_varlen_left_padding_falls_back_to_mask():
     assert paths == {"mask"}
 
 
-def test_clip_text_causal_and_vision():
+def _tiny_clip(layers):
+    """A random-weight CLIP (text + vision towers of ``layers`` layers each) on SDPA attention."""
     from transformers import CLIPConfig, CLIPModel
 
     cfg = CLIPConfig(
-        text_config=dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        text_config=dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                          num_attention_heads=4, max_position_embeddings=16),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
                            image_size=32, patch_size=8),
         projection_dim=16, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = CLIPModel(cfg).eval()
+    return CLIPModel(cfg).eval()
+
+
+def test_clip_text_causal_and_vision():
+    model = _tiny_clip(layers=2)
     ids = _ids(2, 10, 97, seed=10)
     am = torch.ones(2, 10, dtype=torch.long)
     am[1, 6:] = 0
@@ -303,16 +308,7 @@ def test_dinov2_and_dpt():
 # ---------------------------------------------------------------------------------------------------
 
 def test_convert_switches_every_subconfig_and_revert_restores():
-    from transformers import CLIPConfig, CLIPModel
-
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=16),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=32, patch_size=8),
-        projection_dim=16, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = CLIPModel(cfg).eval()
+    model = _tiny_clip(layers=1)
     configs = (model.config, model.config.text_config, model.config.vision_config)
     report = elsa_surgery.convert(model)
     assert report.parity.passed and report.model_adapters == ["transformers"]

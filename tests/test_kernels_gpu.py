@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import elsa_surgery
+from elsa_surgery import benchmark
 from elsa_surgery.kernels import launch
 
 pytestmark = pytest.mark.gpu
@@ -131,17 +132,31 @@ def test_torch_compile_fullgraph_no_recompile_storm():
 
 def test_cuda_graph_capture():
     q, k, v = (rand(2, 4, 777, 64, dtype=torch.float16) for _ in range(3))
-    f = lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = f()
+    replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa"))
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
-    g.replay()
+    out = replay()
     torch.cuda.synchronize()
     assert rel(out, oracle(q, k, v, is_causal=True)[0]) <= 5e-3
+
+
+
+def test_cuda_graph_helper_keeps_its_inputs_alive():
+    """benchmark.cuda_graph's replay holds the captured call, hence the graph's inputs: dropping every other
+    reference and emptying the allocator cache must not free (or unmap) them."""
+    import gc
+
+    q, k, v = (rand(2, 4, 333, 64, dtype=torch.float16) for _ in range(3))
+
+    def make():
+        qc, kc, vc = q.clone(), k.clone(), v.clone()  # referenced only by the captured call
+        return benchmark.cuda_graph(lambda: elsa_surgery.attention(qc, kc, vc, backend="elsa"))
+
+    replay = make()
+    gc.collect()
+    torch.cuda.empty_cache()
+    junk = torch.full((1 << 24,), float("nan"), device="cuda")  # would take over freed input memory
+    out = replay()
+    torch.cuda.synchronize()
+    del junk
+    assert rel(out, oracle(q, k, v)[0]) <= 5e-3
