@@ -48,11 +48,21 @@ def _strides4(t, varlen: bool):
     return (0, t.stride(1), t.stride(0), t.stride(2)) if varlen else t.stride()
 
 
+def _keys_contiguous(v, varlen: bool) -> bool:
+    return (v.stride(0) if varlen else v.stride(2)) == 1 or v.numel() == 0
+
+
 def _stage_v(v, varlen: bool):
     """V as a view whose key axis is contiguous in memory (occupancy.stage_operands); the caller's V is only read."""
     perm, inv = ((1, 2, 0), (2, 0, 1)) if varlen else ((0, 1, 3, 2), (0, 1, 3, 2))
-    vt = v.permute(perm)  # keys last
-    return v if vt.stride(-1) == 1 else vt.contiguous().permute(inv)
+    return v if _keys_contiguous(v, varlen) else v.permute(perm).contiguous().permute(inv)
+
+
+def new_out(q, B: int, Hq: int, Nq: int, Dv: int):
+    """The dense output ``[B, Hq, Nq, Dv]``, laid out ``[B, Nq, Hq, Dv]`` in memory (a transposed view), like
+    the outputs of SDPA's flash and cuDNN kernels: the ``out.transpose(1, 2).reshape(B, Nq, Hq * Dv)`` that
+    every attention module does next is then a view instead of a copy of the whole output."""
+    return q.new_empty((B, Nq, Hq, Dv)).transpose(1, 2)
 
 
 def _partition_len(n_k: int, parts: int, block_n: int) -> int:
@@ -76,16 +86,14 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     groups = Hq // Hkv
     rows_per_kv = q.shape[0] * groups // max(B, 1) if varlen else Nq * groups  # varlen: mean per sequence
-    if occ.stage_operands(dot, rows_per_kv):
-        v = _stage_v(v, varlen)
-    sq, sk, sv = (_strides4(t, varlen) for t in (q, k, v))
-    cfg = occ.tile_config(dot, D, Dv)
+    stage = occ.stage_operands(dot, rows_per_kv) and not _keys_contiguous(v, varlen)
+    cfg = occ.tile_config(dot, D, Dv, max(Nq, Nk))
     BD, BDV = occ.block_dim(D), occ.block_dim(Dv)
     n_mblocks = -(-Nq // cfg.block_m) if Nq > 0 else 0
     BH = B * Hq
     if state is None:
-        if out is None:
-            out = q.new_empty((q.shape[0], Hq, Dv) if varlen else (B, Hq, Nq, Dv))
+        if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (new_out)
+            out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else new_out(q, B, Hq, Nq, Dv)
         if want_lse and lse is None:
             lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
     if n_mblocks == 0 or BH == 0:
@@ -105,7 +113,6 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     part_len = _partition_len(Nk, parts, cfg.block_n)
     parts = max(1, -(-max(Nk, 1) // part_len))
 
-    mask_t, mask_kind, sm, period = _mask_arg(mask)
     dummy = q
     f32 = dict(device=q.device, dtype=torch.float32)
     if parts > 1:
@@ -118,20 +125,41 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         pm = ps = pw = dummy
     write_state = parts > 1 or state is not None
 
-    grid = (n_mblocks * BH, parts)
-    scan.elsa_fwd[grid](
-        q, k, v, mask_t if mask_t is not None else dummy,
-        q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
-        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
-        out if out is not None else dummy, lse if want_lse and lse is not None else dummy, pm, ps, pw,
-        float(scale) * LOG2E, Nq, Nk, Hq, groups, n_mblocks, part_len, Nq, BH, period,
-        *sq, *sk, *sv, *sm, *so, *sl,
-        D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
-        HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state,
-        WRITE_LSE=bool(want_lse and lse is not None), DOT=dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    def fwd(q_, k_, v_, out_, lse_, mask_, koff, klim, part_len_, pm_, ps_, pw_, write_state_, chunked):
+        """One phase-1 launch over the heads of ``q_`` (a head slice of q, with the matching K/V/out/lse)."""
+        mask_t, mask_kind, sm, period = _mask_arg(mask_)
+        hq = q_.shape[1]
+        scan.elsa_fwd[(n_mblocks * B * hq, parts)](
+            q_, k_, v_, mask_t if mask_t is not None else dummy,
+            q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
+            cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+            out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
+            float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, Nq, B * hq, period, koff, klim,
+            *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *sm,
+            *so, *sl,
+            D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
+            HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
+            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    lse_arg = lse if want_lse else None
+    plan = ("whole", 0)
+    if stage and not varlen and parts == 1 and state is None:
+        plan = occ.stage_plan(q.device, n_k=Nk, block_n=cfg.block_n, batch=B, kv_heads=Hkv, groups=groups,
+                              m_blocks=n_mblocks, out_bytes=rows * Dv * out.element_size(),
+                              v_bytes_per_key_head=Dv * v.element_size(), stats_bytes=2 * rows * 4,
+                              causal=bool(is_causal))
+    if plan[0] == "heads":
+        _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, plan[1], groups, part_len)
+        return out, lse, state
+    if plan[0] == "keys":
+        _key_chunk_fwd(fwd, q, k, v, out, lse_arg, mask, Nk, plan[1], cfg.block_n, rows)
+        return out, lse, state
+    if stage:
+        v = _stage_v(v, varlen)
+    fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, False)
     if parts > 1:
         merge_m = 64 if BDV <= 128 else 32
         nmb = -(-Nq // merge_m)
@@ -144,6 +172,42 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
             WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
         )
     return out, lse, state
+
+
+def _head_group_fwd(fwd, q, k, v, out, lse, mask, kv_per_launch, groups, part_len):
+    """One launch per group of ``kv_per_launch`` K/V heads (every batch row), V staged for that group only
+    into one reused buffer; each launch finishes its rows, so nothing else is kept between launches."""
+    B, Hkv, Nk, Dv = v.shape
+    buf = v.new_empty((B, kv_per_launch, Dv, Nk))
+    headed_mask = mask is not None and mask.shape[1] != 1
+    for h0 in range(0, Hkv, kv_per_launch):
+        h1 = min(Hkv, h0 + kv_per_launch)
+        staged = buf[:, :h1 - h0]
+        staged.copy_(v[:, h0:h1].transpose(2, 3))
+        qs = slice(h0 * groups, h1 * groups)
+        fwd(q[:, qs], k[:, h0:h1], staged.transpose(2, 3), out[:, qs], None if lse is None else lse[:, qs],
+            mask[:, qs] if headed_mask else mask, 0, Nk, part_len, q, q, q, False, False)
+
+
+def _key_chunk_fwd(fwd, q, k, v, out, lse, mask, Nk, chunk_keys, block_n, rows):
+    """Phase 1 once per key chunk, V staged transposed one chunk at a time into one reused buffer.
+
+    Extra memory: the staging buffer (``chunk_keys`` keys of V) and two fp32 values per row (``m``, ``S``);
+    ``W`` accumulates in ``out`` (fp32: the tensor-core fp32 modes are the only staged ones).
+    Each launch reads the state the previous one wrote and finishes the rows whose last visible key it
+    holds (out and lse); rows finished earlier are left alone.
+    """
+    B, Hkv, _, Dv = v.shape
+    buf = v.new_empty((B, Hkv, Dv, chunk_keys))
+    f32 = dict(device=v.device, dtype=torch.float32)
+    pm, ps = torch.empty(rows, **f32), torch.empty(rows, **f32)
+    keyed_mask = mask is not None and mask.shape[-1] != 1
+    for c0 in range(0, Nk, chunk_keys):
+        n = min(chunk_keys, Nk - c0)
+        staged = buf[..., :n]
+        staged.copy_(v[:, :, c0:c0 + n].transpose(2, 3))
+        fwd(q, k[:, :, c0:c0 + n], staged.transpose(2, 3), out, lse, mask[..., c0:c0 + n] if keyed_mask else mask,
+            c0, n, _partition_len(n, 1, block_n), pm, ps, q, False, True)
 
 
 def attention(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,

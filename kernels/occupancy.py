@@ -34,7 +34,17 @@ ENV_STAGE = "ELSA_STAGE_OPERANDS"
 # Staging copies V once per call; it pays only when every key block is reused by enough query rows
 # (decode steps and short queries read K/V once and stay memory-bound, so they run unstaged).
 MIN_ROWS_PER_KV_HEAD_TO_STAGE = 1024
-
+# Staging V may add at most STAGE_MEMORY_FRACTION of the output's bytes (ME-SDPA's extra memory is the
+# output itself). When the whole V does not fit, V is staged a group of K/V heads at a time (each launch
+# finishes its rows: nothing else is kept) or, when too few heads fit to fill the GPU, a key chunk of every
+# head at a time (each launch folds its chunk into row states kept between launches: two fp32 per row, W
+# accumulating in the output). Calls too small to fill the GPU four times over stage V whole: per-launch
+# costs would eat the gain (H200, B=1, H=8, D=64, N=4K TF32: whole 0.176 ms, 4 key chunks 0.302 ms), and so
+# are calls whose budget allows key chunks shorter than MIN_KEYS_PER_STAGE_CHUNK.
+STAGE_MEMORY_FRACTION = 0.1
+MIN_KEYS_PER_STAGE_CHUNK = 1024
+CHUNKED_STAGING_MIN_PROGRAMS_PER_SM = 4
+ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G" or "keys:N"
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -57,13 +67,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
-# Tuned on an H100 (docs/perf/kernels.md). Keyed by (operand kind, padded head dim upper bound).
-# operand kind: "lowp" (fp16/bf16), "ieee", "tf32", "tf32x3".
+# Tuned on an H100 at N >= 4K and on an H200 at model shapes (docs/perf/kernels.md, "Tiles by length").
+# Keyed by operand kind ("lowp" = fp16/bf16, "ieee", "tf32", "tf32x3"); rows (padded head dim bound,
+# sequence length bound, config), first match wins, the length being max(Nq, Nk). Short sequences
+# (ViT/BERT tokens, Swin windows) want short tiles: more programs, less padding (H200, batch 8, D=64:
+# bf16 N=197 0.0148 -> 0.0130 ms, 3xTF32 N=325 0.104 -> 0.074 ms; Swin's 49-token windows with their
+# mask, bf16 0.23 -> 0.023 ms). A handful of buckets: kernels compile once per bucket, not per length.
+_INF = float("inf")
+SHORT_N = 384
 _TABLE = {
-    "lowp": [(64, TileConfig(128, 64, 4, 3)), (128, TileConfig(128, 64, 8, 3)), (256, TileConfig(64, 32, 4, 2))],
-    "tf32": [(64, TileConfig(128, 64, 4, 2)), (128, TileConfig(128, 32, 8, 3)), (256, TileConfig(64, 32, 8, 2))],
-    "tf32x3": [(64, TileConfig(128, 64, 8, 3)), (128, TileConfig(128, 64, 8, 1)), (256, TileConfig(32, 32, 4, 1))],
-    "ieee": [(64, TileConfig(64, 64, 4, 1)), (128, TileConfig(32, 64, 8, 2)), (256, TileConfig(32, 32, 4, 1))],
+    "lowp": [(64, SHORT_N, TileConfig(64, 32, 4, 3)), (64, 2048, TileConfig(128, 64, 8, 3)),
+             (64, _INF, TileConfig(128, 64, 4, 3)), (128, SHORT_N, TileConfig(64, 32, 4, 3)),
+             (128, _INF, TileConfig(128, 64, 8, 3)), (256, _INF, TileConfig(64, 32, 4, 2))],
+    "tf32": [(64, SHORT_N, TileConfig(32, 32, 2, 2)), (64, 2048, TileConfig(128, 64, 8, 3)),
+             (64, _INF, TileConfig(128, 64, 4, 2)), (128, _INF, TileConfig(128, 32, 8, 3)),
+             (256, _INF, TileConfig(64, 32, 8, 2))],
+    "tf32x3": [(64, SHORT_N, TileConfig(32, 32, 2, 2)), (64, _INF, TileConfig(128, 64, 8, 3)),
+               (128, _INF, TileConfig(128, 64, 8, 1)), (256, _INF, TileConfig(32, 32, 4, 1))],
+    "ieee": [(64, SHORT_N, TileConfig(32, 32, 4, 1)), (64, _INF, TileConfig(64, 64, 4, 1)),
+             (128, _INF, TileConfig(32, 64, 8, 2)), (256, _INF, TileConfig(32, 32, 4, 1))],
 }
 _KIND_OF_DOT = {DOT_LOWP: "lowp", DOT_IEEE: "ieee", DOT_TF32: "tf32", DOT_TF32X3: "tf32x3", DOT_INTERP_BF16: "lowp"}
 _OVERRIDE: Optional[TileConfig] = None
@@ -75,16 +97,18 @@ def set_config_override(cfg: Optional[TileConfig]) -> None:
     _OVERRIDE = cfg
 
 
-def tile_config(dot: int, d: int, dv: int) -> TileConfig:
+def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30) -> TileConfig:
+    """Tile for a call with head dims ``d``/``dv`` and sequence length ``n = max(Nq, Nk)``."""
     if _OVERRIDE is not None:
         return _OVERRIDE
     if interpreting():
         return TileConfig(32, 32, 4, 1)  # the interpreter runs one numpy program at a time: mid-sized tiles
     width = max(block_dim(d), block_dim(dv))
-    for bound, cfg in _TABLE[_KIND_OF_DOT[dot]]:
-        if width <= bound:
+    rows = _TABLE[_KIND_OF_DOT[dot]]
+    for bound, n_bound, cfg in rows:
+        if width <= bound and n <= n_bound:
             return cfg
-    return _TABLE[_KIND_OF_DOT[dot]][-1][1]
+    return rows[-1][2]
 
 
 def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
@@ -93,8 +117,8 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
     TF32 MMAs read both shared-memory operands K-major; V's natural layout is not, and Triton then fills
     its tile with 4-byte copies. Measured on an H100 (docs/perf/kernels.md, v4): B=1, H=8, D=64, N=16K,
     TF32 4.06 -> 2.28 ms, 3xTF32 9.39 -> 7.60 ms; H=32, D=128: 35.4 -> 18.4 ms and 99 -> 58 ms. The cost is
-    one V-sized buffer for the duration of the call and one transposing copy (~3 % of the kernel time).
-    ``ELSA_STAGE_OPERANDS=0`` turns it off (memory-lean, slower). Calls with few query rows per K/V head
+    one transposing copy of V (~3 % of the kernel time) into a buffer that ``stage_plan`` keeps within
+    ``STAGE_MEMORY_FRACTION`` of the output. ``ELSA_STAGE_OPERANDS=0`` turns it off (slower). Calls with few query rows per K/V head
     (decode steps, short sequences) are not staged: the copy does not pay back there (measured, B=8, H=16,
     D=64, 3xTF32: N=257 0.089 ms unstaged vs 0.097 staged, N=577 0.267 vs 0.273, N=1041 0.767 vs 0.741).
     """
@@ -103,6 +127,55 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
     if os.environ.get(ENV_STAGE, "").strip() == "0":
         return False
     return rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: plans follow the memory budget alone
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_heads: int, groups: int,
+               m_blocks: int, out_bytes: int, v_bytes_per_key_head: int, stats_bytes: int, causal: bool = False):
+    """How V is staged for one call: ``("whole", 0)``, ``("heads", G)`` (G K/V heads per launch, every batch
+    row) or ``("keys", C)`` (C keys of every head per launch, C a multiple of ``block_n``).
+
+    ``v_bytes_per_key_head``: bytes of one key's V row of one head; ``stats_bytes``: the row statistics a
+    key-chunked call keeps between launches; ``m_blocks``: query blocks per (batch, head). Causal calls
+    are not split by heads: a launch of a few heads ends in a long tail of its longest rows (H200, H=32,
+    D=128, N=16K, 3xTF32 causal: whole 28.7 ms, 3-head groups 37.7 ms, key chunks 30.8 ms), while key
+    chunks let rows finish in the chunk of their causal frontier.
+    """
+    env = os.environ.get(ENV_STAGE_PLAN, "").strip()
+    if env:
+        kind, _, num = env.partition(":")
+        if kind == "whole":
+            return "whole", 0
+        if kind in ("heads", "keys") and num.isdigit() and int(num) > 0:
+            n = int(num)
+            if kind == "keys":
+                n = max(block_n, n // block_n * block_n)
+                return ("keys", n) if n < n_k else ("whole", 0)
+            return ("heads", n) if n < kv_heads else ("whole", 0)
+        raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G' or 'keys:N' with G, N > 0, got {env!r}")
+    budget = STAGE_MEMORY_FRACTION * out_bytes
+    head_bytes = batch * n_k * v_bytes_per_key_head  # one K/V head of V, every batch row
+    if kv_heads * head_bytes <= budget:
+        return "whole", 0
+    sms = _sms(device)
+    heads = int(budget // max(head_bytes, 1))
+    if heads >= 1 and not causal and m_blocks * batch * heads * groups >= TARGET_PROGRAMS_PER_SM * sms:
+        return "heads", heads
+    if m_blocks * batch * kv_heads * groups < CHUNKED_STAGING_MIN_PROGRAMS_PER_SM * sms:
+        return "whole", 0
+    per_key = batch * kv_heads * v_bytes_per_key_head
+    keys = int((budget - stats_bytes) // max(per_key, 1)) // block_n * block_n
+    if keys < MIN_KEYS_PER_STAGE_CHUNK or keys >= n_k:
+        # chunks short enough for the budget would cost more than they save (N=4K, H=32, D=128, TF32:
+        # 4 chunks 1.58 ms vs whole 1.31 ms): such calls are small, V is staged whole
+        return "whole", 0
+    chunks = -(-n_k // keys)  # even the chunks out, so that the last one is not a sliver
+    return "keys", -(-(-(-n_k // chunks)) // block_n) * block_n
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,7 +31,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_leng
 @attention_op.register_fake
 def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     B, Hq, Nq, _ = q.shape
-    out = q.new_empty((B, Hq, Nq, v.shape[3]))
+    out = launch.new_out(q, B, Hq, Nq, v.shape[3])  # the real output's strides, not only its shape
     return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 

@@ -19,7 +19,12 @@ bf16 under the CPU interpreter only (operands upcast to fp32 before the dot).
 TF32 tensor-core MMAs (``DOT`` 2, 3) need both shared-memory operands K-major. K (``[N, D]``, D contiguous)
 is; V in its natural layout (Dv contiguous) is not, and Triton then fills V's tile with 4-byte copies. The
 launcher therefore passes V transposed in memory (keys contiguous, ``stride_vn == 1``) for these modes; the
-kernel is the same, only the strides differ.
+kernel is the same, only the strides differ. To keep the extra memory O(output), long key ranges are
+staged one chunk at a time (``CHUNKED``): the launcher runs phase 1 once per key chunk, each run reading
+the row states the previous one left (``m`` in the kernel's base-2 units, ``S``, and ``W`` in the output
+buffer) and folding its chunk in; a program finishes its rows in the chunk that holds their last visible
+key, and programs whose rows finished earlier (causal, short kv lengths) do nothing. ⊕ is associative,
+so this is the same scan with the partitions visited in sequence instead of merged by phase 2.
 Head dims that are not powers of two are padded inside the kernel with masked loads.
 """
 
@@ -31,7 +36,7 @@ LN2 = 0.6931471805599453
 
 # Runtime sizes that must not trigger a recompilation when they change (Triton would otherwise
 # specialise integers on ``== 1`` and on divisibility by 16).
-_RUNTIME_SIZES = ["Nq", "Nk", "n_mblocks", "part_len", "n_rows_buf", "BH", "mask_period"]
+_RUNTIME_SIZES = ["Nq", "Nk", "n_mblocks", "part_len", "n_rows_buf", "BH", "mask_period", "koff", "klim"]
 
 
 @triton.jit
@@ -105,7 +110,7 @@ def _fold_block(
 def elsa_fwd(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
     OUT, LSE, PM, PS, PW,
-    qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period,
+    qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period, koff, klim,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -116,7 +121,15 @@ def elsa_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
     VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
+    """Phase 1. Keys ``[koff, koff + klim)`` of each row (``koff = 0``, ``klim = Nk`` unless chunked).
+
+    ``CHUNKED``: this launch is one key chunk of a sequence of launches; it reads the row state left by
+    the previous chunk (``koff > 0``) and either writes it back or, in the chunk holding the rows' last
+    visible key, finishes the rows. Chunked launches have one partition; the state's ``W`` lives in the
+    fp32 output buffer (through its strides), ``m``/``S`` in ``PM``/``PS``.
+    """
     pid = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_m = pid % n_mblocks
@@ -146,7 +159,10 @@ def elsa_fwd(
         store_rows = Nq
         q_row0 = b64 * 0
         k_row0 = b64 * 0
-    causal_off = kv_len - q_len
+    # key indices below are local to this launch's key range, which starts at koff
+    causal_off = kv_len - q_len - koff
+    kv_rest = kv_len - koff  # keys of each row from this launch's first key on
+    kv_len = tl.minimum(kv_rest, klim)
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -165,6 +181,16 @@ def elsa_fwd(
         hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)
     if start_m >= q_len:
         hi = lo
+    if CHUNKED:
+        # the last visible key of the tile's rows, relative to koff: the rows finish in the chunk holding
+        # it; when it lies before this chunk (koff > 0), they finished earlier and the program does nothing
+        ext = kv_rest
+        if IS_CAUSAL:
+            ext = tl.minimum(ext, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)
+        live = (koff == 0) | (ext > 0)
+        finish = live & (ext <= klim)
+        carry = live & (ext > klim)
+        hi = tl.where(live, hi, lo)
     hi = tl.maximum(hi, lo)
     # blocks in [lo, full_hi) need no masking: every key valid and visible from every row of the tile
     if MASK_KIND == 0:
@@ -176,7 +202,10 @@ def elsa_fwd(
         full_hi = lo
 
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=(offs_m[:, None] < store_rows) & (offs_d[None, :] < D), other=0.0)
+    q_ok = (offs_m[:, None] < store_rows) & (offs_d[None, :] < D)
+    if CHUNKED:
+        q_ok = tl.where(live, q_ok, False)  # (tl.where: the interpreter mis-types `tensor & scalar`)
+    q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd
     v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd
     mask_ptrs = MASK
@@ -186,9 +215,18 @@ def elsa_fwd(
         mask_ptrs = (MASK + mrow * stride_mp + h.to(tl.int64) * stride_mh
                      + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    o_ptrs = (OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
+              + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
+    if CHUNKED:  # the row states left by the previous key chunk (m, S in PM/PS; W in the fp32 output)
+        crow = pid_bh.to(tl.int64) * n_rows_buf + offs_m
+        c_ok = tl.where(live & (koff > 0), offs_m < store_rows, False)
+        m_i = tl.load(PM + crow, mask=c_ok, other=float("-inf"))
+        l_i = tl.load(PS + crow, mask=c_ok, other=0.0)
+        acc = tl.load(o_ptrs, mask=c_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
@@ -203,18 +241,34 @@ def elsa_fwd(
 
     row_ok = offs_m < q_len
     row_store = offs_m < store_rows
-    if WRITE_STATE:
-        # partial state of partition pid_p, m in natural-log units; padded rows are the identity
-        m_out = m_i * 0.6931471805599453
+    state_rows = row_store
+    final_rows = row_store
+    if CHUNKED:
+        state_rows = tl.where(carry, row_store, False)
+        final_rows = tl.where(finish, row_store, False)
+    if WRITE_STATE or CHUNKED:
+        # partial state of partition pid_p, m in natural-log units (a chunk's state for the next chunk's
+        # launch keeps the kernel's base-2 units, so that no rounding enters between chunks); padded
+        # rows are the identity
+        if CHUNKED:
+            m_st = m_i
+        else:
+            m_st = m_i * 0.6931471805599453
+        l_st = l_i
+        acc_st = acc
         if HAS_QLEN:
-            m_out = tl.where(row_ok, m_out, float("-inf"))
-            l_i = tl.where(row_ok, l_i, 0.0)
-            acc = tl.where(row_ok[:, None], acc, 0.0)
+            m_st = tl.where(row_ok, m_st, float("-inf"))
+            l_st = tl.where(row_ok, l_st, 0.0)
+            acc_st = tl.where(row_ok[:, None], acc_st, 0.0)
         srow = (pid_p * BH + pid_bh).to(tl.int64) * n_rows_buf + offs_m
-        tl.store(PM + srow, m_out, mask=row_store)
-        tl.store(PS + srow, l_i, mask=row_store)
-        tl.store(PW + srow[:, None] * DV + offs_dv[None, :], acc, mask=row_store[:, None] & (offs_dv[None, :] < DV))
-    else:
+        tl.store(PM + srow, m_st, mask=state_rows)
+        tl.store(PS + srow, l_st, mask=state_rows)
+        if CHUNKED:
+            tl.store(o_ptrs, acc_st.to(OUT.dtype.element_ty), mask=state_rows[:, None] & (offs_dv[None, :] < DV))
+        else:
+            tl.store(PW + srow[:, None] * DV + offs_dv[None, :], acc_st,
+                     mask=state_rows[:, None] & (offs_dv[None, :] < DV))
+    if (not WRITE_STATE) or CHUNKED:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -222,12 +276,10 @@ def elsa_fwd(
         if HAS_QLEN:
             out = tl.where(row_ok[:, None], out, 0.0)
             lse = tl.where(row_ok, lse, float("-inf"))
-        o_ptrs = (OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
-                  + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
-        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_store[:, None] & (offs_dv[None, :] < DV))
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=final_rows[:, None] & (offs_dv[None, :] < DV))
         if WRITE_LSE:
             l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
-            tl.store(l_ptrs, lse, mask=row_store)
+            tl.store(l_ptrs, lse, mask=final_rows)
 
 
 @triton.jit(do_not_specialize=["Nq", "n_mblocks", "n_rows_buf", "BH", "NUM_PART"])

@@ -239,12 +239,29 @@ def test_fake_impls_shapes():
         q, k, v = torch.empty(2, 4, 33, 16), torch.empty(2, 2, 40, 16), torch.empty(2, 2, 40, 8)
         out, lse = ops.attention_op(q, k, v, None, None, None, 0.25, True, "strict")
         assert out.shape == (2, 4, 33, 8) and lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+        # the real output's layout too: [B, Nq, Hq, Dv] in memory (what compiled code indexes by)
+        assert out.stride() == (33 * 4 * 8, 8, 4 * 8, 1)
         m, S, W = ops.attention_state_op(q, k, v, None, None, None, 0.25, False, "")
         assert m.shape == (2, 4, 33) and W.shape == (2, 4, 33, 8)
         cu = torch.empty(3, dtype=torch.int32)
         o, l = ops.attention_varlen_op(torch.empty(20, 4, 16), torch.empty(30, 2, 16), torch.empty(30, 2, 8),
                                        cu, cu, 10, 15, 0.25, False, "")
         assert o.shape == (20, 4, 8) and l.shape == (4, 20)
+
+
+def test_output_layout_makes_the_head_merge_a_view():
+    """The dense output is [B, Nq, Hq, Dv] in memory (as SDPA flash/cuDNN): the usual
+    ``out.transpose(1, 2).reshape(B, N, H * Dv)`` is a view of the kernel's output, not a copy; the fake
+    implementation reports the same strides as the real one."""
+    from elsa_surgery.kernels import ops
+
+    q, k, v = rand(2, 3, 20, 16), rand(2, 3, 20, 16), rand(2, 3, 20, 8)
+    out = elsa_surgery.attention(q, k, v, backend="elsa")
+    merged = out.transpose(1, 2).reshape(2, 20, 24)
+    assert merged.data_ptr() == out.data_ptr() and merged._base is not None
+    real, _ = ops.attention_op(q, k, v, None, None, None, 0.25, False, "strict")
+    assert real.stride() == out.stride() == (20 * 3 * 8, 8, 3 * 8, 1)
+    assert rel(out, oracle(q, k, v)[0]) <= TOL["strict"]
 
 
 def test_custom_ops_real_impl_and_compile():
@@ -360,3 +377,87 @@ def test_staged_v_for_tensor_core_modes(mode, monkeypatch):
     monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 10_000)
     poisoned_run(q, k, v, precision=mode)
     assert len(staged) == 5
+
+
+@pytest.mark.parametrize("plan,expected", [("keys:32", [True] * 4), ("heads:1", [False] * 2)])
+@pytest.mark.parametrize("mode", ["turbo", "precise"])
+def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
+    """V staged a piece at a time to bound the extra memory: key chunks (each launch folds its chunk into the
+    row states the previous one left, rows finishing in the chunk of their last visible key) and K/V-head groups (each launch finishes its
+    heads' rows). Causal (the frontier inside a chunk), key-axis, per-head and key-broadcast masks (a fully
+    masked row -> zeros, lse -inf), kv/q lengths shorter than one chunk, GQA, Dv != D and strided inputs
+    must match the oracle with every element written (poisoned output), the caller's K/V untouched."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)  # keys:32 = the interpreter's BLOCK_N: 100 keys -> 4 launches
+    launches = []
+    for name in ("_key_chunk_fwd", "_head_group_fwd"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda fwd, *a, real=real: real(
+            lambda *f: launches.append(f[-1]) or fwd(*f), *a))
+    B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
+    q = rand(B, 70, Hq, D).transpose(1, 2)
+    kv = rand(B, 100, 2, Hkv, D)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
+    k0, v0 = k.clone(), v.clone()
+    mask = torch.randn(B, Hq, 70, 100, device=DEV)
+    mask[:, :, 5, :] = float("-inf")
+    mask[:, 1, 9, 40:] = float("-inf")  # row 9 of head 1 sees keys of the first two chunks only
+    keep = torch.rand(1, 1, 70, 1, device=DEV) > 0.2  # broadcast along the keys and heads
+    kvl = torch.tensor([100, 20], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([3, 70], dtype=torch.int32, device=DEV)
+    cases = [dict(), dict(is_causal=True), dict(mask=mask), dict(mask=keep), dict(kv_lengths=kvl, is_causal=True),
+             dict(q_lengths=ql, kv_lengths=kvl), dict(kv_lengths=torch.tensor([0, 45], dtype=torch.int32, device=DEV))]
+    for kw in cases:
+        launches.clear()
+        out, lse = poisoned_run(q, k, v, precision=mode, **kw)
+        check(out, lse, *oracle(q, k, v, **kw), TOL["strict"])
+        assert launches == expected, launches
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    o, l = poisoned_run(q, k, v, precision=mode, mask=mask)
+    assert (o[:, :, 5] == 0).all() and torch.isinf(l[:, :, 5]).all()
+    # "whole" stages V in one piece (one launch); strict/fp16 are never staged
+    launches.clear()
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, "whole")
+    poisoned_run(q, k, v, precision=mode)
+    poisoned_run(q, k, v, precision="strict")
+    assert launches == []
+
+
+def test_stage_plan_keeps_the_memory_budget(monkeypatch):
+    """Staging plans on a 132-SM GPU: the staged piece (plus the row statistics of key chunks) stays within
+    STAGE_MEMORY_FRACTION of the output whenever V is staged in pieces; head groups only when they fill the
+    GPU; key chunks are multiples of BLOCK_N and not slivers; small calls stage V whole."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "_sms", lambda device: 132)
+    frac = occ.STAGE_MEMORY_FRACTION
+    cases = [((1, 8, 8, 16384, 64), "keys"), ((1, 32, 32, 16384, 128), "heads"), ((1, 8, 8, 65536, 64), "keys"),
+             ((1, 32, 32, 65536, 128), "heads"), ((1, 40, 8, 32768, 128), "heads"), ((1, 8, 8, 4096, 64), "whole"),
+             ((1, 16, 16, 104100, 64), "heads"), ((2, 64, 8, 4096, 128), "heads"), ((1, 2, 2, 16384, 64), "whole"),
+             ((1, 32, 2, 4096, 128), "whole"), ((1, 32, 32, 16384, 128, True), "keys"),
+             ((1, 32, 32, 4096, 128), "whole")]
+    for shape, kind in cases:
+        (B, Hq, Hkv, N, D), causal = shape[:5], len(shape) > 5
+        rows = B * Hq * N
+        out_b = rows * D * 4
+        m_blocks = -(-N // 128)
+        got, n = occ.stage_plan(torch.device("cpu"), n_k=N, block_n=64, batch=B, kv_heads=Hkv, groups=Hq // Hkv,
+                                m_blocks=m_blocks, out_bytes=out_b, v_bytes_per_key_head=D * 4,
+                                stats_bytes=2 * rows * 4, causal=causal)
+        assert got == kind, (shape, got, n)
+        if got == "heads":
+            assert n * B * N * D * 4 <= frac * out_b and m_blocks * B * n * (Hq // Hkv) >= 2 * 132
+        elif got == "keys":
+            assert n % 64 == 0 and n * B * Hkv * D * 4 + 2 * rows * 4 <= frac * out_b, n
+            chunks = -(-N // n)
+            assert N - (chunks - 1) * n > n // 2  # the last chunk is not a sliver
+        elif Hkv * B * N * D * 4 > frac * out_b:  # V staged whole beyond the budget: only for small calls
+            budget_keys = (frac * out_b - 2 * rows * 4) // (B * Hkv * D * 4)
+            assert (m_blocks * B * Hq < occ.CHUNKED_STAGING_MIN_PROGRAMS_PER_SM * 132
+                    or budget_keys < occ.MIN_KEYS_PER_STAGE_CHUNK)
+    with pytest.raises(ValueError, match=occ.ENV_STAGE_PLAN):
+        monkeypatch.setenv(occ.ENV_STAGE_PLAN, "chunks")
+        occ.stage_plan(torch.device("cpu"), n_k=10, block_n=16, batch=1, kv_heads=1, groups=1, m_blocks=1,
+                       out_bytes=1, v_bytes_per_key_head=1, stats_bytes=0)

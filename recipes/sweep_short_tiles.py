@@ -1,0 +1,135 @@
+"""Tile sweep at model shapes (batch 8): ViT/BERT token counts and Swin windows with their per-window mask.
+
+For each shape: SDPA's backends (auto, flash, efficient, cuDNN) and the ELSA kernel under every tile config
+of the sweep space, each call captured in a CUDA graph and replayed (``triton.testing.do_bench`` median), so
+the numbers are GPU time without Python launch cost. ``default`` is what the tile table picks today. This is
+the measurement behind the length buckets of ``kernels/occupancy._TABLE`` (docs/perf/tiles_h200_v5.log).
+
+    python recipes/sweep_short_tiles.py --group vit      # bf16 ViT token counts, D=64
+    python recipes/sweep_short_tiles.py --group swin     # bf16 Swin windows (49, 144 tokens) with masks
+    python recipes/sweep_short_tiles.py --group fp32     # fp32 precise/turbo/strict, ViT and Swin shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import elsa_surgery
+from elsa_surgery import benchmark
+from elsa_surgery.kernels import occupancy as occ
+
+T0 = time.time()
+
+
+def bench(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(benchmark.cuda_graph(fn, warmup=2), warmup=5, rep=30, return_mode="median")
+
+
+def qkv(B, N, H, D, dtype):
+    """q, k, v as the strided views a fused qkv projection gives (timm's layout)."""
+    t = torch.randn(B, N, 3, H, D, device="cuda", dtype=dtype)
+    return t.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def sdpa_times(q, k, v, mask):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}
+    res = {"auto": bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))}
+    for name, be in backends.items():
+        def run(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        try:
+            res[name] = bench(run)
+        except RuntimeError:  # backend refuses the case (flash with a mask, cuDNN with fp32, ...)
+            res[name] = None
+    return res
+
+
+def sweep(tag, q, k, v, mask, windowed, precision, cfgs, best_sdpa):
+    rows = []
+    for cfg in [None] + cfgs:
+        occ.set_config_override(cfg)
+        try:
+            ms = bench(lambda: elsa_surgery.attention(q, k, v, attn_mask=mask, windowed_mask=windowed,
+                                                      backend="elsa", precision=precision))
+            rows.append((ms, "default" if cfg is None else (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)))
+        except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
+            print(f"   {tag} {cfg}: failed ({str(exc).splitlines()[0][:90]})", flush=True)
+        finally:
+            occ.set_config_override(None)
+    default = rows[0][0]
+    rows.sort(key=lambda r: r[0])
+    listing = " ".join(f"{name}={ms:.4f}" for ms, name in rows)
+    print(f"{tag}: default {default:.4f} ms (x{best_sdpa / default:.3f} best SDPA) | best {rows[0][0]:.4f} "
+          f"(x{best_sdpa / rows[0][0]:.3f}) | {listing}  [{time.time() - T0:.0f}s]", flush=True)
+
+
+def header(tag, times):
+    print(f"{tag} SDPA " + " ".join(f"{n}={t:.4f}" if t else f"{n}=NA" for n, t in times.items()), flush=True)
+    return min(t for t in times.values() if t)
+
+
+def window_mask(BW, nW, H, N, dtype):
+    """Swin's per-window additive mask [nW, H, N, N] (bias + shift mask) and native's expanded [B*nW, H, N, N]."""
+    bias = torch.randn(1, H, N, N, device="cuda")
+    shift = torch.where(torch.rand(nW, 1, N, N, device="cuda") < 0.3, -100.0, 0.0)
+    wmask = (bias + shift).to(dtype)
+    return wmask, wmask.repeat(BW // nW, 1, 1, 1)
+
+
+LOWP = [occ.TileConfig(*c) for c in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
+LOWP += [occ.TileConfig(*c) for c in [(32, 32, 4, 2), (32, 64, 4, 2), (32, 32, 2, 2), (64, 16, 4, 3)]]
+TC32 = [occ.TileConfig(*c) for c in [(64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2),
+                                     (128, 32, 8, 2), (32, 32, 2, 2), (128, 64, 4, 2)]]
+IEEE = [occ.TileConfig(*c) for c in [(64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1),
+                                     (32, 32, 2, 2), (64, 64, 8, 2)]]
+VIT = [(8, 12, 197), (8, 16, 257), (8, 12, 325), (8, 12, 442), (8, 16, 577), (8, 12, 785), (8, 12, 901),
+       (8, 16, 1025), (8, 12, 1226), (8, 16, 1601)]
+SWIN = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (512, 64, 3, 144), (128, 16, 12, 144)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", choices=["vit", "swin", "fp32"], required=True)
+    a = ap.parse_args(argv)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if a.group == "vit":
+        for B, H, N in VIT:
+            q, k, v = qkv(B, N, H, 64, torch.bfloat16)
+            best = header(f"ViT bf16 B={B} H={H} N={N} D=64", sdpa_times(q, k, v, None))
+            sweep(f"  ELSA bf16 N={N}", q, k, v, None, False, None, LOWP, best)
+    elif a.group == "swin":
+        for BW, nW, H, N in SWIN:
+            q, k, v = qkv(BW, N, H, 32, torch.bfloat16)
+            wmask, full = window_mask(BW, nW, H, N, torch.bfloat16)
+            best = header(f"Swin bf16 B*nW={BW} H={H} N={N} D=32", sdpa_times(q, k, v, full))
+            sweep(f"  ELSA bf16 window N={N} H={H}", q, k, v, wmask, True, None, LOWP, best)
+    else:
+        for B, H, N in VIT[:5]:
+            q, k, v = qkv(B, N, H, 64, torch.float32)
+            best = header(f"ViT fp32 B={B} H={H} N={N} D=64", sdpa_times(q, k, v, None))
+            for prec in ("precise", "turbo", "strict"):
+                sweep(f"  ELSA fp32-{prec} N={N}", q, k, v, None, False, prec, IEEE if prec == "strict" else TC32, best)
+        for BW, nW, H, N in SWIN[:1] + SWIN[3:4]:
+            q, k, v = qkv(BW, N, H, 32, torch.float32)
+            wmask, full = window_mask(BW, nW, H, N, torch.float32)
+            best = header(f"Swin fp32 B*nW={BW} H={H} N={N} D=32", sdpa_times(q, k, v, full))
+            for prec in ("precise", "turbo", "strict"):
+                sweep(f"  ELSA fp32-{prec} window N={N}", q, k, v, wmask, True, prec,
+                      IEEE if prec == "strict" else TC32, best)
+    print(f"done {time.time() - T0:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
