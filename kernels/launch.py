@@ -58,7 +58,7 @@ def _stage_v(v, varlen: bool):
     return v if _keys_contiguous(v, varlen) else v.permute(perm).contiguous().permute(inv)
 
 
-def new_out(q, B: int, Hq: int, Nq: int, Dv: int):
+def _new_out(q, B: int, Hq: int, Nq: int, Dv: int):
     """The dense output ``[B, Hq, Nq, Dv]``, laid out ``[B, Nq, Hq, Dv]`` in memory (a transposed view), like
     the outputs of SDPA's flash and cuDNN kernels: the ``out.transpose(1, 2).reshape(B, Nq, Hq * Dv)`` that
     every attention module does next is then a view instead of a copy of the whole output."""
@@ -92,8 +92,8 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     n_mblocks = -(-Nq // cfg.block_m) if Nq > 0 else 0
     BH = B * Hq
     if state is None:
-        if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (new_out)
-            out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else new_out(q, B, Hq, Nq, Dv)
+        if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
+            out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else _new_out(q, B, Hq, Nq, Dv)
         if want_lse and lse is None:
             lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
     if n_mblocks == 0 or BH == 0:

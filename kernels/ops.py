@@ -23,15 +23,18 @@ if __name__ != "elsa_surgery.kernels.ops":  # see kernels/__init__.py: never reg
 @torch.library.custom_op(f"{NS}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
                  kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str) -> Tuple[Tensor, Tensor]:
+    # contiguous under torch.compile (the eager path returns the [B, N, H, Dv]-in-memory layout): torch 2.11's
+    # inductor asserts contiguous strides on this op's output whatever the fake reports
+    out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
     out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True)
+                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=out)
     return out, lse
 
 
 @attention_op.register_fake
 def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     B, Hq, Nq, _ = q.shape
-    out = launch.new_out(q, B, Hq, Nq, v.shape[3])  # the real output's strides, not only its shape
+    out = q.new_empty((B, Hq, Nq, v.shape[3]))  # the real output's strides too (contiguous, see above)
     return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
