@@ -35,14 +35,19 @@ ENV_STAGE = "ELSA_STAGE_OPERANDS"
 # (decode steps and short queries read K/V once and stay memory-bound, so they run unstaged).
 MIN_ROWS_PER_KV_HEAD_TO_STAGE = 1024
 # Staging V may add at most STAGE_MEMORY_FRACTION of the output's bytes (ME-SDPA's extra memory is the
-# output itself). When the whole V does not fit, V is staged a group of K/V heads at a time (each launch
-# finishes its rows: nothing else is kept) or, when too few heads fit to fill the GPU, a key chunk of every
-# head at a time (each launch folds its chunk into row states kept between launches: two fp32 per row, W
-# accumulating in the output). Calls too small to fill the GPU four times over stage V whole: per-launch
-# costs would eat the gain (H200, B=1, H=8, D=64, N=4K TF32: whole 0.176 ms, 4 key chunks 0.302 ms), and so
-# are calls whose budget allows key chunks shorter than MIN_KEYS_PER_STAGE_CHUNK.
+# output itself). When the whole V does not fit, V is staged a key chunk of every head at a time (each
+# launch folds its chunk into row states kept between launches: two fp32 per row, W accumulating in the
+# output) when the chunks are long (LONG_STAGE_CHUNK_KEYS: the per-launch state traffic is then a few
+# percent), else a group of K/V heads at a time (each launch finishes its rows; only when the launches'
+# programs fill whole waves of the SMs: a launch of ~6 waves of long programs whose last wave is 17 % full
+# wasted 12 % of VGGT's global attention), else short key chunks. Calls too small to fill the GPU four times
+# over stage V whole: per-launch costs would eat the gain (H200, B=1, H=8, D=64, N=4K TF32: whole 0.176 ms,
+# 4 key chunks 0.302 ms), and so are calls whose budget allows key chunks shorter than
+# MIN_KEYS_PER_STAGE_CHUNK.
 STAGE_MEMORY_FRACTION = 0.1
 MIN_KEYS_PER_STAGE_CHUNK = 1024
+LONG_STAGE_CHUNK_KEYS = 4096
+MAX_HEAD_GROUP_WAVE_WASTE = 0.05
 CHUNKED_STAGING_MIN_PROGRAMS_PER_SM = 4
 ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G" or "keys:N"
 
@@ -163,19 +168,27 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
     if kv_heads * head_bytes <= budget:
         return "whole", 0
     sms = _sms(device)
-    heads = int(budget // max(head_bytes, 1))
-    if heads >= 1 and not causal and m_blocks * batch * heads * groups >= TARGET_PROGRAMS_PER_SM * sms:
-        return "heads", heads
-    if m_blocks * batch * kv_heads * groups < CHUNKED_STAGING_MIN_PROGRAMS_PER_SM * sms:
-        return "whole", 0
     per_key = batch * kv_heads * v_bytes_per_key_head
     keys = int((budget - stats_bytes) // max(per_key, 1)) // block_n * block_n
-    if keys < MIN_KEYS_PER_STAGE_CHUNK or keys >= n_k:
+    fills = m_blocks * batch * kv_heads * groups >= CHUNKED_STAGING_MIN_PROGRAMS_PER_SM * sms
+    if fills and keys >= LONG_STAGE_CHUNK_KEYS and keys < n_k:
+        return "keys", _even_chunks(n_k, keys, block_n)
+    if not causal:
+        for heads in range(min(int(budget // max(head_bytes, 1)), kv_heads - 1), 0, -1):
+            waves = m_blocks * batch * heads * groups / sms
+            if waves >= TARGET_PROGRAMS_PER_SM and 1 - waves / -(-waves // 1) <= MAX_HEAD_GROUP_WAVE_WASTE:
+                return "heads", heads
+    if not fills or keys < MIN_KEYS_PER_STAGE_CHUNK or keys >= n_k:
         # chunks short enough for the budget would cost more than they save (N=4K, H=32, D=128, TF32:
         # 4 chunks 1.58 ms vs whole 1.31 ms): such calls are small, V is staged whole
         return "whole", 0
-    chunks = -(-n_k // keys)  # even the chunks out, so that the last one is not a sliver
-    return "keys", -(-(-(-n_k // chunks)) // block_n) * block_n
+    return "keys", _even_chunks(n_k, keys, block_n)
+
+
+def _even_chunks(n_k: int, keys: int, block_n: int) -> int:
+    """At most ``keys`` per chunk, evened out over the chunks so that the last one is not a sliver."""
+    chunks = -(-n_k // keys)
+    return -(-(-(-n_k // chunks)) // block_n) * block_n
 
 
 @functools.lru_cache(maxsize=None)
