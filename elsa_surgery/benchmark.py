@@ -5,7 +5,11 @@ One timing method and one memory method for every recipe:
 * **time**: ``warmup`` calls, then ``iters`` calls each timed on its own — CUDA events recorded around
   the call on a GPU, ``time.perf_counter`` on the CPU — and the **median** in milliseconds;
 * **peak memory**: ``torch.cuda.max_memory_allocated`` over the measured block minus what was allocated
-  when it started (after ``torch.cuda.reset_peak_memory_stats``), in MiB; ``None`` on the CPU.
+  when it started (after ``torch.cuda.reset_peak_memory_stats``), in MiB; ``None`` on the CPU. Also the
+  same peak in *requested* bytes (the sizes the tensors asked for): the allocated figure counts whole
+  allocator blocks, and a block may be up to 1 MiB larger than its tensor depending on which cached
+  blocks happened to be free, so two runs holding the same tensors can differ by some KiB there; and the
+  peak *reserved* from the GPU (the process's footprint: what has to fit), from an emptied cache.
 
 :func:`measure_modes` measures one model native and then converted in each mode, a row each. Also: the
 dispatch summary of a :func:`elsa_surgery.dispatch.record` log, the environment record, the native /
@@ -37,20 +41,31 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # timing and memory
 # --------------------------------------------------------------------------------------------------
 
+_REQUESTED = "requested_bytes.all"
+
+
 class PeakMemory:
     """``with PeakMemory(device) as mem: ...`` then ``mem.mib``: the peak memory allocated inside the block
-    beyond what was live when it started (MiB); ``None`` on a non-CUDA device."""
+    beyond what was live when it started (MiB); ``mem.requested_mib``: the same in requested bytes
+    (allocator block rounding excluded; ``None`` where the allocator does not count them);
+    ``mem.reserved_mib``: the peak reserved from the GPU beyond what the emptied cache held at the start.
+    All ``None`` on a non-CUDA device."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.mib: Optional[float] = None
-        self._base = 0
+        self.requested_mib: Optional[float] = None
+        self.reserved_mib: Optional[float] = None
+        self._base = self._reserved_base = 0
+        self._requested_base: Optional[int] = None
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self._base = torch.cuda.memory_allocated(self.device)
+            self._requested_base = torch.cuda.memory_stats(self.device).get(_REQUESTED + ".current")
+            self._reserved_base = torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
@@ -58,6 +73,10 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+            self.reserved_mib = (torch.cuda.max_memory_reserved(self.device) - self._reserved_base) / 2**20
+            peak = torch.cuda.memory_stats(self.device).get(_REQUESTED + ".peak")
+            if peak is not None and self._requested_base is not None:
+                self.requested_mib = (peak - self._requested_base) / 2**20
         return False
 
 
@@ -88,11 +107,12 @@ def cuda_graph(fn: Callable[[], object], warmup: int = 1) -> Callable[[], object
     return replay
 
 
-def measure(fn: Callable[[], object], device, warmup: int, iters: int):
+def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: Optional[list] = None):
     """``(median ms, peak extra MiB or None, output of the last call)`` of ``fn()`` under ``torch.no_grad``.
 
     ``warmup`` untimed calls first (their outputs dropped at once); each timed call's output is released
-    before the next call, so the peak holds one call's output and workspace, not two.
+    before the next call, so the peak holds one call's output and workspace, not two. ``memory``: a list
+    that receives the :class:`PeakMemory` of the timed calls (for its requested-bytes peak).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
@@ -117,6 +137,8 @@ def measure(fn: Callable[[], object], device, warmup: int, iters: int):
                     t0 = time.perf_counter()
                     out = fn()
                     times.append((time.perf_counter() - t0) * 1e3)
+    if memory is not None:
+        memory.append(mem)
     return statistics.median(times), mem.mib, out
 
 
@@ -125,7 +147,11 @@ def versus_native(ms: float, peak: Optional[float], native_ms: Optional[float],
     """``speedup_vs_native`` (None without a native time) and ``memory_vs_native`` (None unless both peaks
     are known and the native one is positive)."""
     return {"speedup_vs_native": native_ms / ms if native_ms else None,
-            "memory_vs_native": peak / native_peak if (peak is not None and native_peak) else None}
+            "memory_vs_native": _ratio(peak, native_peak)}
+
+
+def _ratio(peak: Optional[float], native_peak: Optional[float]) -> Optional[float]:
+    return peak / native_peak if (peak is not None and native_peak) else None
 
 
 def output_diff(y: torch.Tensor, ref: Optional[torch.Tensor]) -> dict:
@@ -144,8 +170,9 @@ def measure_modes(model: torch.nn.Module, fn: Callable[[], object], modes: Seque
     """Time ``fn()`` (which runs ``model``) for each ``(label, precision)`` of ``modes`` (see :func:`modes_for`):
     ``native`` as the model is, the others after ``convert(model, backend=..., precision=..., adapters=...)``.
 
-    One row per mode: ``base_row``, ``mode``, ``ms``, ``peak_mib``; converted rows also ``converted_modules``,
-    ``backends`` / ``fallbacks`` (:func:`dispatch_summary`) and :func:`versus_native`. ``on_output(row, out)``
+    One row per mode: ``base_row``, ``mode``, ``ms``, ``peak_mib``, ``peak_requested_mib``, ``peak_reserved_mib``;
+    converted rows also ``converted_modules``, ``backends`` / ``fallbacks`` (:func:`dispatch_summary`),
+    :func:`versus_native`, ``requested_memory_vs_native`` and ``reserved_memory_vs_native``. ``on_output(row, out)``
     adds the recipe's own fields (output parity, throughput); whatever raises (out of memory...) leaves
     ``row["error"]`` and the sweep goes on. The model is reverted after every mode; ``show(row)`` after each.
     """
@@ -159,14 +186,18 @@ def measure_modes(model: torch.nn.Module, fn: Callable[[], object], modes: Seque
             if label != "native":
                 rep = convert(model, backend=backend, precision=precision, verify=False, adapters=adapters)
                 row["converted_modules"] = rep.num_converted
+            mem: list = []
             with record() as log:
-                ms, peak, out = measure(fn, device, warmup, iters)
-            row.update(ms=ms, peak_mib=peak)
+                ms, peak, out = measure(fn, device, warmup, iters, memory=mem)
+            row.update(ms=ms, peak_mib=peak, peak_requested_mib=mem[0].requested_mib,
+                       peak_reserved_mib=mem[0].reserved_mib)
             if label == "native":
                 native = row
             else:
                 row.update(dispatch_summary(log))
                 row.update(versus_native(ms, peak, native and native["ms"], native and native["peak_mib"]))
+                for kind in ("requested", "reserved"):
+                    row[f"{kind}_memory_vs_native"] = _ratio(row[f"peak_{kind}_mib"], native and native[f"peak_{kind}_mib"])
             if on_output is not None:
                 on_output(row, out)
         except Exception as exc:  # e.g. out of memory: record it and go on

@@ -87,7 +87,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     groups = Hq // Hkv
     rows_per_kv = q.shape[0] * groups // max(B, 1) if varlen else Nq * groups  # varlen: mean per sequence
     stage = occ.stage_operands(dot, rows_per_kv) and not _keys_contiguous(v, varlen)
-    cfg = occ.tile_config(dot, D, Dv, max(Nq, Nk))
+    cfg = occ.tile_config(dot, D, Dv, max(Nq, Nk), bh=B * Hq, nq=Nq, device=q.device)
     BD, BDV = occ.block_dim(D), occ.block_dim(Dv)
     n_mblocks = -(-Nq // cfg.block_m) if Nq > 0 else 0
     BH = B * Hq

@@ -92,6 +92,13 @@ _TABLE = {
     "ieee": [(64, SHORT_N, TileConfig(32, 32, 4, 1)), (64, _INF, TileConfig(64, 64, 4, 1)),
              (128, _INF, TileConfig(32, 64, 8, 2)), (256, _INF, TileConfig(32, 32, 4, 1))],
 }
+# Grids that cannot fill the GPU once with the ``<= 2,048`` bucket's 128-row tiles (``B·H·ceil(Nq/128)`` below
+# the SM count: one 1K-token sequence with 8 heads gives 64 programs on 132 SMs) run 64-row tiles, twice the
+# programs. Measured (H100, CUDA graphs, B=1, H=8, D=64, N=1K; docs/PERF.md, "N = 1K"): bf16 0.0208 -> 0.0167 ms
+# (cuDNN 0.0169), causal 0.0212 -> 0.0169; 3xTF32 0.0761 -> 0.0649; TF32 0.0339 -> 0.0309. H=32, D=128 fills
+# the GPU (256 programs) and keeps its tile.
+_SMALL_GRID = {"lowp": TileConfig(64, 64, 4, 3), "tf32": TileConfig(64, 32, 4, 3), "tf32x3": TileConfig(64, 64, 4, 2)}
+_SMALL_GRID_MAX_WIDTH, _SMALL_GRID_MAX_N = 64, 2048
 _KIND_OF_DOT = {DOT_LOWP: "lowp", DOT_IEEE: "ieee", DOT_TF32: "tf32", DOT_TF32X3: "tf32x3", DOT_INTERP_BF16: "lowp"}
 _OVERRIDE: Optional[TileConfig] = None
 
@@ -102,18 +109,24 @@ def set_config_override(cfg: Optional[TileConfig]) -> None:
     _OVERRIDE = cfg
 
 
-def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30) -> TileConfig:
-    """Tile for a call with head dims ``d``/``dv`` and sequence length ``n = max(Nq, Nk)``."""
+def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30, *, bh: Optional[int] = None,
+                nq: Optional[int] = None, device: Optional[torch.device] = None) -> TileConfig:
+    """Tile for a call with head dims ``d``/``dv`` and sequence length ``n = max(Nq, Nk)``; with ``bh``
+    (batch·query heads), ``nq`` and ``device``, a grid too small to fill the SMs gets shorter row tiles."""
     if _OVERRIDE is not None:
         return _OVERRIDE
     if interpreting():
         return TileConfig(32, 32, 4, 1)  # the interpreter runs one numpy program at a time: mid-sized tiles
     width = max(block_dim(d), block_dim(dv))
-    rows = _TABLE[_KIND_OF_DOT[dot]]
-    for bound, n_bound, cfg in rows:
-        if width <= bound and n <= n_bound:
-            return cfg
-    return rows[-1][2]
+    kind = _KIND_OF_DOT[dot]
+    rows = _TABLE[kind]
+    cfg = next((c for bound, n_bound, c in rows if width <= bound and n <= n_bound), rows[-1][2])
+    small = _SMALL_GRID.get(kind)
+    if (small is not None and bh is not None and nq is not None and device is not None
+            and width <= _SMALL_GRID_MAX_WIDTH and n <= _SMALL_GRID_MAX_N and cfg.block_m > small.block_m
+            and bh * -(-nq // cfg.block_m) < _sms(device)):
+        return small
+    return cfg
 
 
 def stage_operands(dot: int, rows_per_kv_head: int) -> bool:

@@ -8,6 +8,7 @@ the measurement behind the length buckets of ``kernels/occupancy._TABLE`` (docs/
     python recipes/sweep_short_tiles.py --group vit      # bf16 ViT token counts, D=64
     python recipes/sweep_short_tiles.py --group swin     # bf16 Swin windows (49, 144 tokens) with masks
     python recipes/sweep_short_tiles.py --group fp32     # fp32 precise/turbo/strict, ViT and Swin shapes
+    python recipes/sweep_short_tiles.py --group n1k      # bench_attention's N=1K cells (B=1), causal and not
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from elsa_surgery import benchmark
 from elsa_surgery.kernels import occupancy as occ
 
 T0 = time.time()
+DEFAULT_ONLY = False
 
 
 def bench(fn):
@@ -39,16 +41,16 @@ def qkv(B, N, H, D, dtype):
     return t.permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def sdpa_times(q, k, v, mask):
+def sdpa_times(q, k, v, mask, causal=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION}
-    res = {"auto": bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))}
+    res = {"auto": bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))}
     for name, be in backends.items():
         def run(be=be):
             with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         try:
             res[name] = bench(run)
         except RuntimeError:  # backend refuses the case (flash with a mask, cuDNN with fp32, ...)
@@ -56,13 +58,13 @@ def sdpa_times(q, k, v, mask):
     return res
 
 
-def sweep(tag, q, k, v, mask, windowed, precision, cfgs, best_sdpa):
+def sweep(tag, q, k, v, mask, windowed, precision, cfgs, best_sdpa, causal=False):
     rows = []
-    for cfg in [None] + cfgs:
+    for cfg in [None] + ([] if DEFAULT_ONLY else cfgs):
         occ.set_config_override(cfg)
         try:
             ms = bench(lambda: elsa_surgery.attention(q, k, v, attn_mask=mask, windowed_mask=windowed,
-                                                      backend="elsa", precision=precision))
+                                                      is_causal=causal, backend="elsa", precision=precision))
             rows.append((ms, "default" if cfg is None else (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)))
         except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
             print(f"   {tag} {cfg}: failed ({str(exc).splitlines()[0][:90]})", flush=True)
@@ -94,6 +96,8 @@ TC32 = [occ.TileConfig(*c) for c in [(64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8
                                      (128, 32, 8, 2), (32, 32, 2, 2), (128, 64, 4, 2)]]
 IEEE = [occ.TileConfig(*c) for c in [(64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1),
                                      (32, 32, 2, 2), (64, 64, 8, 2)]]
+N1K_LOWP = [occ.TileConfig(*c) for c in [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                                         (64, 64, 4, 2), (64, 128, 4, 3), (32, 64, 4, 2), (128, 32, 4, 3)]]
 VIT = [(8, 12, 197), (8, 16, 257), (8, 12, 325), (8, 12, 442), (8, 16, 577), (8, 12, 785), (8, 12, 901),
        (8, 16, 1025), (8, 12, 1226), (8, 16, 1601)]
 SWIN = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (512, 64, 3, 144), (128, 16, 12, 144)]
@@ -101,8 +105,11 @@ SWIN = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (512, 64, 3, 144), 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", choices=["vit", "swin", "fp32"], required=True)
+    ap.add_argument("--group", choices=["vit", "swin", "fp32", "n1k"], required=True)
+    ap.add_argument("--default-only", action="store_true", help="time only the table's own tile (no sweep)")
     a = ap.parse_args(argv)
+    global DEFAULT_ONLY
+    DEFAULT_ONLY = a.default_only
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     if a.group == "vit":
         for B, H, N in VIT:
@@ -115,6 +122,16 @@ def main(argv=None):
             wmask, full = window_mask(BW, nW, H, N, torch.bfloat16)
             best = header(f"Swin bf16 B*nW={BW} H={H} N={N} D=32", sdpa_times(q, k, v, full))
             sweep(f"  ELSA bf16 window N={N} H={H}", q, k, v, wmask, True, None, LOWP, best)
+    elif a.group == "n1k":
+        for (H, D), causal in itertools.product([(8, 64), (32, 128)], [False, True]):
+            for name, dtype, precs in [("bf16", torch.bfloat16, [None]), ("fp16", torch.float16, [None]),
+                                       ("fp32", torch.float32, ["precise", "turbo", "strict"])]:
+                q, k, v = (torch.randn(1, H, 1024, D, device="cuda", dtype=dtype) for _ in range(3))
+                best = header(f"N=1K {name} H={H} D={D} causal={int(causal)}", sdpa_times(q, k, v, None, causal))
+                for prec in precs:
+                    cfgs = N1K_LOWP if prec is None else IEEE if prec == "strict" else TC32
+                    sweep(f"  ELSA {name}{'-' + prec if prec else ''} H={H} D={D} causal={int(causal)}", q, k, v,
+                          None, False, prec, cfgs, best, causal)
     else:
         for B, H, N in VIT[:5]:
             q, k, v = qkv(B, N, H, 64, torch.float32)

@@ -105,7 +105,7 @@ def fmt(r):
     head = f"S={r['frames']:4d} ({r['global_tokens']:6d} tok) {r['dtype']:4s} {r['mode']:13s}"
     if "error" in r:
         return f"{head} ERROR {r['error']}"
-    s = f"{head} {r['ms']:11.2f} ms  peak {peak_text(r['peak_mib'], 10)}"
+    s = f"{head} {r['ms']:11.2f} ms  peak {peak_text(r['peak_mib'], 10)} (requested {peak_text(r['peak_requested_mib'], 10)}, reserved {peak_text(r['peak_reserved_mib'], 10)})"
     if "speedup_vs_native" in r:
         s += f"  x{r['speedup_vs_native']:.3f} vs native  max|Δ| {r['max_abs_diff']:.2e} (rel {r['rel_diff']:.2e})"
     return s
@@ -157,13 +157,18 @@ def main(argv=None):
               "rows": rows}
     target = [r for r in rows if r.get("frames") == 100 and r["dtype"] == "fp32" and "speedup_vs_native" in r]
     for r in target:
+        # memory is judged on the tensors' requested bytes and on the GPU memory reserved (what has to fit);
+        # the allocated figure, printed too, also counts the allocator's block rounding, which depends on the
+        # cache history (benchmark.PeakMemory)
         fast = r["speedup_vs_native"] >= 2.0
-        mem = r.get("memory_vs_native")
-        lean = mem is not None and mem <= 1.0
-        mem_text = "not measured" if mem is None else f"{mem:.6f}x native"
+        mem, res, alloc = (r.get(k) for k in ("requested_memory_vs_native", "reserved_memory_vs_native",
+                                              "memory_vs_native"))
+        lean = mem is not None and res is not None and mem <= 1.0 and res <= 1.0
+        mem_text = "not measured" if mem is None else f"{mem:.6f}x native requested"
+        alloc_text = ("" if res is None else f", {res:.6f}x reserved") + ("" if alloc is None else f", {alloc:.6f}x allocated")
         print(f"target (100 frames fp32, >= 2.0x, memory <= native) {r['mode']}: "
               f"{'MET' if fast and lean else 'NOT MET'} (speed {r['speedup_vs_native']:.3f}x: "
-              f"{'met' if fast else 'not met'}; memory {mem_text}: {'met' if lean else 'not met'})")
+              f"{'met' if fast else 'not met'}; memory {mem_text}{alloc_text}: {'met' if lean else 'not met'})")
     if args.out:
         write_json(args.out, result)
     if args.plot:

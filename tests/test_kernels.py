@@ -425,6 +425,28 @@ def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
     assert launches == []
 
 
+def test_small_grids_get_shorter_row_tiles(monkeypatch):
+    """A call whose grid of 128-row tiles cannot fill the SMs (B=1, H=8, N=1K: 64 programs on 132 SMs) gets
+    64-row tiles; grids that fill the GPU, wider heads, longer sequences and calls without the grid size keep
+    the length bucket's tile."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "_sms", lambda device: 132)
+    monkeypatch.setattr(occ, "interpreting", lambda: False)
+    dev = torch.device("cuda")
+    for dot in (occ.DOT_LOWP, occ.DOT_TF32, occ.DOT_TF32X3):
+        bucket = occ.tile_config(dot, 64, 64, 1024)
+        assert bucket.block_m == 128
+        small = occ.tile_config(dot, 64, 64, 1024, bh=8, nq=1024, device=dev)
+        assert small.block_m == 64 and small == occ._SMALL_GRID[occ._KIND_OF_DOT[dot]]
+        assert occ.tile_config(dot, 64, 64, 1024, bh=8 * 16, nq=1024, device=dev) == bucket  # ViT batch 8
+        assert occ.tile_config(dot, 64, 64, 2048, bh=8, nq=2048, device=dev).block_m == 64  # 128 programs
+        assert occ.tile_config(dot, 64, 64, 4096, bh=8, nq=4096, device=dev) == occ.tile_config(dot, 64, 64, 4096)
+        assert occ.tile_config(dot, 128, 128, 1024, bh=4, nq=1024, device=dev) == occ.tile_config(dot, 128, 128, 1024)
+    assert occ.tile_config(occ.DOT_IEEE, 64, 64, 1024, bh=8, nq=1024, device=dev) == occ.tile_config(occ.DOT_IEEE, 64, 64, 1024)
+    assert occ.tile_config(occ.DOT_LOWP, 64, 64, 300, bh=1, nq=300, device=dev).block_m == 64  # short bucket as is
+
+
 def test_stage_plan_keeps_the_memory_budget(monkeypatch):
     """Staging plans on a 132-SM GPU: the staged piece (plus the row statistics of key chunks) stays within
     STAGE_MEMORY_FRACTION of the output whenever V is staged in pieces; head groups only when they fill the

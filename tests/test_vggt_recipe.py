@@ -27,3 +27,23 @@ def test_recipe_smoke(tmp_path, name):
     for r in converted:
         assert r["rel_diff"] < 1e-5 and r["converted_modules"] > 0
         assert set(r["backends"]) == {"reference"}  # CPU: the reference backend, told in the row
+
+
+@pytest.mark.gpu
+def test_peak_memory_counts_requested_bytes():
+    """PeakMemory's requested-bytes peak is the tensors' own size; the allocated peak counts whole blocks."""
+    import torch
+
+    from elsa_surgery.benchmark import PeakMemory
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
+    keep = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # live before: not counted
+    with PeakMemory("cuda") as mem:
+        a = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        b = torch.empty((64 << 20) + 1, dtype=torch.uint8, device="cuda")  # > 10 MiB: a segment of its own
+        del a, b
+    assert mem.requested_mib == pytest.approx((1000 + (64 << 20) + 1) / 2**20, abs=1e-9)
+    assert mem.mib >= mem.requested_mib
+    assert mem.reserved_mib >= 64  # the 64 MiB block came from the GPU: the cache was emptied at the start
+    del keep
