@@ -107,12 +107,12 @@ def cuda_graph(fn: Callable[[], object], warmup: int = 1) -> Callable[[], object
     return replay
 
 
-def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: Optional[list] = None):
+def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: Optional[PeakMemory] = None):
     """``(median ms, peak extra MiB or None, output of the last call)`` of ``fn()`` under ``torch.no_grad``.
 
     ``warmup`` untimed calls first (their outputs dropped at once); each timed call's output is released
-    before the next call, so the peak holds one call's output and workspace, not two. ``memory``: a list
-    that receives the :class:`PeakMemory` of the timed calls (for its requested-bytes peak).
+    before the next call, so the peak holds one call's output and workspace, not two. ``memory``: the
+    :class:`PeakMemory` to measure the timed calls with (the caller reads its other peaks afterwards).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
@@ -123,7 +123,8 @@ def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: O
     with torch.no_grad():
         for _ in range(warmup):
             fn()
-        with PeakMemory(device) as mem:
+        mem = PeakMemory(device) if memory is None else memory
+        with mem:
             for _ in range(iters):
                 out = None
                 if cuda:
@@ -137,21 +138,23 @@ def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: O
                     t0 = time.perf_counter()
                     out = fn()
                     times.append((time.perf_counter() - t0) * 1e3)
-    if memory is not None:
-        memory.append(mem)
     return statistics.median(times), mem.mib, out
 
 
-def versus_native(ms: float, peak: Optional[float], native_ms: Optional[float],
-                  native_peak: Optional[float]) -> dict:
-    """``speedup_vs_native`` (None without a native time) and ``memory_vs_native`` (None unless both peaks
-    are known and the native one is positive)."""
-    return {"speedup_vs_native": native_ms / ms if native_ms else None,
-            "memory_vs_native": _ratio(peak, native_peak)}
+# ratio field -> the peak it compares (allocated, requested, reserved: see PeakMemory)
+_PEAK_RATIOS = {"memory_vs_native": "peak_mib", "requested_memory_vs_native": "peak_requested_mib",
+                "reserved_memory_vs_native": "peak_reserved_mib"}
 
 
-def _ratio(peak: Optional[float], native_peak: Optional[float]) -> Optional[float]:
-    return peak / native_peak if (peak is not None and native_peak) else None
+def versus_native(row: dict, native: Optional[dict]) -> dict:
+    """``speedup_vs_native`` (None without a native time) and, for each peak of :data:`_PEAK_RATIOS`, its
+    ratio to native's (None unless both peaks are known and the native one is positive)."""
+    native = native or {}
+    res = {"speedup_vs_native": native["ms"] / row["ms"] if native.get("ms") else None}
+    for key, peak in _PEAK_RATIOS.items():
+        mine, theirs = row.get(peak), native.get(peak)
+        res[key] = mine / theirs if (mine is not None and theirs) else None
+    return res
 
 
 def output_diff(y: torch.Tensor, ref: Optional[torch.Tensor]) -> dict:
@@ -172,7 +175,7 @@ def measure_modes(model: torch.nn.Module, fn: Callable[[], object], modes: Seque
 
     One row per mode: ``base_row``, ``mode``, ``ms``, ``peak_mib``, ``peak_requested_mib``, ``peak_reserved_mib``;
     converted rows also ``converted_modules``, ``backends`` / ``fallbacks`` (:func:`dispatch_summary`),
-    :func:`versus_native`, ``requested_memory_vs_native`` and ``reserved_memory_vs_native``. ``on_output(row, out)``
+    and :func:`versus_native` (speed and the three memory ratios). ``on_output(row, out)``
     adds the recipe's own fields (output parity, throughput); whatever raises (out of memory...) leaves
     ``row["error"]`` and the sweep goes on. The model is reverted after every mode; ``show(row)`` after each.
     """
@@ -186,18 +189,15 @@ def measure_modes(model: torch.nn.Module, fn: Callable[[], object], modes: Seque
             if label != "native":
                 rep = convert(model, backend=backend, precision=precision, verify=False, adapters=adapters)
                 row["converted_modules"] = rep.num_converted
-            mem: list = []
+            mem = PeakMemory(device)
             with record() as log:
                 ms, peak, out = measure(fn, device, warmup, iters, memory=mem)
-            row.update(ms=ms, peak_mib=peak, peak_requested_mib=mem[0].requested_mib,
-                       peak_reserved_mib=mem[0].reserved_mib)
+            row.update(ms=ms, peak_mib=peak, peak_requested_mib=mem.requested_mib, peak_reserved_mib=mem.reserved_mib)
             if label == "native":
                 native = row
             else:
                 row.update(dispatch_summary(log))
-                row.update(versus_native(ms, peak, native and native["ms"], native and native["peak_mib"]))
-                for kind in ("requested", "reserved"):
-                    row[f"{kind}_memory_vs_native"] = _ratio(row[f"peak_{kind}_mib"], native and native[f"peak_{kind}_mib"])
+                row.update(versus_native(row, native))
             if on_output is not None:
                 on_output(row, out)
         except Exception as exc:  # e.g. out of memory: record it and go on

@@ -165,10 +165,10 @@ def main(argv=None):
                                               "memory_vs_native"))
         lean = mem is not None and res is not None and mem <= 1.0 and res <= 1.0
         mem_text = "not measured" if mem is None else f"{mem:.6f}x native requested"
-        alloc_text = ("" if res is None else f", {res:.6f}x reserved") + ("" if alloc is None else f", {alloc:.6f}x allocated")
+        more_text = ("" if res is None else f", {res:.6f}x reserved") + ("" if alloc is None else f", {alloc:.6f}x allocated")
         print(f"target (100 frames fp32, >= 2.0x, memory <= native) {r['mode']}: "
               f"{'MET' if fast and lean else 'NOT MET'} (speed {r['speedup_vs_native']:.3f}x: "
-              f"{'met' if fast else 'not met'}; memory {mem_text}{alloc_text}: {'met' if lean else 'not met'})")
+              f"{'met' if fast else 'not met'}; memory {mem_text}{more_text}: {'met' if lean else 'not met'})")
     if args.out:
         write_json(args.out, result)
     if args.plot:
