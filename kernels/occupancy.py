@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 # Dot-product kinds understood by the kernels (see scan.py).
-DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16 = 0, 1, 2, 3, 4
+DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3 = 0, 1, 2, 3, 4, 5
 DOT_OF_PRECISION = {"strict": DOT_IEEE, "turbo": DOT_TF32, "precise": DOT_TF32X3}
 
 # A partition shorter than this many keys costs more (state traffic, a second launch) than it wins in
@@ -46,10 +46,21 @@ MIN_ROWS_PER_KV_HEAD_TO_STAGE = 1024
 # MIN_KEYS_PER_STAGE_CHUNK.
 STAGE_MEMORY_FRACTION = 0.1
 MIN_KEYS_PER_STAGE_CHUNK = 1024
+# the fp16 split of ``precise`` stages twice V's bytes per key (K and V, hi and lo) and gains more per
+# launch: 512-key chunks still run at 2.66x ME-SDPA (H100, B=1, H=8, D=64, N=16K; whole: 4.14x)
+MIN_KEYS_PER_SPLIT_CHUNK = 512
+# A causal call whose split would run in key chunks of less work than this per launch (query rows x chunk
+# keys x head dim, every head) keeps 3xTF32: its chunks are mostly launch and row-state traffic. H100, N=16K
+# causal: H=8, D=64 in 512-key chunks (4.3e9) 6.23 ms split vs 4.86 ms 3xTF32; H=32, D=128 in 640-key chunks
+# (4.3e10) 21.1 ms split vs 30.0 ms 3xTF32.
+MIN_CAUSAL_SPLIT_CHUNK_WORK = 1e10
 LONG_STAGE_CHUNK_KEYS = 4096
 MAX_HEAD_GROUP_WAVE_WASTE = 0.05
 CHUNKED_STAGING_MIN_PROGRAMS_PER_SM = 4
 ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G" or "keys:N"
+# "precise" on long dense calls: "f16" (three fp16 products, K/V split by the launcher; see precise_split),
+# "tf32" (Triton's 3xTF32), unset = chosen by shape
+ENV_PRECISE_SPLIT = "ELSA_PRECISE_SPLIT"
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -89,6 +100,8 @@ _TABLE = {
              (256, _INF, TileConfig(64, 32, 8, 2))],
     "tf32x3": [(64, SHORT_N, TileConfig(32, 32, 2, 2)), (64, _INF, TileConfig(128, 64, 8, 3)),
                (128, _INF, TileConfig(128, 64, 8, 1)), (256, _INF, TileConfig(32, 32, 4, 1))],
+    "f16x3": [(64, _INF, TileConfig(128, 64, 8, 3)), (128, _INF, TileConfig(128, 64, 8, 2)),
+              (256, _INF, TileConfig(64, 32, 8, 2))],
     "ieee": [(64, SHORT_N, TileConfig(32, 32, 4, 1)), (64, _INF, TileConfig(64, 64, 4, 1)),
              (128, _INF, TileConfig(32, 64, 8, 2)), (256, _INF, TileConfig(32, 32, 4, 1))],
 }
@@ -97,9 +110,11 @@ _TABLE = {
 # programs. Measured (H100, CUDA graphs, B=1, H=8, D=64, N=1K; docs/PERF.md, "N = 1K"): bf16 0.0208 -> 0.0167 ms
 # (cuDNN 0.0169), causal 0.0212 -> 0.0169; 3xTF32 0.0761 -> 0.0649; TF32 0.0339 -> 0.0309. H=32, D=128 fills
 # the GPU (256 programs) and keeps its tile.
-_SMALL_GRID = {"lowp": TileConfig(64, 64, 4, 3), "tf32": TileConfig(64, 32, 4, 3), "tf32x3": TileConfig(64, 64, 4, 2)}
+_SMALL_GRID = {"lowp": TileConfig(64, 64, 4, 3), "tf32": TileConfig(64, 32, 4, 3), "tf32x3": TileConfig(64, 64, 4, 2),
+               "f16x3": TileConfig(64, 64, 4, 3)}
 _SMALL_GRID_MAX_WIDTH, _SMALL_GRID_MAX_N = 64, 2048
-_KIND_OF_DOT = {DOT_LOWP: "lowp", DOT_IEEE: "ieee", DOT_TF32: "tf32", DOT_TF32X3: "tf32x3", DOT_INTERP_BF16: "lowp"}
+_KIND_OF_DOT = {DOT_LOWP: "lowp", DOT_IEEE: "ieee", DOT_TF32: "tf32", DOT_TF32X3: "tf32x3", DOT_INTERP_BF16: "lowp",
+                DOT_F16X3: "f16x3"}
 _OVERRIDE: Optional[TileConfig] = None
 
 
@@ -147,6 +162,37 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
     return rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE
 
 
+# The split adds two launches (~40 us each on the host in eager mode): calls of less work than this
+# (query rows x keys x head dim, every head) keep 3xTF32. H100, eager: H=8, D=64, N=1K (5.4e8) 0.156 ms split vs
+# 0.080 ms 3xTF32 (graph-replayed: 0.038 vs 0.063); H=32, D=128, N=1K (4.3e9) 0.174 vs 0.277 ms.
+MIN_SPLIT_WORK = 2e9
+
+
+def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float = float("inf")) -> int:
+    """The dot kind of a ``precise`` call: ``DOT_F16X3`` or Triton's ``DOT_TF32X3`` (other kinds pass through).
+
+    ``DOT_F16X3`` computes each fp32 product from three fp16 tensor-core products (hi·hi + hi·lo + lo·hi,
+    fp32 accumulation) on operands split with power-of-two scales: Q per row and P inside the kernel, K
+    (per key) and V (per head dim) by the launcher, memory-bounded like V staging (``stage_plan``). fp16
+    MMAs run at twice the TF32 rate, and the error stays that of 3xTF32 (~1e-6 relative). Measured
+    (H200, B=1, N=16K): H=8 D=64 8.41 -> 4.01 ms, H=32 D=128 57.8 -> 31.1 ms. It is used for dense calls with
+    one partition, no state output, enough query rows per K/V head to pay the split
+    (``MIN_ROWS_PER_KV_HEAD_TO_STAGE``) and ``work`` (rows x keys x head dim) of at least ``MIN_SPLIT_WORK``;
+    ``eligible`` is the launcher's check of the first two.
+    ``ELSA_PRECISE_SPLIT=f16|tf32`` forces one kind (``f16`` only where eligible).
+    """
+    if dot != DOT_TF32X3:
+        return dot
+    env = os.environ.get(ENV_PRECISE_SPLIT, "").strip()
+    if env not in ("", "f16", "tf32"):
+        raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16' or 'tf32', got {env!r}")
+    if not eligible or env == "tf32":
+        return dot
+    if env == "f16" or (rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE and work >= MIN_SPLIT_WORK):
+        return DOT_F16X3
+    return dot
+
+
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the CPU interpreter: plans follow the memory budget alone
@@ -154,7 +200,8 @@ def _sms(device: torch.device) -> int:
 
 
 def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_heads: int, groups: int,
-               m_blocks: int, out_bytes: int, v_bytes_per_key_head: int, stats_bytes: int, causal: bool = False):
+               m_blocks: int, out_bytes: int, v_bytes_per_key_head: int, stats_bytes: int, causal: bool = False,
+               min_chunk_keys: int = MIN_KEYS_PER_STAGE_CHUNK):
     """How V is staged for one call: ``("whole", 0)``, ``("heads", G)`` (G K/V heads per launch, every batch
     row) or ``("keys", C)`` (C keys of every head per launch, C a multiple of ``block_n``).
 
@@ -162,7 +209,9 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
     key-chunked call keeps between launches; ``m_blocks``: query blocks per (batch, head). Causal calls
     are not split by heads: a launch of a few heads ends in a long tail of its longest rows (H200, H=32,
     D=128, N=16K, 3xTF32 causal: whole 28.7 ms, 3-head groups 37.7 ms, key chunks 30.8 ms), while key
-    chunks let rows finish in the chunk of their causal frontier.
+    chunks let rows finish in the chunk of their causal frontier. A head group whose launch is a single
+    wave at least 95 % full is taken too (the fp16 split of ``precise`` at H=32, D=128, N=16K: one head per
+    launch, 128 programs on 132 SMs). ``min_chunk_keys``: shorter key chunks are not worth their launches.
     """
     env = os.environ.get(ENV_STAGE_PLAN, "").strip()
     if env:
@@ -189,9 +238,10 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
     if not causal:
         for heads in range(min(int(budget // max(head_bytes, 1)), kv_heads - 1), 0, -1):
             waves = m_blocks * batch * heads * groups / sms
-            if waves >= TARGET_PROGRAMS_PER_SM and 1 - waves / -(-waves // 1) <= MAX_HEAD_GROUP_WAVE_WASTE:
+            whole_waves = 1 - waves / -(-waves // 1) <= MAX_HEAD_GROUP_WAVE_WASTE
+            if whole_waves and (waves >= TARGET_PROGRAMS_PER_SM or waves <= 1):
                 return "heads", heads
-    if not fills or keys < MIN_KEYS_PER_STAGE_CHUNK or keys >= n_k:
+    if not fills or keys < min_chunk_keys or keys >= n_k:
         # chunks short enough for the budget would cost more than they save (N=4K, H=32, D=128, TF32:
         # 4 chunks 1.58 ms vs whole 1.31 ms): such calls are small, V is staged whole
         return "whole", 0

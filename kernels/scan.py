@@ -14,7 +14,10 @@ writes its partial state and phase 2 (:func:`elsa_merge`) merges the partitions 
 
 Dot products: ``DOT = 0`` fp16/bf16 tensor cores (fp32 accumulate), ``1`` IEEE fp32 (no tensor
 cores), ``2`` TF32, ``3`` 3xTF32 (hi/lo split done by Triton's ``input_precision="tf32x3"``), ``4``
-bf16 under the CPU interpreter only (operands upcast to fp32 before the dot).
+bf16 under the CPU interpreter only (operands upcast to fp32 before the dot), ``5`` three fp16 products
+per fp32 product (``x = (hi + lo) / 2^e`` with fp16 ``hi``/``lo`` and a power-of-two scale: Q per row and P
+split here, K per key and V per head dim split by :func:`split_f16` before the launch; the three
+products of a block are summed in a fresh accumulator and added to the running one in fp32).
 
 TF32 tensor-core MMAs (``DOT`` 2, 3) need both shared-memory operands K-major. K (``[N, D]``, D contiguous)
 is; V in its natural layout (Dv contiguous) is not, and Triton then fills V's tile with 4-byte copies. The
@@ -55,8 +58,24 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _split16(x):
+    """``x`` (already scaled into fp16's range) as fp16 ``hi + lo``: 22 of fp32's 24 significant bits."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """A power of two taking ``amax`` into [2^14, 2^15) (far below fp16's 65504); zero rows get 2^14. Rows
+    whose maximum is below 2^-100 (fp32's subnormal territory) keep an absolute error under ~2^-124."""
+    e = tl.floor(tl.log2(tl.where(amax > 0, amax, 1.0)))
+    return tl.exp2(14.0 - tl.minimum(tl.maximum(e, -100.0), 126.0))
+
+
+@triton.jit
 def _fold_block(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+    acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
+    start_n, offs_m, offs_n, offs_d, offs_dv,
     kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
@@ -72,7 +91,22 @@ def _fold_block(
         kt = tl.load(k_ptrs + start_n * stride_kn, mask=kd_ok, other=0.0)
     else:
         kt = tl.load(k_ptrs + start_n * stride_kn)
-    s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
+    if DOT == 5:  # q·k = (q_hi·k_hi + q_hi·k_lo + q_lo·k_hi) / (2^e_row · 2^e_key), small products first
+        if MASKED:
+            kl = tl.load(kl_ptrs + start_n * stride_kn, mask=kd_ok & col_ok[None, :], other=0.0)
+            ki = tl.load(ki_ptrs + start_n, mask=col_ok, other=0.0)
+        elif BLOCK_D != D:
+            kl = tl.load(kl_ptrs + start_n * stride_kn, mask=kd_ok, other=0.0)
+            ki = tl.load(ki_ptrs + start_n)
+        else:
+            kl = tl.load(kl_ptrs + start_n * stride_kn)
+            ki = tl.load(ki_ptrs + start_n)
+        s = tl.dot(q_lo, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32))
+        s = tl.dot(q, kl, s)
+        s = tl.dot(q, kt, s)
+        s = s * q_rowf[:, None] * ki[None, :]
+    else:
+        s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
     if MASKED:
         vis = col_ok[None, :]
         if IS_CAUSAL:
@@ -102,18 +136,33 @@ def _fold_block(
         v = tl.load(v_ptrs + start_n * stride_vn, mask=vd_ok, other=0.0)
     else:
         v = tl.load(v_ptrs + start_n * stride_vn)
-    acc = _dot(p.to(v.dtype), v, acc, DOT)
+    if DOT == 5:  # p in [0, 1] scaled by 2^14; V's inverse scale per head dim of this key block, and 2^-14
+        v_inv = tl.load(vi_ptrs + (start_n // offs_n.shape[0]) * DV, mask=offs_dv < DV, other=0.0) * (1.0 / 16384.0)
+        if MASKED:
+            vl = tl.load(vl_ptrs + start_n * stride_vn, mask=col_ok[:, None] & vd_ok, other=0.0)
+        elif BLOCK_DV != DV:
+            vl = tl.load(vl_ptrs + start_n * stride_vn, mask=vd_ok, other=0.0)
+        else:
+            vl = tl.load(vl_ptrs + start_n * stride_vn)
+        p_hi, p_lo = _split16(p * 16384.0)
+        pv = tl.dot(p_lo, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32))
+        pv = tl.dot(p_hi, vl, pv)
+        pv = tl.dot(p_hi, v, pv)
+        acc = acc + pv * v_inv[None, :]
+    else:
+        acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def elsa_fwd(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
-    OUT, LSE, PM, PS, PW,
+    OUT, LSE, PM, PS, PW, KL, KI, VL, VI,
     qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period, koff, klim,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_kib, stride_kih, stride_vib, stride_vih,
     stride_mp, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
@@ -171,8 +220,10 @@ def elsa_fwd(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + q_row0 * stride_qn
-    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_row0 * stride_kn
-    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_row0 * stride_vn
+    k_head = b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_row0 * stride_kn
+    v_head = b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_row0 * stride_vn
+    k_base = K + k_head
+    v_base = V + v_head
 
     # this program's keys: [lo, hi) of its partition, cut at the valid length and the causal frontier
     lo = tl.multiple_of(pid_p * part_len, BLOCK_N)  # part_len is a multiple of BLOCK_N (launch.py)
@@ -206,8 +257,25 @@ def elsa_fwd(
     if CHUNKED:
         q_ok = tl.where(live, q_ok, False)  # (tl.where: the interpreter mis-types `tensor & scalar`)
     q = tl.load(q_ptrs, mask=q_ok, other=0.0)
-    k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd
-    v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd
+    k_off = offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd
+    v_off = offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = k_base + k_off
+    v_ptrs = v_base + v_off
+    if DOT == 5:  # K, V are the fp16 hi parts; KL/VL the lo parts (same layout), KI/VI the inverse scales
+        kl_ptrs = KL + k_head + k_off
+        vl_ptrs = VL + v_head + v_off
+        ki_ptrs = KI + b64 * stride_kib + hk.to(tl.int64) * stride_kih + k_row0 + offs_n
+        vi_ptrs = VI + b64 * stride_vib + hk.to(tl.int64) * stride_vih + offs_dv
+        q_sc = _pow2_scale(tl.max(tl.abs(q), 1))
+        q, q_lo = _split16(q * q_sc[:, None])
+        q_rowf = qk_scale / q_sc
+    else:
+        kl_ptrs = k_ptrs
+        vl_ptrs = v_ptrs
+        ki_ptrs = K
+        vi_ptrs = K
+        q_lo = q
+        q_rowf = qk_scale
     mask_ptrs = MASK
     mask_row_ok = offs_m < Nq
     if MASK_KIND != 0:
@@ -230,12 +298,14 @@ def elsa_fwd(
 
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+            acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
+            start_n, offs_m, offs_n, offs_d, offs_dv,
             kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
             D, DV, BLOCK_D, BLOCK_DV, False, IS_CAUSAL, MASK_KIND, DOT)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+            acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
+            start_n, offs_m, offs_n, offs_d, offs_dv,
             kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
             D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT)
 
@@ -342,3 +412,35 @@ def elsa_merge(
             lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
             l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
             tl.store(l_ptrs, lse, mask=row_store)
+
+
+@triton.jit
+def split_f16(
+    X, HI, LO, INV, R, H,
+    stride_xb, stride_xh, stride_xr, stride_xc, stride_ib, stride_ih,
+    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PER_ROW: tl.constexpr,
+):
+    """fp32 ``X [B, H, R, C]`` (any strides) -> fp16 ``HI``, ``LO`` (contiguous ``[B, H, R, C]``) and the
+    inverse power-of-two scales ``INV``, ``X = (HI + LO) * INV``: per row (``[B, H, R]``, ``PER_ROW``: K, a
+    scale per key) or per column of each block of ``BLOCK_R`` rows (``[B, H, ceil(R / BLOCK_R), C]``: V, a
+    scale per head dim of each key block, ``BLOCK_R`` being the attention kernel's ``BLOCK_N``)."""
+    pid_r = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    ok = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None].to(tl.int64) * stride_xr + cols[None, :] * stride_xc,
+                mask=ok, other=0.0)
+    if PER_ROW:
+        sc = _pow2_scale(tl.max(tl.abs(x), 1))
+        tl.store(INV + b * stride_ib + h * stride_ih + rows, 1.0 / sc, mask=rows < R)
+        hi, lo = _split16(x * sc[:, None])
+    else:
+        sc = _pow2_scale(tl.max(tl.abs(x), 0))
+        tl.store(INV + b * stride_ib + h * stride_ih + pid_r * C + cols, 1.0 / sc, mask=cols < C)
+        hi, lo = _split16(x * sc[None, :])
+    o = ((b * H + h) * R + rows[:, None]) * C + cols[None, :]
+    tl.store(HI + o, hi, mask=ok)
+    tl.store(LO + o, lo, mask=ok)

@@ -342,6 +342,7 @@ def test_staged_v_for_tensor_core_modes(mode, monkeypatch):
     from elsa_surgery.kernels import occupancy as occ
 
     monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "tf32")  # the 3xTF32 path (the fp16 split: test_precise_f16_split)
     staged = []
     real_stage = launch._stage_v
     monkeypatch.setattr(launch, "_stage_v", lambda v, varlen: staged.append(v) or real_stage(v, varlen))
@@ -390,12 +391,13 @@ def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
     from elsa_surgery.kernels import occupancy as occ
 
     monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "tf32")
     monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)  # keys:32 = the interpreter's BLOCK_N: 100 keys -> 4 launches
     launches = []
     for name in ("_key_chunk_fwd", "_head_group_fwd"):
         real = getattr(launch, name)
         monkeypatch.setattr(launch, name, lambda fwd, *a, real=real: real(
-            lambda *f: launches.append(f[-1]) or fwd(*f), *a))
+            lambda *f: launches.append(f[13]) or fwd(*f), *a))
     B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
     q = rand(B, 70, Hq, D).transpose(1, 2)
     kv = rand(B, 100, 2, Hkv, D)
@@ -423,6 +425,104 @@ def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
     poisoned_run(q, k, v, precision=mode)
     poisoned_run(q, k, v, precision="strict")
     assert launches == []
+
+
+@pytest.mark.parametrize("plan,launches", [("whole", 1), ("keys:32", 4), ("heads:1", 2)])
+def test_precise_f16_split(plan, launches, monkeypatch):
+    """``precise`` from three fp16 products per fp32 product (DOT_F16X3): K and V split by the launcher
+    (whole, a key chunk or a K/V-head group at a time), Q and P in the kernel. Every feature path matches
+    the oracle within the precise budget with every element written, the split really runs (and
+    only where eligible), and the caller's K/V are untouched."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)
+    monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 0)
+    splits = []
+    real = launch._SplitKV.__call__
+    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(k.shape) or real(self, k, v))
+    B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
+    q = rand(B, 70, Hq, D).transpose(1, 2)
+    kv = rand(B, 100, 2, Hkv, D)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
+    k0, v0 = k.clone(), v.clone()
+    mask = torch.randn(B, Hq, 70, 100, device=DEV)
+    mask[:, :, 5, :] = float("-inf")
+    keep = torch.rand(1, 1, 70, 100, device=DEV) > 0.3
+    kvl = torch.tensor([100, 20], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([3, 70], dtype=torch.int32, device=DEV)
+    cases = [dict(), dict(is_causal=True), dict(mask=mask), dict(mask=keep), dict(kv_lengths=kvl, is_causal=True),
+             dict(q_lengths=ql, kv_lengths=kvl), dict(kv_lengths=torch.tensor([0, 45], dtype=torch.int32, device=DEV))]
+    for kw in cases:
+        splits.clear()
+        out, lse = poisoned_run(q, k, v, precision="precise", **kw)
+        check(out, lse, *oracle(q, k, v, **kw), TOL["precise"])
+        assert len(splits) == launches, splits
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    # magnitudes far from 1: per-row Q, per-key K and per-dim V scales keep fp32 accuracy
+    qw = q * torch.logspace(-3, 3, 70, device=DEV)[:, None]
+    kw_ = k * torch.logspace(2, -2, 100, device=DEV)[:, None] * 1e-3
+    vw = v * torch.logspace(-20, 20, Dv, device=DEV) * 1e10
+    out, lse = poisoned_run(qw, kw_, vw, precision="precise", is_causal=True)
+    check(out, lse, *oracle(qw, kw_, vw, is_causal=True), TOL["precise"])
+    # not split: varlen, the state output, split-K partitions, strict/turbo, ELSA_PRECISE_SPLIT=tf32, or a
+    # causal call whose key chunks would hold less work than MIN_CAUSAL_SPLIT_CHUNK_WORK
+    splits.clear()
+    monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 1e18)
+    out, lse = poisoned_run(q, k, v, precision="precise", is_causal=True)
+    check(out, lse, *oracle(q, k, v, is_causal=True), TOL["precise"])
+    assert len(splits) == (0 if plan.startswith("keys") else launches)
+    splits.clear()
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEV)
+    qp, kp, vp = rand(70, Hq, 32), rand(70, Hkv, 32), rand(70, Hkv, 16)
+    o, l = launch.attention_varlen(qp, kp, vp, cu, cu, 40, 40, scale=32 ** -0.5, precision="precise")
+    ro, rl = elsa_surgery.attention_varlen(qp.double(), kp.double(), vp.double(), cu, cu, 40, 40,
+                                           backend="reference", return_lse=True)
+    check(o, l, ro, rl, TOL["precise"])
+    launch.attention_state(q, k, v, scale=D ** -0.5, precision="precise")
+    out, lse = poisoned_run(q, k, v, precision="precise", num_partitions=3)
+    check(out, lse, *oracle(q, k, v), TOL["precise"])
+    poisoned_run(q, k, v, precision="turbo")
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "tf32")
+    poisoned_run(q, k, v, precision="precise")
+    assert splits == []
+
+
+def test_precise_split_choice_and_split_kernel(monkeypatch):
+    """precise_split picks the fp16 split for eligible calls with enough query rows per K/V head, keeps other
+    kinds as they are and rejects a bad ELSA_PRECISE_SPLIT; split_f16 gives fp16 hi/lo whose sum times the
+    power-of-two inverse scale is x to ~2^-22 of the row (K) or column (V) maximum, zero rows included."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.delenv(occ.ENV_PRECISE_SPLIT, raising=False)
+    many = occ.MIN_ROWS_PER_KV_HEAD_TO_STAGE
+    assert occ.precise_split(occ.DOT_TF32X3, many, True) == occ.DOT_F16X3
+    assert occ.precise_split(occ.DOT_TF32X3, many - 1, True) == occ.DOT_TF32X3
+    assert occ.precise_split(occ.DOT_TF32X3, many, False) == occ.DOT_TF32X3
+    assert occ.precise_split(occ.DOT_TF32X3, many, True, work=occ.MIN_SPLIT_WORK / 2) == occ.DOT_TF32X3
+    for dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32):
+        assert occ.precise_split(dot, many, True) == dot
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+    assert occ.precise_split(occ.DOT_TF32X3, 1, True) == occ.DOT_F16X3
+    assert occ.precise_split(occ.DOT_TF32X3, 1, False) == occ.DOT_TF32X3
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "fp16")
+    with pytest.raises(ValueError, match="ELSA_PRECISE_SPLIT"):
+        occ.precise_split(occ.DOT_TF32X3, many, True)
+    k = rand(2, 3, 48, 24) * torch.logspace(-30, 30, 48, device=DEV)[:, None]
+    k[0, 1, 7] = 0.0
+    v = rand(2, 3, 48, 40).transpose(2, 3).contiguous().transpose(2, 3) * torch.logspace(-15, 15, 40, device=DEV)
+    v[1, 2, 16:32] *= 1e-12  # one key block far smaller than the others: its own scales
+    kh, vh, (kl, ki, vl, vi) = launch._SplitKV(k, v, 3, 48, block_n=16)(k, v)
+    assert kh.dtype == kl.dtype == vh.dtype == vl.dtype == torch.float16 and vi.shape == (2, 3, 3, 40)
+    for x, hi, lo, inv, ref in ((k, kh, kl, ki[..., None], k.double().abs().amax(-1, keepdim=True)),
+                                (v, vh, vl, vi.repeat_interleave(16, 2),
+                                 v.double().abs().unflatten(2, (3, 16)).amax(3).repeat_interleave(16, 2))):
+        assert torch.isfinite(hi).all() and torch.isfinite(lo).all() and hi.abs().max() < 2 ** 15
+        assert torch.equal(torch.log2(inv), torch.log2(inv).round())  # powers of two
+        back = (hi.double() + lo.double()) * inv.double()
+        err = (back - x.double()).abs() / ref.clamp_min(1e-300)
+        assert err.max() <= 2 ** -21, err.max()
+    assert (kh[0, 1, 7] == 0).all() and (kl[0, 1, 7] == 0).all() and torch.isfinite(ki).all()
 
 
 def test_small_grids_get_shorter_row_tiles(monkeypatch):

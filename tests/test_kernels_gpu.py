@@ -199,3 +199,30 @@ def test_fp32_tensor_core_modes_extra_memory_within_1_1x_me_sdpa(mode, h, d, pla
     assert ours.mib <= 1.1 * me.mib, (ours.mib, me.mib)
     ro = oracle(q[:, :2], k[:, :2], v[:, :2])[0]
     assert rel(out[:, :2], ro) <= TOL[mode], rel(out[:, :2], ro)
+
+
+@pytest.mark.parametrize("plan", ["whole", "keys:1024", "heads:1"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_precise_f16_split_accuracy(plan, causal, monkeypatch):
+    """``precise`` through the fp16 split on the GPU's tensor cores (real fp16 MMAs and fp32 accumulation):
+    GQA, causal, every staging plan, and magnitudes far from 1 (per-row Q, per-key K, per-dim V scales; logits
+    in the hundreds, where fp32 itself misses the float64 oracle by ~2e-6) stay as accurate as IEEE fp32
+    (``strict``) on the same data."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)
+    monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 0)
+    splits = []
+    real = launch._SplitKV.__call__
+    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(1) or real(self, k, v))
+    q = rand(1, 8, 4096, 128) * torch.logspace(-2, 2, 4096, device="cuda")[:, None]
+    k = rand(1, 2, 4096, 128) * torch.logspace(1, -1, 4096, device="cuda")[:, None]
+    v = rand(1, 2, 4096, 128) * torch.logspace(-3, 3, 128, device="cuda")
+    out, lse = poisoned(q, k, v, "precise", is_causal=causal)
+    assert splits and not torch.isnan(out).any()
+    ro, rl = oracle(q[:, :4], k[:, :1], v[:, :1], is_causal=causal)
+    ieee, _ = poisoned(q, k, v, "strict", is_causal=causal)
+    bound = max(TOL["precise"], 1.5 * rel(ieee[:, :4], ro))
+    assert rel(out[:, :4], ro) <= bound, (rel(out[:, :4], ro), rel(ieee[:, :4], ro))
+    assert rel(lse[:, :4], rl) <= 1e-6
