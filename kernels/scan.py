@@ -73,6 +73,17 @@ def _pow2_scale(amax):
 
 
 @triton.jit
+def _load_tile(ptrs, MASKED: tl.constexpr, PADDED: tl.constexpr, masked_ok, padded_ok):
+    """A K/V tile: with the block's own mask (boundary blocks), the head-dim padding mask, or unmasked."""
+    if MASKED:
+        return tl.load(ptrs, mask=masked_ok, other=0.0)
+    elif PADDED:
+        return tl.load(ptrs, mask=padded_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _fold_block(
     acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
     start_n, offs_m, offs_n, offs_d, offs_dv,
@@ -84,23 +95,13 @@ def _fold_block(
     cols = start_n + offs_n
     kd_ok = offs_d[:, None] < D
     vd_ok = offs_dv[None, :] < DV
-    if MASKED:
-        col_ok = cols < kv_len
-        kt = tl.load(k_ptrs + start_n * stride_kn, mask=kd_ok & col_ok[None, :], other=0.0)
-    elif BLOCK_D != D:
-        kt = tl.load(k_ptrs + start_n * stride_kn, mask=kd_ok, other=0.0)
-    else:
-        kt = tl.load(k_ptrs + start_n * stride_kn)
+    col_ok = cols < kv_len  # used by boundary blocks only (MASKED)
+    k_ok = kd_ok & col_ok[None, :]
+    v_ok = col_ok[:, None] & vd_ok
+    kt = _load_tile(k_ptrs + start_n * stride_kn, MASKED, BLOCK_D != D, k_ok, kd_ok)
     if DOT == 5:  # q·k = (q_hi·k_hi + q_hi·k_lo + q_lo·k_hi) / (2^e_row · 2^e_key), small products first
-        if MASKED:
-            kl = tl.load(kl_ptrs + start_n * stride_kn, mask=kd_ok & col_ok[None, :], other=0.0)
-            ki = tl.load(ki_ptrs + start_n, mask=col_ok, other=0.0)
-        elif BLOCK_D != D:
-            kl = tl.load(kl_ptrs + start_n * stride_kn, mask=kd_ok, other=0.0)
-            ki = tl.load(ki_ptrs + start_n)
-        else:
-            kl = tl.load(kl_ptrs + start_n * stride_kn)
-            ki = tl.load(ki_ptrs + start_n)
+        kl = _load_tile(kl_ptrs + start_n * stride_kn, MASKED, BLOCK_D != D, k_ok, kd_ok)
+        ki = _load_tile(ki_ptrs + start_n, MASKED, False, col_ok, col_ok)
         s = tl.dot(q_lo, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32))
         s = tl.dot(q, kl, s)
         s = tl.dot(q, kt, s)
@@ -130,20 +131,10 @@ def _fold_block(
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if MASKED:
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=col_ok[:, None] & vd_ok, other=0.0)
-    elif BLOCK_DV != DV:
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=vd_ok, other=0.0)
-    else:
-        v = tl.load(v_ptrs + start_n * stride_vn)
+    v = _load_tile(v_ptrs + start_n * stride_vn, MASKED, BLOCK_DV != DV, v_ok, vd_ok)
     if DOT == 5:  # p in [0, 1] scaled by 2^14; V's inverse scale per head dim of this key block, and 2^-14
         v_inv = tl.load(vi_ptrs + (start_n // offs_n.shape[0]) * DV, mask=offs_dv < DV, other=0.0) * (1.0 / 16384.0)
-        if MASKED:
-            vl = tl.load(vl_ptrs + start_n * stride_vn, mask=col_ok[:, None] & vd_ok, other=0.0)
-        elif BLOCK_DV != DV:
-            vl = tl.load(vl_ptrs + start_n * stride_vn, mask=vd_ok, other=0.0)
-        else:
-            vl = tl.load(vl_ptrs + start_n * stride_vn)
+        vl = _load_tile(vl_ptrs + start_n * stride_vn, MASKED, BLOCK_DV != DV, v_ok, vd_ok)
         p_hi, p_lo = _split16(p * 16384.0)
         pv = tl.dot(p_lo, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32))
         pv = tl.dot(p_hi, vl, pv)

@@ -380,6 +380,28 @@ def test_staged_v_for_tensor_core_modes(mode, monkeypatch):
     assert len(staged) == 5
 
 
+def _staged_pieces_cases():
+    """Inputs for the staged-in-pieces tests (70 queries, 100 keys: 4 key chunks or 2 K/V-head groups under
+    the interpreter's tiles): GQA, Dv != D, strided q/k/v, and the cases ``(kwargs)`` every plan must get right:
+    causal, key-axis / per-head / key- and head-broadcast masks with fully masked rows, kv/q lengths shorter
+    than one chunk, kv_len 0."""
+    B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
+    q = rand(B, 70, Hq, D).transpose(1, 2)
+    kv = rand(B, 100, 2, Hkv, D)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
+    mask = torch.randn(B, Hq, 70, 100, device=DEV)
+    mask[:, :, 5, :] = float("-inf")
+    mask[:, 1, 9, 40:] = float("-inf")  # row 9 of head 1 sees keys of the first two chunks only
+    keep_rows = torch.rand(1, 1, 70, 1, device=DEV) > 0.2  # broadcast along the keys and heads
+    keep = torch.rand(1, 1, 70, 100, device=DEV) > 0.3  # broadcast along the heads
+    kvl = torch.tensor([100, 20], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([3, 70], dtype=torch.int32, device=DEV)
+    cases = [dict(), dict(is_causal=True), dict(mask=mask), dict(mask=keep_rows), dict(mask=keep),
+             dict(kv_lengths=kvl, is_causal=True), dict(q_lengths=ql, kv_lengths=kvl),
+             dict(kv_lengths=torch.tensor([0, 45], dtype=torch.int32, device=DEV))]
+    return q, k, v, mask, cases
+
+
 @pytest.mark.parametrize("plan,expected", [("keys:32", [True] * 4), ("heads:1", [False] * 2)])
 @pytest.mark.parametrize("mode", ["turbo", "precise"])
 def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
@@ -398,19 +420,8 @@ def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
         real = getattr(launch, name)
         monkeypatch.setattr(launch, name, lambda fwd, *a, real=real: real(
             lambda *f: launches.append(f[13]) or fwd(*f), *a))
-    B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
-    q = rand(B, 70, Hq, D).transpose(1, 2)
-    kv = rand(B, 100, 2, Hkv, D)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
+    q, k, v, mask, cases = _staged_pieces_cases()
     k0, v0 = k.clone(), v.clone()
-    mask = torch.randn(B, Hq, 70, 100, device=DEV)
-    mask[:, :, 5, :] = float("-inf")
-    mask[:, 1, 9, 40:] = float("-inf")  # row 9 of head 1 sees keys of the first two chunks only
-    keep = torch.rand(1, 1, 70, 1, device=DEV) > 0.2  # broadcast along the keys and heads
-    kvl = torch.tensor([100, 20], dtype=torch.int32, device=DEV)
-    ql = torch.tensor([3, 70], dtype=torch.int32, device=DEV)
-    cases = [dict(), dict(is_causal=True), dict(mask=mask), dict(mask=keep), dict(kv_lengths=kvl, is_causal=True),
-             dict(q_lengths=ql, kv_lengths=kvl), dict(kv_lengths=torch.tensor([0, 45], dtype=torch.int32, device=DEV))]
     for kw in cases:
         launches.clear()
         out, lse = poisoned_run(q, k, v, precision=mode, **kw)
@@ -441,18 +452,9 @@ def test_precise_f16_split(plan, launches, monkeypatch):
     splits = []
     real = launch._SplitKV.__call__
     monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(k.shape) or real(self, k, v))
-    B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
-    q = rand(B, 70, Hq, D).transpose(1, 2)
-    kv = rand(B, 100, 2, Hkv, D)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
+    q, k, v, mask, cases = _staged_pieces_cases()
+    Hq, Hkv, D, Dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     k0, v0 = k.clone(), v.clone()
-    mask = torch.randn(B, Hq, 70, 100, device=DEV)
-    mask[:, :, 5, :] = float("-inf")
-    keep = torch.rand(1, 1, 70, 100, device=DEV) > 0.3
-    kvl = torch.tensor([100, 20], dtype=torch.int32, device=DEV)
-    ql = torch.tensor([3, 70], dtype=torch.int32, device=DEV)
-    cases = [dict(), dict(is_causal=True), dict(mask=mask), dict(mask=keep), dict(kv_lengths=kvl, is_causal=True),
-             dict(q_lengths=ql, kv_lengths=kvl), dict(kv_lengths=torch.tensor([0, 45], dtype=torch.int32, device=DEV))]
     for kw in cases:
         splits.clear()
         out, lse = poisoned_run(q, k, v, precision="precise", **kw)
