@@ -141,7 +141,8 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     rows = BH * Nq
 
     def tiles(dot_):
-        cfg_ = occ.tile_config(dot_, D, Dv, max(Nq, Nk), bh=BH, nq=Nq, device=q.device)
+        cfg_ = occ.tile_config(dot_, D, Dv, max(Nq, Nk), bh=BH, nq=Nq, device=q.device,
+                               causal=bool(is_causal))
         n_mb = -(-Nq // cfg_.block_m) if Nq > 0 else 0
         parts_ = occ.num_partitions(q.device, tiles=n_mb * BH, n_k=Nk, block_n=cfg_.block_n, rows=rows, dv=Dv,
                                     out_bytes=rows * Dv * q.element_size(), eta=eta, forced=num_partitions)
@@ -167,9 +168,9 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         cfg, n_mblocks, parts, part_len = tiles(split_dot)
         stage, plan = staging(split_dot, cfg, n_mblocks, parts)
         # the split runs with one partition; causal calls whose memory budget allows only key chunks of
-        # little work per launch keep 3xTF32 (occupancy.MIN_CAUSAL_SPLIT_CHUNK_WORK)
+        # little work per launch keep 3xTF32 (occupancy.MIN_CAUSAL_SPLIT_CHUNK_WORK) unless the split is forced
         short_chunks = plan[0] == "keys" and BH * Nq * plan[1] * D < occ.MIN_CAUSAL_SPLIT_CHUNK_WORK
-        if parts == 1 and not (is_causal and short_chunks):
+        if parts == 1 and not (is_causal and short_chunks and not occ.split_forced()):
             dot = split_dot
     if dot != occ.DOT_F16X3:
         cfg, n_mblocks, parts, part_len = tiles(dot)

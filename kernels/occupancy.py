@@ -113,6 +113,13 @@ _TABLE = {
 _SMALL_GRID = {"lowp": TileConfig(64, 64, 4, 3), "tf32": TileConfig(64, 32, 4, 3), "tf32x3": TileConfig(64, 64, 4, 2),
                "f16x3": TileConfig(64, 64, 4, 3)}
 _SMALL_GRID_MAX_WIDTH, _SMALL_GRID_MAX_N = 64, 2048
+# Causal fp16/bf16 calls with head dims up to 64, sequences past the ``<= 2,048`` bucket and a grid of 128-row
+# tiles under CAUSAL_SMALL_GRID_WAVES waves of the SMs run 64x64 tiles: the rows of a causal grid have unequal
+# lengths, and shorter row tiles even out the last wave. Measured (H100, CUDA graphs, B=1, H=8, D=64, bf16;
+# docs/PERF.md, "Version 8"): N=4K (256 programs) 0.0916 -> 0.0734 ms; N=16K (1,024) 0.780 -> 0.773 ms, no real
+# gain; N=65K (4,096) 10.3 -> 11.0 ms, a loss. At D=128 the 128-row tile stays faster (H=32, N=4K: 0.344 vs 0.391).
+_CAUSAL_LOWP = TileConfig(64, 64, 4, 3)
+CAUSAL_SMALL_GRID_WAVES = 4
 _KIND_OF_DOT = {DOT_LOWP: "lowp", DOT_IEEE: "ieee", DOT_TF32: "tf32", DOT_TF32X3: "tf32x3", DOT_INTERP_BF16: "lowp",
                 DOT_F16X3: "f16x3"}
 _OVERRIDE: Optional[TileConfig] = None
@@ -125,9 +132,10 @@ def set_config_override(cfg: Optional[TileConfig]) -> None:
 
 
 def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30, *, bh: Optional[int] = None,
-                nq: Optional[int] = None, device: Optional[torch.device] = None) -> TileConfig:
+                nq: Optional[int] = None, device: Optional[torch.device] = None, causal: bool = False) -> TileConfig:
     """Tile for a call with head dims ``d``/``dv`` and sequence length ``n = max(Nq, Nk)``; with ``bh``
-    (batch·query heads), ``nq`` and ``device``, a grid too small to fill the SMs gets shorter row tiles."""
+    (batch·query heads), ``nq`` and ``device``, a grid too small to fill the SMs gets shorter row tiles, and
+    so do causal fp16/bf16 calls with narrow heads whose grid is a few waves (``_CAUSAL_LOWP``)."""
     if _OVERRIDE is not None:
         return _OVERRIDE
     if interpreting():
@@ -136,6 +144,10 @@ def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30, *, bh: Optional[int
     kind = _KIND_OF_DOT[dot]
     rows = _TABLE[kind]
     cfg = next((c for bound, n_bound, c in rows if width <= bound and n <= n_bound), rows[-1][2])
+    if (causal and kind == "lowp" and width <= _SMALL_GRID_MAX_WIDTH and n > _SMALL_GRID_MAX_N
+            and bh is not None and nq is not None and device is not None
+            and bh * -(-nq // cfg.block_m) < CAUSAL_SMALL_GRID_WAVES * _sms(device)):
+        return _CAUSAL_LOWP
     small = _SMALL_GRID.get(kind)
     if (small is not None and bh is not None and nq is not None and device is not None
             and width <= _SMALL_GRID_MAX_WIDTH and n <= _SMALL_GRID_MAX_N and cfg.block_m > small.block_m
@@ -183,14 +195,24 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
     """
     if dot != DOT_TF32X3:
         return dot
-    env = os.environ.get(ENV_PRECISE_SPLIT, "").strip()
-    if env not in ("", "f16", "tf32"):
-        raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16' or 'tf32', got {env!r}")
+    env = _precise_split_env()
     if not eligible or env == "tf32":
         return dot
     if env == "f16" or (rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE and work >= MIN_SPLIT_WORK):
         return DOT_F16X3
     return dot
+
+
+def _precise_split_env() -> str:
+    env = os.environ.get(ENV_PRECISE_SPLIT, "").strip()
+    if env not in ("", "f16", "tf32"):
+        raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16' or 'tf32', got {env!r}")
+    return env
+
+
+def split_forced() -> bool:
+    """``ELSA_PRECISE_SPLIT=f16``: the launcher's shape rules (short causal key chunks) do not veto the split."""
+    return _precise_split_env() == "f16"
 
 
 def _sms(device: torch.device) -> int:

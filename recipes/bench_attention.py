@@ -225,7 +225,7 @@ def varlen_cell(dname, H, D, causal, seed=0):
     return row
 
 
-def sweep(dname, H, D, N, causal, space):
+def sweep(dname, H, D, N, causal, space, graph=False):
     dtype, prec = DTYPES[dname]
     q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
     res = []
@@ -235,7 +235,7 @@ def sweep(dname, H, D, N, causal, space):
             fn = lambda: launch.attention(q, k, v, scale=D ** -0.5, is_causal=causal, precision=prec,
                                           return_lse=False)
             fn()
-            ms = bench(fn, warmup=10, rep=40)
+            ms = graph_ms(fn) if graph else bench(fn, warmup=10, rep=40)
             res.append((ms, bm, bn, w, s))
             print(f"  sweep {dname} H={H} D={D} N={N} causal={causal} bm={bm} bn={bn} w={w} s={s}: {ms:.3f} ms",
                   flush=True)
@@ -273,7 +273,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="tile-config sweep instead of the comparison")
     ap.add_argument("--space", default="bm=64,128;bn=32,64,128;w=4,8;s=2,3",
                     help="sweep space, e.g. 'bm=32,64;bn=16,32;w=4;s=1,2'")
-    ap.add_argument("--graph", action="store_true", help="also time ELSA replayed from a CUDA graph")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time ELSA replayed from a CUDA graph (with --sweep: time every tile that way)")
     ap.add_argument("--lean", action="store_true", help="ELSA-Lean eta trade-off only")
     ap.add_argument("--json", default=None, help="append rows as JSON lines to this file")
     a = ap.parse_args(argv)
@@ -301,7 +302,7 @@ def main(argv=None):
     if a.sweep:
         for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
             space = {kv.split("=")[0]: [int(x) for x in kv.split("=")[1].split(",")] for kv in a.space.split(";")}
-            best = sweep(dname, H, D, N, c, space)
+            best = sweep(dname, H, D, N, c, space, graph=a.graph)
             print(f"BEST {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
         return
     if not a.varlen_only:

@@ -468,12 +468,19 @@ def test_precise_f16_split(plan, launches, monkeypatch):
     out, lse = poisoned_run(qw, kw_, vw, precision="precise", is_causal=True)
     check(out, lse, *oracle(qw, kw_, vw, is_causal=True), TOL["precise"])
     # not split: varlen, the state output, split-K partitions, strict/turbo, ELSA_PRECISE_SPLIT=tf32, or a
-    # causal call whose key chunks would hold less work than MIN_CAUSAL_SPLIT_CHUNK_WORK
-    splits.clear()
+    # causal call whose key chunks would hold less work than MIN_CAUSAL_SPLIT_CHUNK_WORK (unless
+    # ELSA_PRECISE_SPLIT=f16 forces the split)
     monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 1e18)
-    out, lse = poisoned_run(q, k, v, precision="precise", is_causal=True)
-    check(out, lse, *oracle(q, k, v, is_causal=True), TOL["precise"])
-    assert len(splits) == (0 if plan.startswith("keys") else launches)
+    for forced in (True, False):
+        splits.clear()
+        if not forced:  # chosen by shape: every other threshold let through
+            monkeypatch.delenv(occ.ENV_PRECISE_SPLIT)
+            monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 0)
+            monkeypatch.setattr(occ, "MIN_SPLIT_WORK", 0)
+        out, lse = poisoned_run(q, k, v, precision="precise", is_causal=True)
+        check(out, lse, *oracle(q, k, v, is_causal=True), TOL["precise"])
+        assert len(splits) == (0 if plan.startswith("keys") and not forced else launches), (forced, splits)
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
     splits.clear()
     cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEV)
     qp, kp, vp = rand(70, Hq, 32), rand(70, Hkv, 32), rand(70, Hkv, 16)
@@ -530,7 +537,7 @@ def test_precise_split_choice_and_split_kernel(monkeypatch):
 def test_small_grids_get_shorter_row_tiles(monkeypatch):
     """A call whose grid of 128-row tiles cannot fill the SMs (B=1, H=8, N=1K: 64 programs on 132 SMs) gets
     64-row tiles; grids that fill the GPU, wider heads, longer sequences and calls without the grid size keep
-    the length bucket's tile."""
+    the length bucket's tile. Causal fp16/bf16 calls with narrow heads and a grid of a few waves get 64x64 tiles."""
     from elsa_surgery.kernels import occupancy as occ
 
     monkeypatch.setattr(occ, "_sms", lambda device: 132)
@@ -547,6 +554,17 @@ def test_small_grids_get_shorter_row_tiles(monkeypatch):
         assert occ.tile_config(dot, 128, 128, 1024, bh=4, nq=1024, device=dev) == occ.tile_config(dot, 128, 128, 1024)
     assert occ.tile_config(occ.DOT_IEEE, 64, 64, 1024, bh=8, nq=1024, device=dev) == occ.tile_config(occ.DOT_IEEE, 64, 64, 1024)
     assert occ.tile_config(occ.DOT_LOWP, 64, 64, 300, bh=1, nq=300, device=dev).block_m == 64  # short bucket as is
+    # causal bf16/fp16 calls with narrow heads past 2,048 tokens whose 128-row grid is under 4 waves: 64x64
+    # tiles; larger grids, wide heads, other kinds, the <= 2,048 bucket and non-causal calls keep theirs
+    for n, bh, causal_tile in ((4096, 8, True), (4096, 16, True), (16384, 8, False), (65536, 8, False)):
+        got = occ.tile_config(occ.DOT_LOWP, 64, 64, n, bh=bh, nq=n, device=dev, causal=True)
+        assert (got == occ._CAUSAL_LOWP) == causal_tile, (n, bh, got)
+        assert occ.tile_config(occ.DOT_LOWP, 64, 64, n, bh=bh, nq=n, device=dev).block_m == 128
+    assert occ.tile_config(occ.DOT_LOWP, 48, 64, 8192, bh=4, nq=8192, device=dev, causal=True) == occ._CAUSAL_LOWP
+    assert occ.tile_config(occ.DOT_LOWP, 64, 64, 4096, causal=True).block_m == 128  # no grid given
+    assert occ.tile_config(occ.DOT_LOWP, 128, 128, 4096, bh=8, nq=4096, device=dev, causal=True).block_m == 128
+    assert occ.tile_config(occ.DOT_TF32, 64, 64, 4096, bh=8, nq=4096, device=dev, causal=True).block_m == 128
+    assert occ.tile_config(occ.DOT_LOWP, 64, 64, 2048, bh=16, nq=2048, device=dev, causal=True).block_m == 128
 
 
 def test_stage_plan_keeps_the_memory_budget(monkeypatch):
