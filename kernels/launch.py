@@ -76,24 +76,32 @@ class _SplitKV:
     """Splits K and V for ``DOT_F16X3`` (``scan.split_f16``) into reused buffers: fp16 hi/lo parts of both,
     K's inverse scale per key, V's per head dim of each ``block_n`` keys (``split_bytes_per_key``)."""
 
-    def __init__(self, k, v, heads: int, keys: int, *, block_n: int):
+    def __init__(self, k, v, heads: int, keys: int, *, block_n: int, split_v: bool = True):
         B, D, Dv = k.shape[0], k.shape[3], v.shape[3]
         n = B * heads * keys
         self.block_n = block_n
+        self.split_v = split_v
         self.kh, self.kl = k.new_empty(2 * n * D, dtype=torch.float16).chunk(2)
-        self.vh, self.vl = k.new_empty(2 * n * Dv, dtype=torch.float16).chunk(2)
         self.ki = k.new_empty(n)
-        self.vi = k.new_empty(B * heads * -(-keys // block_n) * Dv)
+        if split_v:
+            self.vh, self.vl = k.new_empty(2 * n * Dv, dtype=torch.float16).chunk(2)
+            self.vi = k.new_empty(B * heads * -(-keys // block_n) * Dv)
 
     def __call__(self, k, v):
         scan = _scan()
         B, H, N, D = k.shape
         Dv = v.shape[3]
         kh, kl = (t[:B * H * N * D].view(B, H, N, D) for t in (self.kh, self.kl))
-        vh, vl = (t[:B * H * N * Dv].view(B, H, N, Dv) for t in (self.vh, self.vl))
-        nb = -(-N // self.block_n)
-        ki, vi = self.ki[:B * H * N].view(B, H, N), self.vi[:B * H * nb * Dv].view(B, H, nb, Dv)
-        for x, hi, lo, inv, per_row in ((k, kh, kl, ki, True), (v, vh, vl, vi, False)):
+        ki = self.ki[:B * H * N].view(B, H, N)
+        parts = [(k, kh, kl, ki, True)]
+        if self.split_v:
+            vh, vl = (t[:B * H * N * Dv].view(B, H, N, Dv) for t in (self.vh, self.vl))
+            nb = -(-N // self.block_n)
+            vi = self.vi[:B * H * nb * Dv].view(B, H, nb, Dv)
+            parts.append((v, vh, vl, vi, False))
+        else:  # DOT_F16X3V: V goes to the kernel as it is (its lo/scale slots get K's, unread)
+            vh, vl, vi = v, kl, ki
+        for x, hi, lo, inv, per_row in parts:
             c = x.shape[3]
             bc = occ.block_dim(c)
             br = max(1, 4096 // bc) if per_row else self.block_n
@@ -103,9 +111,9 @@ class _SplitKV:
         return kh, vh, (kl, ki, vl, vi)
 
 
-def split_bytes_per_key(d: int, dv: int, block_n: int) -> int:
+def split_bytes_per_key(d: int, dv: int, block_n: int, split_v: bool = True) -> int:
     """Bytes ``_SplitKV`` stages per key and K/V head (fp16 hi + lo of K and V, K's scale, V's block scales)."""
-    return (d + dv) * 4 + 4 + -(-dv * 4 // block_n)
+    return d * 4 + 4 + ((dv * 4 + -(-dv * 4 // block_n)) if split_v else 0)
 
 
 def _new_out(q, B: int, Hq: int, Nq: int, Dv: int):
@@ -151,11 +159,12 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
 
     def staging(dot_, cfg_, n_mb, parts_):
         """(stage?, plan): whether K/V are staged and in which pieces (occupancy.stage_plan)."""
-        split_ = dot_ == occ.DOT_F16X3
+        split_ = dot_ in (occ.DOT_F16X3, occ.DOT_F16X3V)
         stage_ = split_ or (occ.stage_operands(dot_, rows_per_kv) and not _keys_contiguous(v, varlen))
         if not (stage_ and not varlen and parts_ == 1 and state is None):
             return stage_, ("whole", 0)
-        per_key = split_bytes_per_key(D, Dv, cfg_.block_n) if split_ else Dv * v.element_size()
+        per_key = (split_bytes_per_key(D, Dv, cfg_.block_n, dot_ == occ.DOT_F16X3) if split_
+                   else Dv * v.element_size())
         return stage_, occ.stage_plan(
             q.device, n_k=Nk, block_n=cfg_.block_n, batch=B, kv_heads=Hkv, groups=groups, m_blocks=n_mb,
             out_bytes=rows * Dv * q.element_size(), v_bytes_per_key_head=per_key, stats_bytes=2 * rows * 4,
@@ -168,14 +177,19 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         cfg, n_mblocks, parts, part_len = tiles(split_dot)
         stage, plan = staging(split_dot, cfg, n_mblocks, parts)
         # the split runs with one partition; causal calls whose memory budget allows only key chunks of
-        # little work per launch keep 3xTF32 (occupancy.MIN_CAUSAL_SPLIT_CHUNK_WORK) unless the split is forced
+        # little work per launch split K alone, V in the kernel: chunks twice as long
+        # (occupancy.MIN_CAUSAL_SPLIT_CHUNK_WORK), unless ELSA_PRECISE_SPLIT forces a kind
         short_chunks = plan[0] == "keys" and BH * Nq * plan[1] * D < occ.MIN_CAUSAL_SPLIT_CHUNK_WORK
         if parts == 1 and not (is_causal and short_chunks and not occ.split_forced()):
             dot = split_dot
-    if dot != occ.DOT_F16X3:
+        elif parts == 1:
+            dot = occ.DOT_F16X3V
+            cfg, n_mblocks, parts, part_len = tiles(dot)
+            stage, plan = staging(dot, cfg, n_mblocks, parts)
+    split = dot in (occ.DOT_F16X3, occ.DOT_F16X3V)
+    if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
         stage, plan = staging(dot, cfg, n_mblocks, parts)
-    split = dot == occ.DOT_F16X3
     if state is None:
         if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
             out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else _new_out(q, B, Hq, Nq, Dv)
@@ -229,7 +243,8 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         )
 
     lse_arg = lse if want_lse else None
-    stager = functools.partial(_SplitKV, block_n=cfg.block_n) if split else _TransposedV
+    stager = (functools.partial(_SplitKV, block_n=cfg.block_n, split_v=dot == occ.DOT_F16X3) if split
+              else _TransposedV)
     if plan[0] == "heads":
         _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, plan[1], groups, part_len, stager)
         return out, lse, state

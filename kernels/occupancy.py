@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 # Dot-product kinds understood by the kernels (see scan.py).
-DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3 = 0, 1, 2, 3, 4, 5
+DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3, DOT_F16X3V = 0, 1, 2, 3, 4, 5, 6
 DOT_OF_PRECISION = {"strict": DOT_IEEE, "turbo": DOT_TF32, "precise": DOT_TF32X3}
 
 # A partition shorter than this many keys costs more (state traffic, a second launch) than it wins in
@@ -50,16 +50,19 @@ MIN_KEYS_PER_STAGE_CHUNK = 1024
 # launch: 512-key chunks still run at 2.66x ME-SDPA (H100, B=1, H=8, D=64, N=16K; whole: 4.14x)
 MIN_KEYS_PER_SPLIT_CHUNK = 512
 # A causal call whose split would run in key chunks of less work than this per launch (query rows x chunk
-# keys x head dim, every head) keeps 3xTF32: its chunks are mostly launch and row-state traffic. H100, N=16K
-# causal: H=8, D=64 in 512-key chunks (4.3e9) 6.23 ms split vs 4.86 ms 3xTF32; H=32, D=128 in 640-key chunks
-# (4.3e10) 21.1 ms split vs 30.0 ms 3xTF32.
+# keys x head dim, every head) splits K alone and V inside the kernel (DOT_F16X3V): half the staged bytes per
+# key, chunks twice as long. Its chunks would be mostly launch and row-state traffic. H100, N=16K causal: H=8, D=64
+# in 512-key chunks (4.3e9) 6.23 ms eager (3.76 graph-replayed) split, 4.86 ms 3xTF32 (the v7 choice), 4.17 ms
+# (4.04) K alone in 1,024-key chunks; H=32, D=128 in 640-key chunks (4.3e10) 21.1 ms split vs 30.0 ms 3xTF32
+# and 24.2 ms K alone. Splitting V in the kernel costs more than it saves wherever the full split runs
+# (H=8, D=64, N=16K, non-causal: 7.05 vs 6.13 ms).
 MIN_CAUSAL_SPLIT_CHUNK_WORK = 1e10
 LONG_STAGE_CHUNK_KEYS = 4096
 MAX_HEAD_GROUP_WAVE_WASTE = 0.05
 CHUNKED_STAGING_MIN_PROGRAMS_PER_SM = 4
 ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G" or "keys:N"
 # "precise" on long dense calls: "f16" (three fp16 products, K/V split by the launcher; see precise_split),
-# "tf32" (Triton's 3xTF32), unset = chosen by shape
+# "f16k" (the same with V split in the kernel), "tf32" (Triton's 3xTF32), unset = chosen by shape
 ENV_PRECISE_SPLIT = "ELSA_PRECISE_SPLIT"
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ _SMALL_GRID_MAX_WIDTH, _SMALL_GRID_MAX_N = 64, 2048
 _CAUSAL_LOWP = TileConfig(64, 64, 4, 3)
 CAUSAL_SMALL_GRID_WAVES = 4
 _KIND_OF_DOT = {DOT_LOWP: "lowp", DOT_IEEE: "ieee", DOT_TF32: "tf32", DOT_TF32X3: "tf32x3", DOT_INTERP_BF16: "lowp",
-                DOT_F16X3: "f16x3"}
+                DOT_F16X3: "f16x3", DOT_F16X3V: "f16x3"}
 _OVERRIDE: Optional[TileConfig] = None
 
 
@@ -191,13 +194,17 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
     one partition, no state output, enough query rows per K/V head to pay the split
     (``MIN_ROWS_PER_KV_HEAD_TO_STAGE``) and ``work`` (rows x keys x head dim) of at least ``MIN_SPLIT_WORK``;
     ``eligible`` is the launcher's check of the first two.
-    ``ELSA_PRECISE_SPLIT=f16|tf32`` forces one kind (``f16`` only where eligible).
+    ``ELSA_PRECISE_SPLIT=f16|f16k|tf32`` forces one kind (``f16``/``f16k`` only where eligible; ``f16k`` is
+    ``DOT_F16X3V``, K split by the launcher and V in the kernel, which the launcher also picks for causal
+    calls whose full split would run in short key chunks: ``MIN_CAUSAL_SPLIT_CHUNK_WORK``).
     """
     if dot != DOT_TF32X3:
         return dot
     env = _precise_split_env()
     if not eligible or env == "tf32":
         return dot
+    if env == "f16k":
+        return DOT_F16X3V
     if env == "f16" or (rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE and work >= MIN_SPLIT_WORK):
         return DOT_F16X3
     return dot
@@ -205,14 +212,14 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
 
 def _precise_split_env() -> str:
     env = os.environ.get(ENV_PRECISE_SPLIT, "").strip()
-    if env not in ("", "f16", "tf32"):
-        raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16' or 'tf32', got {env!r}")
+    if env not in ("", "f16", "f16k", "tf32"):
+        raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16', 'f16k' or 'tf32', got {env!r}")
     return env
 
 
 def split_forced() -> bool:
     """``ELSA_PRECISE_SPLIT=f16``: the launcher's shape rules (short causal key chunks) do not veto the split."""
-    return _precise_split_env() == "f16"
+    return _precise_split_env() in ("f16", "f16k")
 
 
 def _sms(device: torch.device) -> int:

@@ -17,7 +17,8 @@ cores), ``2`` TF32, ``3`` 3xTF32 (hi/lo split done by Triton's ``input_precision
 bf16 under the CPU interpreter only (operands upcast to fp32 before the dot), ``5`` three fp16 products
 per fp32 product (``x = (hi + lo) / 2^e`` with fp16 ``hi``/``lo`` and a power-of-two scale: Q per row and P
 split here, K per key and V per head dim split by :func:`split_f16` before the launch; the three
-products of a block are summed in a fresh accumulator and added to the running one in fp32).
+products of a block are summed in a fresh accumulator and added to the running one in fp32), ``6`` the
+same with V split here, per head dim of each key block (the launcher splits K alone: half the staged bytes).
 
 TF32 tensor-core MMAs (``DOT`` 2, 3) need both shared-memory operands K-major. K (``[N, D]``, D contiguous)
 is; V in its natural layout (Dv contiguous) is not, and Triton then fills V's tile with 4-byte copies. The
@@ -99,7 +100,7 @@ def _fold_block(
     k_ok = kd_ok & col_ok[None, :]
     v_ok = col_ok[:, None] & vd_ok
     kt = _load_tile(k_ptrs + start_n * stride_kn, MASKED, BLOCK_D != D, k_ok, kd_ok)
-    if DOT == 5:  # q·k = (q_hi·k_hi + q_hi·k_lo + q_lo·k_hi) / (2^e_row · 2^e_key), small products first
+    if DOT >= 5:  # q·k = (q_hi·k_hi + q_hi·k_lo + q_lo·k_hi) / (2^e_row · 2^e_key), small products first
         kl = _load_tile(kl_ptrs + start_n * stride_kn, MASKED, BLOCK_D != D, k_ok, kd_ok)
         ki = _load_tile(ki_ptrs + start_n, MASKED, False, col_ok, col_ok)
         s = tl.dot(q_lo, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32))
@@ -140,6 +141,14 @@ def _fold_block(
         pv = tl.dot(p_hi, vl, pv)
         pv = tl.dot(p_hi, v, pv)
         acc = acc + pv * v_inv[None, :]
+    elif DOT == 6:  # V as it is (fp32), split here with a power-of-two scale per head dim of this key block
+        v_sc = _pow2_scale(tl.max(tl.abs(v), 0))
+        v_hi, v_lo = _split16(v * v_sc[None, :])
+        p_hi, p_lo = _split16(p * 16384.0)
+        pv = tl.dot(p_lo, v_hi, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32))
+        pv = tl.dot(p_hi, v_lo, pv)
+        pv = tl.dot(p_hi, v_hi, pv)
+        acc = acc + pv * ((1.0 / 16384.0) / v_sc)[None, :]
     else:
         acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new
@@ -252,7 +261,7 @@ def elsa_fwd(
     v_off = offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd
     k_ptrs = k_base + k_off
     v_ptrs = v_base + v_off
-    if DOT == 5:  # K, V are the fp16 hi parts; KL/VL the lo parts (same layout), KI/VI the inverse scales
+    if DOT >= 5:  # K (and V for DOT 5) are the fp16 hi parts; KL/VL the lo parts (same layout), KI/VI the inverse scales
         kl_ptrs = KL + k_head + k_off
         vl_ptrs = VL + v_head + v_off
         ki_ptrs = KI + b64 * stride_kib + hk.to(tl.int64) * stride_kih + k_row0 + offs_n

@@ -438,20 +438,21 @@ def test_staged_v_in_pieces(mode, plan, expected, monkeypatch):
     assert launches == []
 
 
+@pytest.mark.parametrize("kind", ["f16", "f16k"])
 @pytest.mark.parametrize("plan,launches", [("whole", 1), ("keys:32", 4), ("heads:1", 2)])
-def test_precise_f16_split(plan, launches, monkeypatch):
+def test_precise_f16_split(plan, launches, kind, monkeypatch):
     """``precise`` from three fp16 products per fp32 product (DOT_F16X3): K and V split by the launcher
     (whole, a key chunk or a K/V-head group at a time), Q and P in the kernel. Every feature path matches
     the oracle within the precise budget with every element written, the split really runs (and
     only where eligible), and the caller's K/V are untouched."""
     from elsa_surgery.kernels import occupancy as occ
 
-    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)  # f16k: K split by the launcher, V in the kernel
     monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)
     monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 0)
     splits = []
     real = launch._SplitKV.__call__
-    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(k.shape) or real(self, k, v))
+    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(self.split_v) or real(self, k, v))
     q, k, v, mask, cases = _staged_pieces_cases()
     Hq, Hkv, D, Dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     k0, v0 = k.clone(), v.clone()
@@ -459,7 +460,7 @@ def test_precise_f16_split(plan, launches, monkeypatch):
         splits.clear()
         out, lse = poisoned_run(q, k, v, precision="precise", **kw)
         check(out, lse, *oracle(q, k, v, **kw), TOL["precise"])
-        assert len(splits) == launches, splits
+        assert splits == [kind == "f16"] * launches, splits
     assert torch.equal(k, k0) and torch.equal(v, v0)
     # magnitudes far from 1: per-row Q, per-key K and per-dim V scales keep fp32 accuracy
     qw = q * torch.logspace(-3, 3, 70, device=DEV)[:, None]
@@ -467,9 +468,8 @@ def test_precise_f16_split(plan, launches, monkeypatch):
     vw = v * torch.logspace(-20, 20, Dv, device=DEV) * 1e10
     out, lse = poisoned_run(qw, kw_, vw, precision="precise", is_causal=True)
     check(out, lse, *oracle(qw, kw_, vw, is_causal=True), TOL["precise"])
-    # not split: varlen, the state output, split-K partitions, strict/turbo, ELSA_PRECISE_SPLIT=tf32, or a
-    # causal call whose key chunks would hold less work than MIN_CAUSAL_SPLIT_CHUNK_WORK (unless
-    # ELSA_PRECISE_SPLIT=f16 forces the split)
+    # a causal call whose key chunks would hold less work than MIN_CAUSAL_SPLIT_CHUNK_WORK splits K alone
+    # (unless ELSA_PRECISE_SPLIT forces a kind)
     monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 1e18)
     for forced in (True, False):
         splits.clear()
@@ -479,8 +479,10 @@ def test_precise_f16_split(plan, launches, monkeypatch):
             monkeypatch.setattr(occ, "MIN_SPLIT_WORK", 0)
         out, lse = poisoned_run(q, k, v, precision="precise", is_causal=True)
         check(out, lse, *oracle(q, k, v, is_causal=True), TOL["precise"])
-        assert len(splits) == (0 if plan.startswith("keys") and not forced else launches), (forced, splits)
-    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+        split_v = (kind == "f16") if forced else not plan.startswith("keys")
+        assert splits == [split_v] * launches, (forced, splits)
+    # not split: varlen, the state output, split-K partitions, strict/turbo, ELSA_PRECISE_SPLIT=tf32
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)
     splits.clear()
     cu = torch.tensor([0, 30, 70], dtype=torch.int32, device=DEV)
     qp, kp, vp = rand(70, Hq, 32), rand(70, Hkv, 32), rand(70, Hkv, 16)

@@ -201,16 +201,17 @@ def test_fp32_tensor_core_modes_extra_memory_within_1_1x_me_sdpa(mode, h, d, pla
     assert rel(out[:, :2], ro) <= TOL[mode], rel(out[:, :2], ro)
 
 
+@pytest.mark.parametrize("kind", ["f16", "f16k"])
 @pytest.mark.parametrize("plan", ["whole", "keys:1024", "heads:1"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_precise_f16_split_accuracy(plan, causal, monkeypatch):
+def test_precise_f16_split_accuracy(plan, causal, kind, monkeypatch):
     """``precise`` through the fp16 split on the GPU's tensor cores (real fp16 MMAs and fp32 accumulation):
     GQA, causal, every staging plan, and magnitudes far from 1 (per-row Q, per-key K, per-dim V scales; logits
     in the hundreds, where fp32 itself misses the float64 oracle by ~2e-6) stay as accurate as IEEE fp32
     (``strict``) on the same data."""
     from elsa_surgery.kernels import occupancy as occ
 
-    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)  # f16k: V split in the kernel
     monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)
     monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 0)
     splits = []
