@@ -74,7 +74,8 @@ class _TransposedV:
 
 class _SplitKV:
     """Splits K and V for ``DOT_F16X3`` (``scan.split_f16``) into reused buffers: fp16 hi/lo parts of both,
-    K's inverse scale per key, V's per head dim of each ``block_n`` keys (``split_bytes_per_key``)."""
+    K's inverse scale per key, V's per head dim of each ``block_n`` keys (``split_bytes_per_key``). With
+    ``split_v=False`` (``DOT_F16X3V``) K alone: V goes to the kernel as it is and is split there."""
 
     def __init__(self, k, v, heads: int, keys: int, *, block_n: int, split_v: bool = True):
         B, D, Dv = k.shape[0], k.shape[3], v.shape[3]
@@ -112,7 +113,8 @@ class _SplitKV:
 
 
 def split_bytes_per_key(d: int, dv: int, block_n: int, split_v: bool = True) -> int:
-    """Bytes ``_SplitKV`` stages per key and K/V head (fp16 hi + lo of K and V, K's scale, V's block scales)."""
+    """Bytes ``_SplitKV`` stages per key and K/V head (fp16 hi + lo of K and V, K's scale, V's block scales;
+    K's alone without ``split_v``)."""
     return d * 4 + 4 + ((dv * 4 + -(-dv * 4 // block_n)) if split_v else 0)
 
 
