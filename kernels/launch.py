@@ -161,7 +161,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
 
     def staging(dot_, cfg_, n_mb, parts_):
         """(stage?, plan): whether K/V are staged and in which pieces (occupancy.stage_plan)."""
-        split_ = dot_ in (occ.DOT_F16X3, occ.DOT_F16X3V)
+        split_ = dot_ in occ.SPLIT_DOTS
         stage_ = split_ or (occ.stage_operands(dot_, rows_per_kv) and not _keys_contiguous(v, varlen))
         if not (stage_ and not varlen and parts_ == 1 and state is None):
             return stage_, ("whole", 0)
@@ -184,11 +184,10 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         short_chunks = plan[0] == "keys" and BH * Nq * plan[1] * D < occ.MIN_CAUSAL_SPLIT_CHUNK_WORK
         if parts == 1 and not (is_causal and short_chunks and not occ.split_forced()):
             dot = split_dot
-        elif parts == 1:
+        elif parts == 1:  # same tiles ("f16x3"), a plan for K's bytes alone
             dot = occ.DOT_F16X3V
-            cfg, n_mblocks, parts, part_len = tiles(dot)
             stage, plan = staging(dot, cfg, n_mblocks, parts)
-    split = dot in (occ.DOT_F16X3, occ.DOT_F16X3V)
+    split = dot in occ.SPLIT_DOTS
     if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
         stage, plan = staging(dot, cfg, n_mblocks, parts)

@@ -16,6 +16,7 @@ import torch
 # Dot-product kinds understood by the kernels (see scan.py).
 DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3, DOT_F16X3V = 0, 1, 2, 3, 4, 5, 6
 DOT_OF_PRECISION = {"strict": DOT_IEEE, "turbo": DOT_TF32, "precise": DOT_TF32X3}
+SPLIT_DOTS = (DOT_F16X3, DOT_F16X3V)  # kinds whose K (and V) the launcher splits into fp16 hi/lo parts
 
 # A partition shorter than this many keys costs more (state traffic, a second launch) than it wins in
 # parallelism (measured on an H100: at N=1K splitting saved 2 us of GPU time but added a launch).
@@ -147,14 +148,13 @@ def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30, *, bh: Optional[int
     kind = _KIND_OF_DOT[dot]
     rows = _TABLE[kind]
     cfg = next((c for bound, n_bound, c in rows if width <= bound and n <= n_bound), rows[-1][2])
-    if (causal and kind == "lowp" and width <= _SMALL_GRID_MAX_WIDTH and n > _SMALL_GRID_MAX_N
-            and bh is not None and nq is not None and device is not None
-            and bh * -(-nq // cfg.block_m) < CAUSAL_SMALL_GRID_WAVES * _sms(device)):
+    if bh is None or nq is None or device is None or width > _SMALL_GRID_MAX_WIDTH:
+        return cfg
+    waves = bh * -(-nq // cfg.block_m) / _sms(device)  # of the bucket's tile
+    if causal and kind == "lowp" and n > _SMALL_GRID_MAX_N and waves < CAUSAL_SMALL_GRID_WAVES:
         return _CAUSAL_LOWP
     small = _SMALL_GRID.get(kind)
-    if (small is not None and bh is not None and nq is not None and device is not None
-            and width <= _SMALL_GRID_MAX_WIDTH and n <= _SMALL_GRID_MAX_N and cfg.block_m > small.block_m
-            and bh * -(-nq // cfg.block_m) < _sms(device)):
+    if small is not None and n <= _SMALL_GRID_MAX_N and cfg.block_m > small.block_m and waves < 1:
         return small
     return cfg
 

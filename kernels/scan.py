@@ -133,22 +133,19 @@ def _fold_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     v = _load_tile(v_ptrs + start_n * stride_vn, MASKED, BLOCK_DV != DV, v_ok, vd_ok)
-    if DOT == 5:  # p in [0, 1] scaled by 2^14; V's inverse scale per head dim of this key block, and 2^-14
-        v_inv = tl.load(vi_ptrs + (start_n // offs_n.shape[0]) * DV, mask=offs_dv < DV, other=0.0) * (1.0 / 16384.0)
-        vl = _load_tile(vl_ptrs + start_n * stride_vn, MASKED, BLOCK_DV != DV, v_ok, vd_ok)
+    if DOT >= 5:  # p in [0, 1] scaled by 2^14; V's hi/lo parts with an inverse scale per head dim of this key block
+        if DOT == 5:  # split by the launcher: v is the hi part
+            v_lo = _load_tile(vl_ptrs + start_n * stride_vn, MASKED, BLOCK_DV != DV, v_ok, vd_ok)
+            v_inv = tl.load(vi_ptrs + (start_n // offs_n.shape[0]) * DV, mask=offs_dv < DV, other=0.0)
+        else:  # DOT 6: v as it is (fp32), split here
+            v_sc = _pow2_scale(tl.max(tl.abs(v), 0))
+            v, v_lo = _split16(v * v_sc[None, :])
+            v_inv = 1.0 / v_sc
         p_hi, p_lo = _split16(p * 16384.0)
         pv = tl.dot(p_lo, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32))
-        pv = tl.dot(p_hi, vl, pv)
-        pv = tl.dot(p_hi, v, pv)
-        acc = acc + pv * v_inv[None, :]
-    elif DOT == 6:  # V as it is (fp32), split here with a power-of-two scale per head dim of this key block
-        v_sc = _pow2_scale(tl.max(tl.abs(v), 0))
-        v_hi, v_lo = _split16(v * v_sc[None, :])
-        p_hi, p_lo = _split16(p * 16384.0)
-        pv = tl.dot(p_lo, v_hi, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32))
         pv = tl.dot(p_hi, v_lo, pv)
-        pv = tl.dot(p_hi, v_hi, pv)
-        acc = acc + pv * ((1.0 / 16384.0) / v_sc)[None, :]
+        pv = tl.dot(p_hi, v, pv)
+        acc = acc + pv * (v_inv * (1.0 / 16384.0))[None, :]
     else:
         acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new

@@ -1,4 +1,6 @@
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,3 +29,17 @@ def pytest_collection_modifyitems(config, items):
 def _seeded():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def load_recipe():
+    """``load_recipe(name)``: ``recipes/<name>.py`` imported as a module (recipes/ is not a package)."""
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"_recipe_{name}", recipes / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

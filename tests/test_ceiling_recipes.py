@@ -2,25 +2,13 @@
 attention variants (``recipes/strict_variants.py``) match float64 under the CPU interpreter, in every cut of
 their dots, so the rates they report on the GPU are rates of correct kernels."""
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
-RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.mark.parametrize("ieee", [True, False])
-def test_gemm_ceiling_kernel_matches_float64(ieee):
-    g = _load("gemm_ceiling")
+def test_gemm_ceiling_kernel_matches_float64(ieee, load_recipe):
+    g = load_recipe("gemm_ceiling")
     a, b = torch.randn(2, 40, 24), torch.randn(2, 24, 50)  # ragged against the 32-wide tiles
     c = torch.full((2, 40, 50), float("nan"))
     g.triton_gemm(a, b, c, (32, 32, 8, 4, 1), ieee)
@@ -31,8 +19,8 @@ def test_gemm_ceiling_kernel_matches_float64(ieee):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("cfg", [(32, 32, 16, 0, 0, 4, 2), (32, 64, 16, 1, 2, 4, 2), (32, 32, 16, 2, 0, 4, 2),
                                  (32, 64, 32, 2, 2, 4, 2), (32, 128, 16, 2, 2, 4, 2)])
-def test_strict_variants_match_float64(d, cfg):
-    e = _load("strict_variants")
+def test_strict_variants_match_float64(d, cfg, load_recipe):
+    e = load_recipe("strict_variants")
     q, k, v = (torch.randn(2, 128, d) for _ in range(3))
     o = torch.full_like(q, float("nan"))
     e.run(q, k, v, o, cfg)

@@ -1,20 +1,14 @@
 """Smoke run of recipes/clip_eval.py on the CPU (random-weight ViT-B-32 at 2 layers; no timing asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("open_clip")
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "clip_eval.py"
 
-
-def test_clip_eval_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("_recipe_clip_eval", RECIPE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_clip_eval_smoke(tmp_path, load_recipe):
+    mod = load_recipe("clip_eval")
     out = tmp_path / "clip.json"
     mod.main(["--smoke", "--device", "cpu", "--out", str(out)])
     result = json.loads(out.read_text())
