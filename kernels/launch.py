@@ -59,57 +59,129 @@ def _stage_v(v, varlen: bool):
     return v if _keys_contiguous(v, varlen) else v.permute(perm).contiguous().permute(inv)
 
 
+def _piece_bytes(dtype: torch.dtype, shape) -> int:
+    return -(-math.prod(shape) * dtype.itemsize // 16) * 16
+
+
+def _specs_bytes(specs, per_head: bool = False) -> int:
+    """Bytes of one block holding the pieces ``specs`` (of every head, or of one with ``per_head``)."""
+    return sum(_piece_bytes(dt, shape[1:] if per_head else shape) for dt, shape in specs)
+
+
+class _Region:
+    """Memory that staged K/V pieces are carved from: one block per batch row (``per_head``: per batch row and
+    head), ``strides`` ``(batch, head)`` bytes apart. Pieces (``(dtype, (heads, ...))`` specs) are laid out back
+    to back, 16-byte aligned, from the start of every block; a piece is ``[B, heads, ...]``, contiguous inside."""
+
+    def __init__(self, flat: torch.Tensor, strides: Tuple[int, int], per_head: bool, capacity: Optional[int] = None):
+        self.u8 = flat.view(torch.uint8)
+        self.bstride, self.hstride = strides
+        self.per_head = per_head
+        self.capacity = capacity  # usable bytes of a block (None: given with every carve)
+        self._views = {}  # carved views by (batch, specs): equal key chunks reuse them
+
+    @classmethod
+    def buffer(cls, like: torch.Tensor, batch: int, block_bytes: int) -> "_Region":
+        """A new buffer of ``batch`` blocks of ``block_bytes``."""
+        block_bytes = max(16, -(-block_bytes // 16) * 16)
+        return cls(torch.empty(batch * block_bytes, dtype=torch.uint8, device=like.device), (block_bytes, 0), False,
+                   block_bytes)
+
+    @classmethod
+    def of_output(cls, out: torch.Tensor):
+        """``(region, bytes of one row)`` over the fp32 output ``[B, Hq, Nq, Dv]``: its rows ``[0, r)`` of every
+        head are one block per batch row when laid out ``[B, Nq, Hq, Dv]`` in memory (``_new_out``), one block
+        per batch row and head when contiguous; ``None`` for other layouts."""
+        B, Hq, Nq, Dv = out.shape
+        if out.dtype != torch.float32 or out.data_ptr() % 16:
+            return None
+        flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
+        if out.transpose(1, 2).is_contiguous():
+            return cls(flat, (Nq * Hq * Dv * 4, 0), False), Hq * Dv * 4
+        if out.is_contiguous():
+            return cls(flat, (Hq * Nq * Dv * 4, Nq * Dv * 4), True), Dv * 4
+        return None
+
+    def carve(self, batch: int, specs, capacity: Optional[int] = None):
+        """Views for ``specs`` in the first ``capacity`` bytes of every block (default: the whole block)."""
+        need = _specs_bytes(specs, self.per_head)
+        capacity = self.capacity if capacity is None else capacity
+        if need > capacity:  # the plans keep every piece inside its block: this would overwrite live memory
+            raise RuntimeError(f"elsa_surgery internal error: staged K/V need {need} bytes per block, "
+                               f"the staging region holds {capacity}")
+        key = (batch, tuple(specs))
+        if key in self._views:
+            return self._views[key]
+        views, off = [], 0
+        for dt, (heads, *inner) in specs:
+            size = dt.itemsize
+            flat = self.u8.view(dt)
+            strides = [1]
+            for n in reversed(inner[1:]):
+                strides.insert(0, strides[0] * n)
+            head = self.hstride // size if self.per_head else math.prod(inner)
+            views.append(flat.as_strided((batch, heads, *inner), (self.bstride // size, head, *strides),
+                                         flat.storage_offset() + off // size))
+            off += _piece_bytes(dt, inner if self.per_head else (heads, *inner))
+        self._views[key] = views
+        return views
+
+
 class _TransposedV:
-    """Stages V transposed (keys contiguous) for the TF32 modes, into one reused buffer; K is read in place."""
+    """Stages V transposed (keys contiguous) for the TF32 modes; K is read in place."""
 
-    def __init__(self, k, v, heads: int, keys: int):
-        self.buf = v.new_empty(v.shape[0] * heads * v.shape[3] * keys)
+    def __init__(self, k, v):
+        self.dtype, self.dv = v.dtype, v.shape[-1]
 
-    def __call__(self, k, v):
-        B, H, N, Dv = v.shape
-        staged = self.buf[:B * H * Dv * N].view(B, H, Dv, N)
+    def specs(self, heads: int, keys: int):
+        return [(self.dtype, (heads, self.dv, keys))]
+
+    def __call__(self, k, v, views):
+        (staged,) = views
         staged.copy_(v.transpose(2, 3))
         return k, staged.transpose(2, 3), None
 
 
 class _SplitKV:
-    """Splits K and V for ``DOT_F16X3`` (``scan.split_f16``) into reused buffers: fp16 hi/lo parts of both,
-    K's inverse scale per key, V's per head dim of each ``block_n`` keys (``split_bytes_per_key``). With
-    ``split_v=False`` (``DOT_F16X3V``) K alone: V goes to the kernel as it is and is split there."""
+    """Splits K and V for ``DOT_F16X3`` (``scan.split_f16``): fp16 hi/lo parts of both, K's inverse scale per
+    key, V's per head dim of each ``block_n`` keys (``split_bytes_per_key``). With ``split_v=False``
+    (``DOT_F16X3V``) K alone: V goes to the kernel as it is and is split there."""
 
-    def __init__(self, k, v, heads: int, keys: int, *, block_n: int, split_v: bool = True):
-        B, D, Dv = k.shape[0], k.shape[3], v.shape[3]
-        n = B * heads * keys
+    def __init__(self, k, v, *, block_n: int, split_v: bool = True):
+        self.d, self.dv = k.shape[-1], v.shape[-1]
         self.block_n = block_n
         self.split_v = split_v
-        self.kh, self.kl = k.new_empty(2 * n * D, dtype=torch.float16).chunk(2)
-        self.ki = k.new_empty(n)
-        if split_v:
-            self.vh, self.vl = k.new_empty(2 * n * Dv, dtype=torch.float16).chunk(2)
-            self.vi = k.new_empty(B * heads * -(-keys // block_n) * Dv)
 
-    def __call__(self, k, v):
-        scan = _scan()
-        B, H, N, D = k.shape
-        Dv = v.shape[3]
-        kh, kl = (t[:B * H * N * D].view(B, H, N, D) for t in (self.kh, self.kl))
-        ki = self.ki[:B * H * N].view(B, H, N)
-        parts = [(k, kh, kl, ki, True)]
+    def specs(self, heads: int, keys: int):
+        f16, f32 = torch.float16, torch.float32
+        specs = [(f16, (heads, keys, self.d)), (f16, (heads, keys, self.d)), (f32, (heads, keys))]
         if self.split_v:
-            vh, vl = (t[:B * H * N * Dv].view(B, H, N, Dv) for t in (self.vh, self.vl))
-            nb = -(-N // self.block_n)
-            vi = self.vi[:B * H * nb * Dv].view(B, H, nb, Dv)
-            parts.append((v, vh, vl, vi, False))
+            specs += [(f16, (heads, keys, self.dv)), (f16, (heads, keys, self.dv)),
+                      (f32, (heads, -(-keys // self.block_n), self.dv))]
+        return specs
+
+    def __call__(self, k, v, views):
+        scan = _scan()
+        B, H, N, _ = k.shape
+        kh, kl, ki = views[:3]
+        if self.split_v:
+            vh, vl, vi = views[3:]
         else:  # DOT_F16X3V: V goes to the kernel as it is (its lo/scale slots get K's, unread)
             vh, vl, vi = v, kl, ki
-        for x, hi, lo, inv, per_row in parts:
-            c = x.shape[3]
-            bc = occ.block_dim(c)
-            br = max(1, 4096 // bc) if per_row else self.block_n
-            scan.split_f16[(-(-N // br), B * H)](
-                x, hi, lo, inv, N, H, *x.stride(), inv.stride(0), inv.stride(1),
-                C=c, BLOCK_R=br, BLOCK_C=bc, PER_ROW=per_row, num_warps=4)
+        bd, bdv = occ.block_dim(self.d), occ.block_dim(self.dv)
+        rk = max(1, 4096 // bd)  # K's rows per program (a scale per row); V's: the attention kernel's key block
+        grid = (max(-(-N // rk), -(-N // self.block_n) if self.split_v else 0), B * H, 2 if self.split_v else 1)
+        scan.split_f16[grid](
+            k, kh, kl, ki, v, vh, vl, vi, N, H,
+            *k.stride(), kh.stride(0), kh.stride(1), ki.stride(0), ki.stride(1),
+            *v.stride(), vh.stride(0), vh.stride(1), vi.stride(0), vi.stride(1),
+            D=self.d, DV=self.dv, BLOCK_RK=rk, BLOCK_D=bd, BLOCK_RV=self.block_n, BLOCK_DV=bdv, num_warps=4)
         return kh, vh, (kl, ki, vl, vi)
+
+
+def _stage(stager, region: _Region, k, v, capacity: Optional[int] = None):
+    """``stager`` on ``k``/``v`` (a slice of heads and keys), its pieces carved from ``region``."""
+    return stager(k, v, region.carve(k.shape[0], stager.specs(k.shape[1], k.shape[2]), capacity))
 
 
 def split_bytes_per_key(d: int, dv: int, block_n: int, split_v: bool = True) -> int:
@@ -159,19 +231,39 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         part_len_ = _partition_len(Nk, parts_, cfg_.block_n)
         return cfg_, n_mb, max(1, -(-max(Nk, 1) // part_len_)), part_len_
 
+    if state is None:
+        if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
+            out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else _new_out(q, B, Hq, Nq, Dv)
+        if want_lse and lse is None:
+            lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
+
     def staging(dot_, cfg_, n_mb, parts_):
-        """(stage?, plan): whether K/V are staged and in which pieces (occupancy.stage_plan)."""
+        """(stage?, plan): whether K/V are staged and in which pieces (occupancy.stage_plan); causal key
+        chunks run in reverse order, staged in the output's unwritten rows where they fit:
+        ``("rkeys", (chunks, region))`` (occupancy.reverse_key_chunks)."""
         split_ = dot_ in occ.SPLIT_DOTS
         stage_ = split_ or (occ.stage_operands(dot_, rows_per_kv) and not _keys_contiguous(v, varlen))
         if not (stage_ and not varlen and parts_ == 1 and state is None):
             return stage_, ("whole", 0)
         per_key = (split_bytes_per_key(D, Dv, cfg_.block_n, dot_ == occ.DOT_F16X3) if split_
                    else Dv * v.element_size())
-        return stage_, occ.stage_plan(
+        plan_ = occ.stage_plan(
             q.device, n_k=Nk, block_n=cfg_.block_n, batch=B, kv_heads=Hkv, groups=groups, m_blocks=n_mb,
             out_bytes=rows * Dv * q.element_size(), v_bytes_per_key_head=per_key, stats_bytes=2 * rows * 4,
             causal=bool(is_causal),
             min_chunk_keys=occ.MIN_KEYS_PER_SPLIT_CHUNK if split_ else occ.MIN_KEYS_PER_STAGE_CHUNK)
+        ext_keys = occ.reverse_chunks_env()
+        if plan_[0] != "keys" or not is_causal or q_lengths is not None or kv_lengths is not None or ext_keys is None:
+            return stage_, plan_
+        region = _Region.of_output(out)
+        if region is None:
+            return stage_, plan_
+        region, row_bytes = region
+        heads = 1 if region.per_head else Hkv  # K/V heads per block of the region
+        chunks = occ.reverse_key_chunks(
+            n_q=Nq, n_k=Nk, block_m=cfg_.block_m, block_n=cfg_.block_n, row_bytes=row_bytes,
+            key_bytes=heads * per_key, fixed_bytes=16 * 6 + heads * Dv * 4, ext_keys=ext_keys or plan_[1])
+        return stage_, ("rkeys", (chunks, region))
 
     split_dot = occ.precise_split(dot, rows_per_kv, eligible=not varlen and state is None,
                                   work=float(BH) * Nq * Nk * D)
@@ -191,11 +283,6 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
         stage, plan = staging(dot, cfg, n_mblocks, parts)
-    if state is None:
-        if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
-            out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else _new_out(q, B, Hq, Nq, Dv)
-        if want_lse and lse is None:
-            lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
     if n_mblocks == 0 or BH == 0:
         return out, lse, state
     if varlen:
@@ -244,20 +331,22 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         )
 
     lse_arg = lse if want_lse else None
-    stager = (functools.partial(_SplitKV, block_n=cfg.block_n, split_v=dot == occ.DOT_F16X3) if split
-              else _TransposedV)
+    stager = (_SplitKV(k, v, block_n=cfg.block_n, split_v=dot == occ.DOT_F16X3) if split
+              else _TransposedV(k, v))
     if plan[0] == "heads":
         _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, plan[1], groups, part_len, stager)
         return out, lse, state
-    if plan[0] == "keys":
-        _key_chunk_fwd(fwd, q, k, v, out, lse_arg, mask, Nk, plan[1], cfg.block_n, rows, stager)
+    if plan[0] in ("keys", "rkeys"):
+        chunks, region = (plan[1] if plan[0] == "rkeys"
+                          else (tuple((s, min(Nk, s + plan[1]), None) for s in range(0, Nk, plan[1])), None))
+        _key_chunk_fwd(fwd, q, k, v, out, lse_arg, mask, chunks, region, cfg.block_n, rows, stager)
         return out, lse, state
     split_args = None
     if split:
-        k, v, split_args = stager(k, v, Hkv, Nk)(k, v)
+        k, v, split_args = _stage(stager, _Region.buffer(q, B, _specs_bytes(stager.specs(Hkv, Nk))), k, v)
     elif stage:
         v = _stage_v(v, varlen)
-    fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, False, split_args)
+    fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args)
     if parts > 1:
         merge_m = 64 if BDV <= 128 else 32
         nmb = -(-Nq // merge_m)
@@ -274,35 +363,40 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
 
 def _head_group_fwd(fwd, q, k, v, out, lse, mask, kv_per_launch, groups, part_len, stager):
     """One launch per group of ``kv_per_launch`` K/V heads (every batch row), K/V staged for that group only
-    into reused buffers (``stager``); each launch finishes its rows, so nothing else is kept between launches."""
+    into one reused buffer (``stager``); each launch finishes its rows, so nothing else is kept between launches."""
     Nk = v.shape[2]
-    stage = stager(k, v, kv_per_launch, Nk)
+    region = _Region.buffer(q, k.shape[0], _specs_bytes(stager.specs(kv_per_launch, Nk)))
     headed_mask = mask is not None and mask.shape[1] != 1
     for h0 in range(0, v.shape[1], kv_per_launch):
         h1 = min(v.shape[1], h0 + kv_per_launch)
-        k_op, v_op, split = stage(k[:, h0:h1], v[:, h0:h1])
+        k_op, v_op, split = _stage(stager, region, k[:, h0:h1], v[:, h0:h1])
         qs = slice(h0 * groups, h1 * groups)
         fwd(q[:, qs], k_op, v_op, out[:, qs], None if lse is None else lse[:, qs],
-            mask[:, qs] if headed_mask else mask, 0, Nk, part_len, q, q, q, False, False, split)
+            mask[:, qs] if headed_mask else mask, 0, Nk, part_len, q, q, q, False, 0, split)
 
 
-def _key_chunk_fwd(fwd, q, k, v, out, lse, mask, Nk, chunk_keys, block_n, rows, stager):
-    """Phase 1 once per key chunk, K/V staged (``stager``) one chunk at a time into reused buffers.
+def _key_chunk_fwd(fwd, q, k, v, out, lse, mask, chunks, out_region, block_n, rows, stager):
+    """Phase 1 once per key chunk ``(start, end, capacity)`` of ``chunks``, K/V staged (``stager``) one chunk
+    at a time: into a reused buffer (``capacity`` None), or into the first ``capacity`` bytes of every block
+    of ``out_region``, the output rows that no launch has touched yet (reverse order, causal calls:
+    ``occupancy.reverse_key_chunks``; ``out_region`` is None for chunks in key order).
 
-    Extra memory: the staging buffers (``chunk_keys`` keys) and two fp32 values per row (``m``, ``S``);
+    Extra memory: the buffer (the longest chunk it stages) and two fp32 values per row (``m``, ``S``);
     ``W`` accumulates in ``out`` (fp32: the tensor-core fp32 modes are the only staged ones).
-    Each launch reads the state the previous one wrote and finishes the rows whose last visible key it
-    holds (out and lse); rows finished earlier are left alone.
+    Each launch reads the state the previous one wrote and folds its chunk in; the rows finish in their
+    last chunk (out and lse), rows outside a chunk's reach are left alone.
     """
-    stage = stager(k, v, v.shape[1], chunk_keys)
+    B, Hkv = k.shape[0], k.shape[1]
+    longest = max((e - s for s, e, cap in chunks if cap is None), default=0)
+    buffer = _Region.buffer(q, B, _specs_bytes(stager.specs(Hkv, longest))) if longest else None
     f32 = dict(device=v.device, dtype=torch.float32)
     pm, ps = torch.empty(rows, **f32), torch.empty(rows, **f32)
     keyed_mask = mask is not None and mask.shape[-1] != 1
-    for c0 in range(0, Nk, chunk_keys):
-        n = min(chunk_keys, Nk - c0)
-        k_op, v_op, split = stage(k[:, :, c0:c0 + n], v[:, :, c0:c0 + n])
-        fwd(q, k_op, v_op, out, lse, mask[..., c0:c0 + n] if keyed_mask else mask,
-            c0, n, _partition_len(n, 1, block_n), pm, ps, q, False, True, split)
+    order = 1 if out_region is None else 2  # the kernel's CHUNKED: key order / reverse order
+    for s, e, cap in chunks:
+        k_op, v_op, split = _stage(stager, buffer if cap is None else out_region, k[:, :, s:e], v[:, :, s:e], cap)
+        fwd(q, k_op, v_op, out, lse, mask[..., s:e] if keyed_mask else mask,
+            s, e - s, _partition_len(e - s, 1, block_n), pm, ps, q, False, order, split)
 
 
 def attention(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,

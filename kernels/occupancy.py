@@ -52,7 +52,8 @@ MIN_KEYS_PER_STAGE_CHUNK = 1024
 MIN_KEYS_PER_SPLIT_CHUNK = 512
 # A causal call whose split would run in key chunks of less work than this per launch (query rows x chunk
 # keys x head dim, every head) splits K alone and V inside the kernel (DOT_F16X3V): half the staged bytes per
-# key, chunks twice as long. Its chunks would be mostly launch and row-state traffic. H100, N=16K causal: H=8, D=64
+# key, chunks twice as long. Its chunks would be mostly launch and row-state traffic. Since v9 this applies
+# only where the output cannot hold the chunks (reverse_key_chunks: padded lengths, other output layouts). H100, N=16K causal: H=8, D=64
 # in 512-key chunks (4.3e9) 6.23 ms eager (3.76 graph-replayed) split, 4.86 ms 3xTF32 (the v7 choice), 4.17 ms
 # (4.04) K alone in 1,024-key chunks; H=32, D=128 in 640-key chunks (4.3e10) 21.1 ms split vs 30.0 ms 3xTF32
 # and 24.2 ms K alone. Splitting V in the kernel costs more than it saves wherever the full split runs
@@ -61,7 +62,7 @@ MIN_CAUSAL_SPLIT_CHUNK_WORK = 1e10
 LONG_STAGE_CHUNK_KEYS = 4096
 MAX_HEAD_GROUP_WAVE_WASTE = 0.05
 CHUNKED_STAGING_MIN_PROGRAMS_PER_SM = 4
-ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G" or "keys:N"
+ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G", "keys:N" or "rkeys:N"
 # "precise" on long dense calls: "f16" (three fp16 products, K/V split by the launcher; see precise_split),
 # "f16k" (the same with V split in the kernel), "tf32" (Triton's 3xTF32), unset = chosen by shape
 ENV_PRECISE_SPLIT = "ELSA_PRECISE_SPLIT"
@@ -241,19 +242,22 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
     chunks let rows finish in the chunk of their causal frontier. A head group whose launch is a single
     wave at least 95 % full is taken too (the fp16 split of ``precise`` at H=32, D=128, N=16K: one head per
     launch, 128 programs on 132 SMs). ``min_chunk_keys``: shorter key chunks are not worth their launches.
+    The launcher runs the key chunks of causal calls in reverse order, most of them staged in the output
+    (``reverse_key_chunks``); ``C`` then bounds the chunks staged outside it.
     """
     env = os.environ.get(ENV_STAGE_PLAN, "").strip()
     if env:
         kind, _, num = env.partition(":")
         if kind == "whole":
             return "whole", 0
-        if kind in ("heads", "keys") and num.isdigit() and int(num) > 0:
+        if kind in ("heads", "keys", "rkeys") and num.isdigit() and int(num) > 0:
             n = int(num)
-            if kind == "keys":
+            if kind in ("keys", "rkeys"):  # rkeys: the launcher orders the chunks (forced_reverse_chunk_keys)
                 n = max(block_n, n // block_n * block_n)
                 return ("keys", n) if n < n_k else ("whole", 0)
             return ("heads", n) if n < kv_heads else ("whole", 0)
-        raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G' or 'keys:N' with G, N > 0, got {env!r}")
+        raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G', 'keys:N' or 'rkeys:N' with G, N > 0, "
+                         f"got {env!r}")
     budget = STAGE_MEMORY_FRACTION * out_bytes
     head_bytes = batch * n_k * v_bytes_per_key_head  # one K/V head of V, every batch row
     if kv_heads * head_bytes <= budget:
@@ -275,6 +279,63 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
         # 4 chunks 1.58 ms vs whole 1.31 ms): such calls are small, V is staged whole
         return "whole", 0
     return "keys", _even_chunks(n_k, keys, block_n)
+
+
+def reverse_chunks_env() -> Optional[int]:
+    """Whether causal key chunks may run in reverse order (``reverse_key_chunks``): ``0`` when
+    ``ELSA_STAGE_PLAN`` is unset (external chunks as the memory budget allows), ``N`` for ``rkeys:N``
+    (testing / benchmarking: external chunks of at most N keys), ``None`` when it forces another plan."""
+    env = os.environ.get(ENV_STAGE_PLAN, "").strip()
+    if not env:
+        return 0
+    kind, _, num = env.partition(":")
+    if kind != "rkeys":
+        return None
+    if not (num.isdigit() and int(num) > 0):
+        raise ValueError(f"{ENV_STAGE_PLAN}=rkeys:N needs N > 0, got {env!r}")
+    return int(num)
+
+
+@functools.lru_cache(maxsize=256)
+def reverse_key_chunks(*, n_q: int, n_k: int, block_m: int, block_n: int, row_bytes: int, key_bytes: int,
+                       fixed_bytes: int, ext_keys: int):
+    """Key chunks of a causal call processed from the last keys to the first, ``((start, end, capacity), ...)``
+    in that order.
+
+    A causal row block is first touched by the chunk holding its last visible key, so while chunk
+    ``[start, end)`` runs, the output rows of the blocks whose last key lies before ``start`` are unwritten: a
+    chunk whose staged K/V (``key_bytes`` per key plus ``fixed_bytes``, per block of the output region) fits in
+    those rows (``row_bytes`` each, whole ``block_m`` row tiles) is staged there (``capacity`` = their bytes)
+    and costs no memory; the rest, ``[0, e)`` once such chunks would be shorter than ``ext_keys``, runs in even
+    chunks of at most ``ext_keys`` keys staged in a separate buffer (``capacity`` None). Chunk boundaries are
+    multiples of ``block_n``. Shrinking geometrically, the output-staged chunks cover most keys in a few long
+    launches (H100, B=1, H=8, D=64, N=16K, fp16 split: 10 chunks 2.74 ms vs 16 uniform 1,024-key chunks 4.21 ms).
+    """
+    off = n_k - n_q  # bottom-right causal: row i sees keys up to i + off
+
+    def capacity(start: int) -> int:  # bytes of the row tiles untouched while the chunk at ``start`` runs
+        return 0 if start <= 0 else max(0, (start - off) // block_m * block_m) * row_bytes
+
+    def fits(start: int, end: int) -> bool:
+        return (end - start) * key_bytes + fixed_bytes <= capacity(start)
+
+    chunks, end = [], n_k
+    while end > ext_keys:
+        # smallest start with room for [start, end): (end - start) * key <= (start - off - block_m) * row
+        est = (end * key_bytes + fixed_bytes + (off + block_m) * row_bytes) / (key_bytes + row_bytes)
+        start = min(end, max(block_n, -(-int(est) // block_n) * block_n))
+        while start - block_n > 0 and fits(start - block_n, end):
+            start -= block_n
+        while start < end and not fits(start, end):
+            start += block_n
+        if end - start <= ext_keys:
+            break
+        chunks.append((start, end, capacity(start)))
+        end = start
+    if end > 0:
+        step = _even_chunks(end, max(ext_keys, block_n), block_n)
+        chunks.extend((s, min(end, s + step), None) for s in reversed(range(0, end, step)))
+    return tuple(chunks)
 
 
 def _even_chunks(n_k: int, keys: int, block_n: int) -> int:

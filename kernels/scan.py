@@ -27,8 +27,11 @@ kernel is the same, only the strides differ. To keep the extra memory O(output),
 staged one chunk at a time (``CHUNKED``): the launcher runs phase 1 once per key chunk, each run reading
 the row states the previous one left (``m`` in the kernel's base-2 units, ``S``, and ``W`` in the output
 buffer) and folding its chunk in; a program finishes its rows in the chunk that holds their last visible
-key, and programs whose rows finished earlier (causal, short kv lengths) do nothing. ⊕ is associative,
-so this is the same scan with the partitions visited in sequence instead of merged by phase 2.
+key, and programs whose rows finished earlier (causal, short kv lengths) do nothing. Causal calls may run
+the chunks in reverse order (the last keys first): a program then starts its rows in the chunk holding
+their last visible key and finishes them in the first chunk, and the rows not yet started hold the staged
+chunk (launch.py). ⊕ is associative and commutative, so either order is the same scan with the partitions
+visited in sequence instead of merged by phase 2.
 Head dims that are not powers of two are padded inside the kernel with masked loads.
 """
 
@@ -171,10 +174,10 @@ def elsa_fwd(
 ):
     """Phase 1. Keys ``[koff, koff + klim)`` of each row (``koff = 0``, ``klim = Nk`` unless chunked).
 
-    ``CHUNKED``: this launch is one key chunk of a sequence of launches; it reads the row state left by
-    the previous chunk (``koff > 0``) and either writes it back or, in the chunk holding the rows' last
-    visible key, finishes the rows. Chunked launches have one partition; the state's ``W`` lives in the
-    fp32 output buffer (through its strides), ``m``/``S`` in ``PM``/``PS``.
+    ``CHUNKED`` (1: key chunks in key order, 2: in reverse order): this launch is one key chunk of a
+    sequence of launches; it reads the row state left by the previous chunk and either writes it back or,
+    in the rows' last chunk, finishes the rows. Chunked launches have one partition; the state's ``W`` lives
+    in the fp32 output buffer (through its strides), ``m``/``S`` in ``PM``/``PS``.
     """
     pid = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -230,14 +233,23 @@ def elsa_fwd(
     if start_m >= q_len:
         hi = lo
     if CHUNKED:
-        # the last visible key of the tile's rows, relative to koff: the rows finish in the chunk holding
-        # it; when it lies before this chunk (koff > 0), they finished earlier and the program does nothing
+        # the last visible key of the tile's rows, relative to koff. In key order (CHUNKED == 1) the rows
+        # start in the first chunk and finish in the chunk holding that key; when it lies before this chunk
+        # (koff > 0) they finished earlier and the program does nothing. In reverse order (CHUNKED == 2,
+        # the last keys first) the rows start in the chunk holding that key, before which the program does
+        # nothing (its rows are untouched), and finish in the first chunk (koff == 0).
         ext = kv_rest
         if IS_CAUSAL:
             ext = tl.minimum(ext, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)
         live = (koff == 0) | (ext > 0)
-        finish = live & (ext <= klim)
-        carry = live & (ext > klim)
+        if CHUNKED == 1:
+            resume = live & (koff > 0)
+            finish = live & (ext <= klim)
+            carry = live & (ext > klim)
+        else:
+            resume = live & (ext > klim)
+            finish = live & (koff == 0)
+            carry = live & (koff > 0)
         hi = tl.where(live, hi, lo)
     hi = tl.maximum(hi, lo)
     # blocks in [lo, full_hi) need no masking: every key valid and visible from every row of the tile
@@ -284,7 +296,7 @@ def elsa_fwd(
               + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
     if CHUNKED:  # the row states left by the previous key chunk (m, S in PM/PS; W in the fp32 output)
         crow = pid_bh.to(tl.int64) * n_rows_buf + offs_m
-        c_ok = tl.where(live & (koff > 0), offs_m < store_rows, False)
+        c_ok = tl.where(resume, offs_m < store_rows, False)
         m_i = tl.load(PM + crow, mask=c_ok, other=float("-inf"))
         l_i = tl.load(PS + crow, mask=c_ok, other=0.0)
         acc = tl.load(o_ptrs, mask=c_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
@@ -412,17 +424,12 @@ def elsa_merge(
 
 
 @triton.jit
-def split_f16(
-    X, HI, LO, INV, R, H,
-    stride_xb, stride_xh, stride_xr, stride_xc, stride_ib, stride_ih,
+def _split_tile(
+    X, HI, LO, INV, R, H, pid_r, pid_bh,
+    stride_xb, stride_xh, stride_xr, stride_xc, stride_ob, stride_oh, stride_ib, stride_ih,
     C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PER_ROW: tl.constexpr,
 ):
-    """fp32 ``X [B, H, R, C]`` (any strides) -> fp16 ``HI``, ``LO`` (contiguous ``[B, H, R, C]``) and the
-    inverse power-of-two scales ``INV``, ``X = (HI + LO) * INV``: per row (``[B, H, R]``, ``PER_ROW``: K, a
-    scale per key) or per column of each block of ``BLOCK_R`` rows (``[B, H, ceil(R / BLOCK_R), C]``: V, a
-    scale per head dim of each key block, ``BLOCK_R`` being the attention kernel's ``BLOCK_N``)."""
-    pid_r = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """Rows ``[pid_r * BLOCK_R, ...)`` of head ``pid_bh`` of ``X`` into ``HI``/``LO``/``INV`` (see split_f16)."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -438,6 +445,31 @@ def split_f16(
         sc = _pow2_scale(tl.max(tl.abs(x), 0))
         tl.store(INV + b * stride_ib + h * stride_ih + pid_r * C + cols, 1.0 / sc, mask=cols < C)
         hi, lo = _split16(x * sc[None, :])
-    o = ((b * H + h) * R + rows[:, None]) * C + cols[None, :]
+    o = b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * C + cols[None, :]
     tl.store(HI + o, hi, mask=ok)
     tl.store(LO + o, lo, mask=ok)
+
+
+@triton.jit
+def split_f16(
+    K, KH, KL, KI, V, VH, VL, VI, R, H,
+    stride_kb, stride_kh, stride_kr, stride_kc, stride_khb, stride_khh, stride_kib, stride_kih,
+    stride_vb, stride_vh, stride_vr, stride_vc, stride_vhb, stride_vhh, stride_vib, stride_vih,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_RV: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """fp32 ``K [B, H, R, D]`` and ``V [B, H, R, DV]`` (any strides) -> fp16 ``HI``, ``LO`` parts (``[B, H, R, C]``,
+    each head's ``[R, C]`` contiguous, batch/head strides given) and inverse power-of-two scales ``INV``,
+    ``X = (HI + LO) * INV``: K's per row (``KI [B, H, R]``), V's per column of each block of ``BLOCK_RV`` rows
+    (``VI [B, H, ceil(R / BLOCK_RV), DV]``, ``BLOCK_RV`` being the attention kernel's ``BLOCK_N``). One launch:
+    programs ``(r, bh, 0)`` split K's row blocks, ``(r, bh, 1)`` V's (grid ``z = 1``: K alone)."""
+    pid_r = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        if pid_r * BLOCK_RK < R:
+            _split_tile(K, KH, KL, KI, R, H, pid_r, pid_bh, stride_kb, stride_kh, stride_kr, stride_kc,
+                        stride_khb, stride_khh, stride_kib, stride_kih, D, BLOCK_RK, BLOCK_D, True)
+    else:
+        if pid_r * BLOCK_RV < R:
+            _split_tile(V, VH, VL, VI, R, H, pid_r, pid_bh, stride_vb, stride_vh, stride_vr, stride_vc,
+                        stride_vhb, stride_vhh, stride_vib, stride_vih, DV, BLOCK_RV, BLOCK_DV, False)

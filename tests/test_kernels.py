@@ -452,7 +452,7 @@ def test_precise_f16_split(plan, launches, kind, monkeypatch):
     monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 0)
     splits = []
     real = launch._SplitKV.__call__
-    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(self.split_v) or real(self, k, v))
+    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v, views: splits.append(self.split_v) or real(self, k, v, views))
     q, k, v, mask, cases = _staged_pieces_cases()
     Hq, Hkv, D, Dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     k0, v0 = k.clone(), v.clone()
@@ -499,6 +499,99 @@ def test_precise_f16_split(plan, launches, kind, monkeypatch):
     assert splits == []
 
 
+@pytest.mark.parametrize("mode,kind", [("precise", "f16"), ("precise", "f16k"), ("turbo", "tf32")])
+def test_causal_key_chunks_in_reverse_staged_in_the_output(mode, kind, monkeypatch):
+    """Causal key chunks run in reverse order (the last keys first): the staged K/V of a chunk go into the
+    output rows that no launch has touched yet where they fit, the rest into a buffer of at most N keys
+    (ELSA_STAGE_PLAN=rkeys:N). For both output layouts ([B, Nq, Hq, Dv] in memory: one block per batch row;
+    contiguous: one per batch row and head), GQA, Dv != D, two batch rows, Nq = Nk, Nq < Nk and Nq > Nk
+    (bottom-right causal: rows that see no key), and a key-axis mask with a fully masked row and a row that
+    sees only the first keys, the result matches the oracle with every element written and K/V untouched;
+    the output really held staged chunks, and the separate buffer only the external ones."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, "rkeys:32")  # the interpreter's BLOCK_N
+    runs, buffers = [], []
+    real_chunks, real_buffer = launch._key_chunk_fwd, launch._Region.buffer.__func__
+    monkeypatch.setattr(launch, "_key_chunk_fwd", lambda fwd, q, k, v, out, lse, mask, chunks, region, *a: runs.append(
+        (chunks, region is not None)) or real_chunks(fwd, q, k, v, out, lse, mask, chunks, region, *a))
+    monkeypatch.setattr(launch._Region, "buffer", classmethod(
+        lambda cls, like, batch, nbytes: buffers.append(nbytes) or real_buffer(cls, like, batch, nbytes)))
+    B, Hq, Hkv, D, Dv = 2, 2, 1, 24, 16
+    stager = (launch._SplitKV(rand(1, 1, 1, D), rand(1, 1, 1, Dv), block_n=32, split_v=kind == "f16")
+              if kind != "tf32" else launch._TransposedV(None, rand(1, 1, 1, Dv)))
+    ext_bytes = launch._specs_bytes(stager.specs(Hkv, 32))
+    for nq, nk in ((256, 256), (192, 256), (256, 192)):
+        q = rand(B, nq, Hq, D).transpose(1, 2)
+        k, v = rand(B, Hkv, nk, D), rand(B, nk, Hkv, 2 * Dv)[..., ::2].transpose(1, 2)
+        k0, v0 = k.clone(), v.clone()
+        mask = torch.randn(B, 1, nq, nk, device=DEV)
+        mask[:, :, -1, :] = float("-inf")
+        mask[1, :, -3, 40:] = float("-inf")
+        for kw in (dict(), dict(mask=mask)):
+            ro, rl = oracle(q, k, v, is_causal=True, **kw)
+            for layout in ("rows", "heads"):  # [B, Nq, Hq, Dv] in memory / contiguous [B, Hq, Nq, Dv]
+                runs.clear()
+                buffers.clear()
+                if layout == "rows":
+                    out = torch.full((B, nq, Hq, Dv), float("nan"), device=DEV).transpose(1, 2)
+                    lse = torch.full((B, Hq, nq), float("nan"), device=DEV)
+                    launch.attention(q, k, v, scale=D ** -0.5, precision=mode, is_causal=True, out=out, lse=lse, **kw)
+                else:
+                    out, lse = poisoned_run(q, k, v, precision=mode, is_causal=True, **kw)
+                check(out, lse, ro, rl, TOL["strict"])
+                (chunks, reverse), = runs
+                starts = [c[0] for c in chunks]
+                assert reverse and starts == sorted(starts, reverse=True) and chunks[-1][0] == 0
+                assert [c[1] for c in chunks[1:]] == starts[:-1] and chunks[0][1] == nk
+                in_out = [c for c in chunks if c[2] is not None]
+                assert all(e - s <= 32 for s, e, cap in chunks if cap is None)
+                assert buffers == [ext_bytes] if len(in_out) < len(chunks) else buffers == [], (buffers, ext_bytes)
+                if (nq, nk, layout) != (192, 256, "heads") or kind == "tf32":
+                    assert in_out, chunks
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    # another plan forced (key order), and calls the output cannot hold chunks for: key order, no region
+    runs.clear()
+    q, k, v = rand(1, 2, 256, D), rand(1, 1, 256, D), rand(1, 1, 256, Dv)
+    kvl = torch.tensor([200], dtype=torch.int32, device=DEV)
+    for env, kw in (("keys:32", dict(is_causal=True)), ("rkeys:32", dict(is_causal=True, kv_lengths=kvl)),
+                    ("rkeys:32", dict())):
+        monkeypatch.setenv(occ.ENV_STAGE_PLAN, env)
+        out, lse = poisoned_run(q, k, v, precision=mode, **kw)
+        check(out, lse, *oracle(q, k, v, **kw), TOL["strict"])
+    assert [r[1] for r in runs] == [False] * 3 and all(c[0][0] == 0 for c, _ in runs)
+
+
+def test_reverse_key_chunks_plan():
+    """The reverse plan covers the keys once, last keys first, in block_n multiples; a chunk staged in the
+    output fits the row tiles that are untouched while it runs (their last visible key lies before its start);
+    external chunks hold at most ext_keys keys and are not slivers. At the issue's shapes (H100, 16K causal
+    precise) the output holds most keys in a few long chunks."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    for nq, nk, bm, bn, row, key, ext in ((16384, 16384, 128, 64, 2048, 4160, 512),
+                                           (16384, 16384, 128, 64, 16384, 33152, 640),
+                                           (1000, 16384, 128, 64, 2048, 4160, 512),
+                                           (65536, 65536, 128, 64, 2048, 4160, 2240),
+                                           (300, 200, 32, 32, 100, 40, 32), (50, 50, 32, 32, 100, 40, 1000)):
+        chunks = occ.reverse_key_chunks(n_q=nq, n_k=nk, block_m=bm, block_n=bn, row_bytes=row, key_bytes=key,
+                                        fixed_bytes=100, ext_keys=ext)
+        assert chunks[0][1] == nk and chunks[-1][0] == 0
+        assert all(a[0] == b[1] and a[0] % bn == 0 for a, b in zip(chunks, chunks[1:]))
+        for s, e, cap in chunks:
+            assert e > s
+            if cap is None:
+                assert e - s <= ext and (e - s >= ext // 2 or s == 0 and e == chunks[-1][1] < ext), (s, e)
+            else:  # rows of whole untouched tiles: (j + 1) * bm + (nk - nq) <= s
+                untouched = max(j for j in range(-1, nq // bm + 1) if (j + 1) * bm + nk - nq <= s or j < 0) + 1
+                assert cap == untouched * bm * row and (e - s) * key + 100 <= cap, (s, e, cap)
+        if nq == nk == 16384:
+            outs = [c for c in chunks if c[2] is not None]
+            assert len(outs) >= 5 and outs[-1][0] <= nk // 8 and len(chunks) <= 12, chunks
+
+
 def test_precise_split_choice_and_split_kernel(monkeypatch):
     """precise_split picks the fp16 split for eligible calls with enough query rows per K/V head, keeps other
     kinds as they are and rejects a bad ELSA_PRECISE_SPLIT; split_f16 gives fp16 hi/lo whose sum times the
@@ -523,7 +616,11 @@ def test_precise_split_choice_and_split_kernel(monkeypatch):
     k[0, 1, 7] = 0.0
     v = rand(2, 3, 48, 40).transpose(2, 3).contiguous().transpose(2, 3) * torch.logspace(-15, 15, 40, device=DEV)
     v[1, 2, 16:32] *= 1e-12  # one key block far smaller than the others: its own scales
-    kh, vh, (kl, ki, vl, vi) = launch._SplitKV(k, v, 3, 48, block_n=16)(k, v)
+    stager = launch._SplitKV(k, v, block_n=16)
+    # blocks wider than the pieces: the batch rows of every piece are apart by the block, not packed
+    region = launch._Region.buffer(k, 2, launch._specs_bytes(stager.specs(3, 48)) + 48)
+    kh, vh, (kl, ki, vl, vi) = launch._stage(stager, region, k, v)
+    assert kh.stride(0) == kl.stride(0) == vh.stride(0) == region.capacity // 2 and ki.stride(0) == region.capacity // 4
     assert kh.dtype == kl.dtype == vh.dtype == vl.dtype == torch.float16 and vi.shape == (2, 3, 3, 40)
     for x, hi, lo, inv, ref in ((k, kh, kl, ki[..., None], k.double().abs().amax(-1, keepdim=True)),
                                 (v, vh, vl, vi.repeat_interleave(16, 2),

@@ -201,8 +201,32 @@ def test_fp32_tensor_core_modes_extra_memory_within_1_1x_me_sdpa(mode, h, d, pla
     assert rel(out[:, :2], ro) <= TOL[mode], rel(out[:, :2], ro)
 
 
+@pytest.mark.parametrize("mode", ["precise", "turbo"])
+@pytest.mark.parametrize("h,d", [(8, 64), (32, 128)])
+def test_causal_key_chunks_in_the_output_within_1_1x_me_sdpa(mode, h, d, monkeypatch):
+    """Causal fp32 tensor-core calls at N = 16K stage their key chunks in reverse order, most of them in the
+    output's untouched rows: peak extra memory within 1.1x causal ME-SDPA's (issue target), fp32-accurate."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    runs = []
+    real = launch._key_chunk_fwd
+    monkeypatch.setattr(launch, "_key_chunk_fwd", lambda fwd, q, k, v, out, lse, mask, chunks, region, *a: runs.append(
+        (chunks, region is not None)) or real(fwd, q, k, v, out, lse, mask, chunks, region, *a))
+    q, k, v = (rand(1, h, 16384, d) for _ in range(3))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]), benchmark.PeakMemory("cuda") as me:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with benchmark.PeakMemory("cuda") as ours:
+        out = elsa_surgery.attention(q, k, v, backend="elsa", precision=mode, is_causal=True)
+    assert ours.mib <= 1.1 * me.mib, (ours.mib, me.mib)
+    (chunks, reverse), = runs
+    in_out = sum(e - s for s, e, cap in chunks if cap is not None)
+    assert reverse and in_out >= 16384 * 3 // 4, chunks
+    ro = oracle(q[:, :2], k[:, :2], v[:, :2], is_causal=True)[0]
+    assert rel(out[:, :2], ro) <= TOL[mode], rel(out[:, :2], ro)
+
+
 @pytest.mark.parametrize("kind", ["f16", "f16k"])
-@pytest.mark.parametrize("plan", ["whole", "keys:1024", "heads:1"])
+@pytest.mark.parametrize("plan", ["whole", "keys:1024", "rkeys:1024", "heads:1"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_precise_f16_split_accuracy(plan, causal, kind, monkeypatch):
     """``precise`` through the fp16 split on the GPU's tensor cores (real fp16 MMAs and fp32 accumulation):
@@ -216,7 +240,7 @@ def test_precise_f16_split_accuracy(plan, causal, kind, monkeypatch):
     monkeypatch.setattr(occ, "MIN_CAUSAL_SPLIT_CHUNK_WORK", 0)
     splits = []
     real = launch._SplitKV.__call__
-    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v: splits.append(1) or real(self, k, v))
+    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v, views: splits.append(1) or real(self, k, v, views))
     q = rand(1, 8, 4096, 128) * torch.logspace(-2, 2, 4096, device="cuda")[:, None]
     k = rand(1, 2, 4096, 128) * torch.logspace(1, -1, 4096, device="cuda")[:, None]
     v = rand(1, 2, 4096, 128) * torch.logspace(-3, 3, 128, device="cuda")
