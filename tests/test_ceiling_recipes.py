@@ -1,6 +1,7 @@
-"""The ceiling recipes compute what they time: the plain Triton GEMM (``recipes/gemm_ceiling.py``) and the IEEE
-attention variants (``recipes/strict_variants.py``) match float64 under the CPU interpreter, in every cut of
-their dots, so the rates they report on the GPU are rates of correct kernels."""
+"""The ceiling recipes compute what they time: the plain Triton GEMM (``recipes/gemm_ceiling.py``), the IEEE
+attention variants (``recipes/strict_variants.py``) and the bare FlashAttention loop (``recipes/lowp_ceiling.py``,
+one or two row sub-tiles) match float64 under the CPU interpreter, in every cut of their dots, so the rates they
+report on the GPU are rates of correct kernels."""
 
 import pytest
 import torch
@@ -25,4 +26,14 @@ def test_strict_variants_match_float64(d, cfg, load_recipe):
     o = torch.full_like(q, float("nan"))
     e.run(q, k, v, o, cfg)
     ref = torch.softmax((q.double() @ k.double().transpose(1, 2)) * d ** -0.5, -1) @ v.double()
+    assert float((o.double() - ref).norm() / ref.norm()) <= 2e-6
+
+
+@pytest.mark.parametrize("cfg", [(1, 16, 16, 4, 1), (2, 16, 32, 4, 1), (2, 32, 16, 4, 1)])
+def test_lowp_ceiling_loop_matches_float64(cfg, load_recipe):
+    f = load_recipe("lowp_ceiling")
+    q, k, v = (torch.randn(3, 128, 32) for _ in range(3))  # fp32 under the interpreter (its dot has no bf16)
+    o = torch.full_like(q, float("nan"))
+    f.run(q, k, v, o, cfg)
+    ref = torch.softmax((q.double() @ k.double().transpose(1, 2)) * 32 ** -0.5, -1) @ v.double()
     assert float((o.double() - ref).norm() / ref.norm()) <= 2e-6
