@@ -59,6 +59,13 @@ def _stage_v(v, varlen: bool):
     return v if _keys_contiguous(v, varlen) else v.permute(perm).contiguous().permute(inv)
 
 
+# Blocks of staged pieces start STRIDE_BYTES apart, so that the pieces' batch (and head) strides divide by 16
+# elements in fp16 and fp32, as with separately allocated contiguous buffers. On an H100 (Triton 3.6) the fp16
+# split kernel (DOT 5) returned NaN rows for a masked causal call with D=40 whose staging blocks were only
+# 16-byte aligned (fp32 batch stride 70,052), and an illegal address in another case; blocks of 64 bytes fixed it.
+STRIDE_BYTES = 64
+
+
 def _piece_bytes(dtype: torch.dtype, shape) -> int:
     return -(-math.prod(shape) * dtype.itemsize // 16) * 16
 
@@ -82,8 +89,8 @@ class _Region:
 
     @classmethod
     def buffer(cls, like: torch.Tensor, batch: int, block_bytes: int) -> "_Region":
-        """A new buffer of ``batch`` blocks of ``block_bytes``."""
-        block_bytes = max(16, -(-block_bytes // 16) * 16)
+        """A new buffer of ``batch`` blocks of ``block_bytes``, rounded up to ``STRIDE_BYTES``."""
+        block_bytes = max(STRIDE_BYTES, -(-block_bytes // STRIDE_BYTES) * STRIDE_BYTES)
         return cls(torch.empty(batch * block_bytes, dtype=torch.uint8, device=like.device), (block_bytes, 0), False,
                    block_bytes)
 
@@ -97,10 +104,14 @@ class _Region:
             return None
         flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
         if out.transpose(1, 2).is_contiguous():
-            return cls(flat, (Nq * Hq * Dv * 4, 0), False), Hq * Dv * 4
-        if out.is_contiguous():
-            return cls(flat, (Hq * Nq * Dv * 4, Nq * Dv * 4), True), Dv * 4
-        return None
+            region, row = cls(flat, (Nq * Hq * Dv * 4, 0), False), Hq * Dv * 4
+        elif out.is_contiguous():
+            region, row = cls(flat, (Hq * Nq * Dv * 4, Nq * Dv * 4), True), Dv * 4
+        else:
+            return None
+        if region.bstride % STRIDE_BYTES or region.hstride % STRIDE_BYTES:
+            return None  # strides of the staged pieces would not divide by 16 elements (see STRIDE_BYTES)
+        return region, row
 
     def carve(self, batch: int, specs, capacity: Optional[int] = None):
         """Views for ``specs`` in the first ``capacity`` bytes of every block (default: the whole block)."""
@@ -267,6 +278,10 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
 
     split_dot = occ.precise_split(dot, rows_per_kv, eligible=not varlen and state is None,
                                   work=float(BH) * Nq * Nk * D)
+    if split_dot == occ.DOT_F16X3V and (BD != D or BDV != Dv):
+        # V split in the kernel (DOT 6) only for head dims that need no padding: on an H100 a call with
+        # D=40, Dv=32 returned NaN rows (masked) or faulted (unmasked); the full split runs instead
+        split_dot = occ.DOT_F16X3
     if split_dot != dot:
         cfg, n_mblocks, parts, part_len = tiles(split_dot)
         stage, plan = staging(split_dot, cfg, n_mblocks, parts)
@@ -276,7 +291,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         short_chunks = plan[0] == "keys" and BH * Nq * plan[1] * D < occ.MIN_CAUSAL_SPLIT_CHUNK_WORK
         if parts == 1 and not (is_causal and short_chunks and not occ.split_forced()):
             dot = split_dot
-        elif parts == 1:  # same tiles ("f16x3"), a plan for K's bytes alone
+        elif parts == 1 and BD == D and BDV == Dv:  # same tiles ("f16x3"), a plan for K's bytes alone
             dot = occ.DOT_F16X3V
             stage, plan = staging(dot, cfg, n_mblocks, parts)
     split = dot in occ.SPLIT_DOTS

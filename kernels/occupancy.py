@@ -197,7 +197,8 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
     ``eligible`` is the launcher's check of the first two.
     ``ELSA_PRECISE_SPLIT=f16|f16k|tf32`` forces one kind (``f16``/``f16k`` only where eligible; ``f16k`` is
     ``DOT_F16X3V``, K split by the launcher and V in the kernel, which the launcher also picks for causal
-    calls whose full split would run in short key chunks: ``MIN_CAUSAL_SPLIT_CHUNK_WORK``).
+    calls whose full split would run in short key chunks: ``MIN_CAUSAL_SPLIT_CHUNK_WORK``; for head dims that
+    need padding the launcher runs the full split instead, see ``launch._run``).
     """
     if dot != DOT_TF32X3:
         return dot
@@ -312,6 +313,7 @@ def reverse_key_chunks(*, n_q: int, n_k: int, block_m: int, block_n: int, row_by
     launches (H100, B=1, H=8, D=64, N=16K, fp16 split: 10 chunks 2.74 ms vs 16 uniform 1,024-key chunks 4.21 ms).
     """
     off = n_k - n_q  # bottom-right causal: row i sees keys up to i + off
+    ext_keys = max(block_n, ext_keys // block_n * block_n)
 
     def capacity(start: int) -> int:  # bytes of the row tiles untouched while the chunk at ``start`` runs
         return 0 if start <= 0 else max(0, (start - off) // block_m * block_m) * row_bytes
@@ -333,7 +335,7 @@ def reverse_key_chunks(*, n_q: int, n_k: int, block_m: int, block_n: int, row_by
         chunks.append((start, end, capacity(start)))
         end = start
     if end > 0:
-        step = _even_chunks(end, max(ext_keys, block_n), block_n)
+        step = _even_chunks(end, ext_keys, block_n)
         chunks.extend((s, min(end, s + step), None) for s in reversed(range(0, end, step)))
     return tuple(chunks)
 

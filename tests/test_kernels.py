@@ -380,12 +380,12 @@ def test_staged_v_for_tensor_core_modes(mode, monkeypatch):
     assert len(staged) == 5
 
 
-def _staged_pieces_cases():
+def _staged_pieces_cases(D=40, Dv=24):
     """Inputs for the staged-in-pieces tests (70 queries, 100 keys: 4 key chunks or 2 K/V-head groups under
     the interpreter's tiles): GQA, Dv != D, strided q/k/v, and the cases ``(kwargs)`` every plan must get right:
     causal, key-axis / per-head / key- and head-broadcast masks with fully masked rows, kv/q lengths shorter
     than one chunk, kv_len 0."""
-    B, Hq, Hkv, D, Dv = 2, 4, 2, 40, 24
+    B, Hq, Hkv = 2, 4, 2
     q = rand(B, 70, Hq, D).transpose(1, 2)
     kv = rand(B, 100, 2, Hkv, D)
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1, :, :Dv].transpose(1, 2)
@@ -453,7 +453,8 @@ def test_precise_f16_split(plan, launches, kind, monkeypatch):
     splits = []
     real = launch._SplitKV.__call__
     monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v, views: splits.append(self.split_v) or real(self, k, v, views))
-    q, k, v, mask, cases = _staged_pieces_cases()
+    # V split in the kernel (f16k) runs for head dims without padding only; padded ones take the full split
+    q, k, v, mask, cases = _staged_pieces_cases(*((32, 16) if kind == "f16k" else (40, 24)))
     Hq, Hkv, D, Dv = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     k0, v0 = k.clone(), v.clone()
     for kw in cases:
@@ -479,8 +480,22 @@ def test_precise_f16_split(plan, launches, kind, monkeypatch):
             monkeypatch.setattr(occ, "MIN_SPLIT_WORK", 0)
         out, lse = poisoned_run(q, k, v, precision="precise", is_causal=True)
         check(out, lse, *oracle(q, k, v, is_causal=True), TOL["precise"])
-        split_v = (kind == "f16") if forced else not plan.startswith("keys")
-        assert splits == [split_v] * launches, (forced, splits)
+        if forced or not plan.startswith("keys"):
+            expected = [(kind == "f16") if forced else True] * launches
+        else:  # K alone where the head dims need no padding, else 3xTF32 (no split)
+            expected = [False] * launches if (D, Dv) == (occ.block_dim(D), occ.block_dim(Dv)) else []
+        assert splits == expected, (forced, splits)
+    if kind == "f16k":  # padded head dims (D=40, Dv=24): the full split, forced or chosen
+        qp, kp, vp, _, _ = _staged_pieces_cases()
+        for forced in (True, False):
+            splits.clear()
+            if forced:
+                monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16k")
+            out, lse = poisoned_run(qp, kp, vp, precision="precise", is_causal=True)
+            check(out, lse, *oracle(qp, kp, vp, is_causal=True), TOL["precise"])
+            # chosen by shape with short causal chunks: 3xTF32 (no split), as v7 did
+            assert splits == ([] if not forced and plan.startswith("keys") else [True] * launches), (forced, splits)
+            monkeypatch.delenv(occ.ENV_PRECISE_SPLIT, raising=False)
     # not split: varlen, the state output, split-K partitions, strict/turbo, ELSA_PRECISE_SPLIT=tf32
     monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)
     splits.clear()
@@ -519,7 +534,7 @@ def test_causal_key_chunks_in_reverse_staged_in_the_output(mode, kind, monkeypat
         (chunks, region is not None)) or real_chunks(fwd, q, k, v, out, lse, mask, chunks, region, *a))
     monkeypatch.setattr(launch._Region, "buffer", classmethod(
         lambda cls, like, batch, nbytes: buffers.append(nbytes) or real_buffer(cls, like, batch, nbytes)))
-    B, Hq, Hkv, D, Dv = 2, 2, 1, 24, 16
+    B, Hq, Hkv, D, Dv = 2, 2, 1, 16, 32  # f16k (V split in the kernel) needs head dims without padding
     stager = (launch._SplitKV(rand(1, 1, 1, D), rand(1, 1, 1, Dv), block_n=32, split_v=kind == "f16")
               if kind != "tf32" else launch._TransposedV(None, rand(1, 1, 1, Dv)))
     ext_bytes = launch._specs_bytes(stager.specs(Hkv, 32))
@@ -549,8 +564,7 @@ def test_causal_key_chunks_in_reverse_staged_in_the_output(mode, kind, monkeypat
                 in_out = [c for c in chunks if c[2] is not None]
                 assert all(e - s <= 32 for s, e, cap in chunks if cap is None)
                 assert buffers == [ext_bytes] if len(in_out) < len(chunks) else buffers == [], (buffers, ext_bytes)
-                if (nq, nk, layout) != (192, 256, "heads") or kind == "tf32":
-                    assert in_out, chunks
+                assert in_out, chunks
         assert torch.equal(k, k0) and torch.equal(v, v0)
     # another plan forced (key order), and calls the output cannot hold chunks for: key order, no region
     runs.clear()

@@ -251,3 +251,26 @@ def test_precise_f16_split_accuracy(plan, causal, kind, monkeypatch):
     bound = max(TOL["precise"], 1.5 * rel(ieee[:, :4], ro))
     assert rel(out[:, :4], ro) <= bound, (rel(out[:, :4], ro), rel(ieee[:, :4], ro))
     assert rel(lse[:, :4], rl) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", ["f16", "f16k"])
+@pytest.mark.parametrize("plan", ["whole", "keys:128", "rkeys:128"])
+def test_precise_f16_split_padded_head_dims_masked(plan, kind, monkeypatch):
+    """Regression (session-7 review, H100): the fp16 split with D=40, Dv=32, a float mask and causal returned NaN
+    rows when its staging blocks were only 16-byte aligned, and the in-kernel V split (f16k) with those head dims
+    returned NaN (masked) or faulted (unmasked). Staging blocks are now 64-byte strided and f16k falls back to the
+    full split for padded head dims: every row finite and within the precise budget, for B = 1 and 3."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, plan)
+    for B in (1, 3):
+        for masked in (True, False):
+            q, k = rand(B, 1, 1610, 40), rand(B, 1, 953, 40) * 2
+            v = rand(B, 953, 1, 32).transpose(1, 2)
+            mask = rand(B, 1, 1610, 953) if masked else None
+            out, lse = poisoned(q, k, v, "precise", is_causal=True, mask=mask)
+            ro, rl = oracle(q, k, v, is_causal=True, attn_mask=None if mask is None else mask.double())
+            assert not torch.isnan(out).any() and not torch.isnan(lse).any(), (B, masked)
+            assert rel(out, ro) <= TOL["precise"], (B, masked, rel(out, ro))
