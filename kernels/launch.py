@@ -7,7 +7,6 @@ length reuses the compiled kernel. No host syncs: nothing here reads tensor data
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Tuple
 

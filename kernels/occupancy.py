@@ -253,7 +253,7 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
             return "whole", 0
         if kind in ("heads", "keys", "rkeys") and num.isdigit() and int(num) > 0:
             n = int(num)
-            if kind in ("keys", "rkeys"):  # rkeys: the launcher orders the chunks (forced_reverse_chunk_keys)
+            if kind in ("keys", "rkeys"):  # rkeys: the launcher orders the chunks (reverse_chunks_env)
                 n = max(block_n, n // block_n * block_n)
                 return ("keys", n) if n < n_k else ("whole", 0)
             return ("heads", n) if n < kv_heads else ("whole", 0)
