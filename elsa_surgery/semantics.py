@@ -235,7 +235,9 @@ def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, w
         )
     if attn_mask.device != device:
         raise ValueError(f"attn_mask must be on the same device as q ({device}), got {attn_mask.device}")
-    target = f"[B, Hq, Nq, Nk] = [{batch}, {heads_q}, {n_q}, {n_k}]"
+    # the target shape is formatted only when raising: formatting symbolic sizes under torch.compile would
+    # specialise them (every new sequence length would recompile)
+    target = lambda: f"[B, Hq, Nq, Nk] = [{batch}, {heads_q}, {n_q}, {n_k}]"
     if windowed:
         if attn_mask.dim() != 4:
             raise ValueError(
@@ -252,11 +254,11 @@ def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, w
             raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to [nW, {heads_q}, {n_q}, {n_k}]")
         return attn_mask.expand(n_win, rest[0], n_q, n_k)
     if attn_mask.dim() > 4:
-        raise ValueError(f"attn_mask must have at most 4 dims broadcastable to {target}, got {_shape(attn_mask)}")
+        raise ValueError(f"attn_mask must have at most 4 dims broadcastable to {target()}, got {_shape(attn_mask)}")
     shape4 = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
     for got, want in zip(shape4, (batch, heads_q, n_q, n_k)):
         if got not in (1, want):
-            raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to {target}")
+            raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to {target()}")
     m4 = attn_mask.reshape(shape4) if attn_mask.dim() < 4 else attn_mask
     return m4.expand(shape4[0], shape4[1], n_q, n_k)
 

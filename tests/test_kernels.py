@@ -289,6 +289,42 @@ def test_custom_ops_real_impl_and_compile():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("kind", ["bool", "float", "windowed", "kv_lengths"])
+def test_compile_does_not_recompile_across_lengths(kind):
+    """Masked, windowed and padded-length calls compile once per static/dynamic pair, not once per length
+    (formatting a symbolic size, e.g. in an error message built eagerly, would specialise it)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    def f(q, k, v, extra):
+        if kind == "kv_lengths":
+            return elsa_surgery.attention(q, k, v, backend="elsa", precision="strict", kv_lengths=extra)
+        return elsa_surgery.attention(q, k, v, extra, backend="elsa", precision="strict",
+                                      windowed_mask=kind == "windowed")
+
+    torch._dynamo.reset()
+    counters.clear()
+    cf = torch.compile(f, fullgraph=True, backend="eager")
+    for n in (20, 33, 47, 58):
+        q, k, v = rand(2, 2, n, 16), rand(2, 2, n + 3, 16), rand(2, 2, n + 3, 8)
+        g = torch.Generator().manual_seed(n)
+        if kind == "bool":
+            extra = (torch.rand(2, 1, 1, n + 3, generator=g) > 0.2).to(DEV)
+            want = oracle(q, k, v, mask=extra)[0]
+        elif kind == "float":
+            extra = torch.randn(1, 2, n, n + 3, generator=g).to(DEV)
+            want = oracle(q, k, v, mask=extra)[0]
+        elif kind == "windowed":  # nW = 1 window mask for B = 2: row b uses window b % 1
+            extra = torch.randn(1, 1, n, n + 3, generator=g).to(DEV)
+            want = oracle(q, k, v, mask=extra.expand(2, 1, n, n + 3))[0]
+        else:
+            extra = torch.tensor([n + 3, n // 2], device=DEV)
+            keep = torch.arange(n + 3, device=DEV)[None, :] < extra[:, None]
+            want = oracle(q, k, v, mask=keep[:, None, None, :])[0]
+        assert rel(cf(q, k, v, extra), want) <= TOL["strict"]
+    assert counters["stats"]["unique_graphs"] <= 2, (kind, dict(counters["stats"]))
+
+
 @pytest.mark.parametrize("seed", range(int(os.environ.get("ELSA_TEST_RANDOM_CASES", "8"))))
 def test_random_feature_combinations(seed):
     """Fresh random problems mixing GQA, strides, masks, causal, padded lengths and forced K-partitions."""
