@@ -7,9 +7,10 @@ the launch path stays capturable in CUDA graphs and traceable by ``torch.compile
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -230,6 +231,20 @@ def _sms(device: torch.device) -> int:
     return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _forced_stage_plan() -> Optional[Tuple[str, int]]:
+    """``ELSA_STAGE_PLAN`` parsed: ``None`` when unset, else ``(kind, N)`` with kind ``whole`` (N 0), ``heads``,
+    ``keys`` or ``rkeys`` (N > 0)."""
+    env = os.environ.get(ENV_STAGE_PLAN, "").strip()
+    if not env:
+        return None
+    kind, _, num = env.partition(":")
+    if kind == "whole" and not num:
+        return "whole", 0
+    if kind in ("heads", "keys", "rkeys") and num.isdigit() and int(num) > 0:
+        return kind, int(num)
+    raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G', 'keys:N' or 'rkeys:N' with G, N > 0, got {env!r}")
+
+
 def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_heads: int, groups: int,
                m_blocks: int, out_bytes: int, v_bytes_per_key_head: int, stats_bytes: int, causal: bool = False,
                min_chunk_keys: int = MIN_KEYS_PER_STAGE_CHUNK):
@@ -246,19 +261,15 @@ def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_h
     The launcher runs the key chunks of causal calls in reverse order, most of them staged in the output
     (``reverse_key_chunks``); ``C`` then bounds the chunks staged outside it.
     """
-    env = os.environ.get(ENV_STAGE_PLAN, "").strip()
-    if env:
-        kind, _, num = env.partition(":")
-        if kind == "whole":
-            return "whole", 0
-        if kind in ("heads", "keys", "rkeys") and num.isdigit() and int(num) > 0:
-            n = int(num)
-            if kind in ("keys", "rkeys"):  # rkeys: the launcher orders the chunks (reverse_chunks_env)
-                n = max(block_n, n // block_n * block_n)
-                return ("keys", n) if n < n_k else ("whole", 0)
+    forced = _forced_stage_plan()
+    if forced is not None:
+        kind, n = forced
+        if kind in ("keys", "rkeys"):  # rkeys: the launcher orders the chunks (reverse_chunks_env)
+            n = max(block_n, n // block_n * block_n)
+            return ("keys", n) if n < n_k else ("whole", 0)
+        if kind == "heads":
             return ("heads", n) if n < kv_heads else ("whole", 0)
-        raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G', 'keys:N' or 'rkeys:N' with G, N > 0, "
-                         f"got {env!r}")
+        return "whole", 0
     budget = STAGE_MEMORY_FRACTION * out_bytes
     head_bytes = batch * n_k * v_bytes_per_key_head  # one K/V head of V, every batch row
     if kv_heads * head_bytes <= budget:
@@ -286,15 +297,10 @@ def reverse_chunks_env() -> Optional[int]:
     """Whether causal key chunks may run in reverse order (``reverse_key_chunks``): ``0`` when
     ``ELSA_STAGE_PLAN`` is unset (external chunks as the memory budget allows), ``N`` for ``rkeys:N``
     (testing / benchmarking: external chunks of at most N keys), ``None`` when it forces another plan."""
-    env = os.environ.get(ENV_STAGE_PLAN, "").strip()
-    if not env:
+    forced = _forced_stage_plan()
+    if forced is None:
         return 0
-    kind, _, num = env.partition(":")
-    if kind != "rkeys":
-        return None
-    if not (num.isdigit() and int(num) > 0):
-        raise ValueError(f"{ENV_STAGE_PLAN}=rkeys:N needs N > 0, got {env!r}")
-    return int(num)
+    return forced[1] if forced[0] == "rkeys" else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -351,14 +357,30 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def check_eta(eta, name: str = "eta") -> float:
+    """ELSA-Lean's bound: a finite number >= 0 (bytes of partition states per byte of output)."""
+    try:
+        value = float(eta)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0 (partition-state bytes per output byte; 0 = one "
+                         f"partition), got {eta!r}")
+    return value
+
+
 def lean_eta() -> Optional[float]:
     raw = os.environ.get(ENV_LEAN_ETA, "").strip()
+    return check_eta(raw, f"environment variable {ENV_LEAN_ETA}") if raw else None
+
+
+def forced_partitions() -> Optional[int]:
+    raw = os.environ.get(ENV_PARTITIONS, "").strip()
     if not raw:
         return None
-    eta = float(raw)
-    if eta < 0:
-        raise ValueError(f"{ENV_LEAN_ETA} must be >= 0, got {raw!r}")
-    return eta
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"environment variable {ENV_PARTITIONS} must be an integer >= 1, got {raw!r}")
+    return int(raw)
 
 
 def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, rows: int, dv: int,
@@ -372,9 +394,11 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
     states (``partitions · rows · (Dv + 2)`` fp32) never exceed ``eta ·`` the bytes of the output;
     ``eta = 0`` means one partition (no state buffers at all).
     """
+    eta = lean_eta() if eta is None else check_eta(eta)
     if forced is None:
-        env = os.environ.get(ENV_PARTITIONS, "").strip()
-        forced = int(env) if env else None
+        forced = forced_partitions()
+    elif isinstance(forced, bool) or not isinstance(forced, int) or forced < 1:
+        raise ValueError(f"num_partitions must be an integer >= 1, got {forced!r}")
     max_by_keys = max(1, -(-max(n_k, 1) // block_n))  # at least one key block per partition
     if forced is not None:
         return max(1, min(int(forced), max_by_keys))
@@ -385,7 +409,6 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
         return 1
     target = n_sm * TARGET_PROGRAMS_PER_SM
     parts = min(-(-target // max(tiles, 1)), max(1, n_k // MIN_KEYS_PER_PARTITION), MAX_PARTITIONS)
-    eta = lean_eta() if eta is None else eta
     if eta is not None:
         per_part = rows * (dv + 2) * 4
         parts = min(parts, max(1, int(eta * out_bytes // max(per_part, 1))))

@@ -754,3 +754,55 @@ def test_stage_plan_keeps_the_memory_budget(monkeypatch):
         monkeypatch.setenv(occ.ENV_STAGE_PLAN, "chunks")
         occ.stage_plan(torch.device("cpu"), n_k=10, block_n=16, batch=1, kv_heads=1, groups=1, m_blocks=1,
                        out_bytes=1, v_bytes_per_key_head=1, stats_bytes=0)
+
+
+def test_lean_eta_bounds_the_partition_states(monkeypatch):
+    """ELSA-Lean on a (simulated) 132-SM GPU: grids that cannot fill it split the keys, and with ``eta`` the
+    partition states (``partitions * rows * (Dv + 2)`` fp32) stay within ``eta`` times the output's bytes;
+    ``eta = 0`` means one partition. The environment variable is the same knob."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "sm_count", lambda index: 132)
+    monkeypatch.delenv(occ.ENV_LEAN_ETA, raising=False)
+    monkeypatch.delenv(occ.ENV_PARTITIONS, raising=False)
+    cuda = torch.device("cuda", 0)
+    rows, dv = 8 * 128, 128  # a decode-like grid: 8 heads x 1 row tile of 128 rows, 64K keys
+    args = dict(tiles=8, n_k=65536, block_n=64, rows=rows, dv=dv, out_bytes=rows * dv * 4)
+    free = occ.num_partitions(cuda, **args)
+    assert free > 4, free
+    per_part = rows * (dv + 2) * 4
+    for eta in (0, 0.5, 1.0, 2.0, 4.0):
+        parts = occ.num_partitions(cuda, **args, eta=eta)
+        assert parts == 1 or parts * per_part <= eta * args["out_bytes"], (eta, parts)
+        assert parts == max(1, min(free, int(eta * args["out_bytes"] // per_part))), (eta, parts)
+    monkeypatch.setenv(occ.ENV_LEAN_ETA, "2")
+    assert occ.num_partitions(cuda, **args) == occ.num_partitions(cuda, **args, eta=2.0)
+    monkeypatch.setenv(occ.ENV_LEAN_ETA, "0")
+    assert occ.num_partitions(cuda, **args) == 1
+
+
+@pytest.mark.parametrize("env,value,match", [
+    ("ELSA_LEAN_ETA", "inf", "ELSA_LEAN_ETA must be a finite number >= 0"),
+    ("ELSA_LEAN_ETA", "nan", "ELSA_LEAN_ETA must be a finite number >= 0"),
+    ("ELSA_LEAN_ETA", "-1", "ELSA_LEAN_ETA must be a finite number >= 0"),
+    ("ELSA_LEAN_ETA", "abc", "ELSA_LEAN_ETA must be a finite number >= 0"),
+    ("ELSA_NUM_PARTITIONS", "two", "ELSA_NUM_PARTITIONS must be an integer >= 1"),
+    ("ELSA_NUM_PARTITIONS", "0", "ELSA_NUM_PARTITIONS must be an integer >= 1"),
+    (None, "eta=-1", "eta must be a finite number >= 0"),
+    (None, "eta=inf", "eta must be a finite number >= 0"),
+    (None, "num_partitions=0", "num_partitions must be an integer >= 1"),
+])
+def test_partition_knobs_reject_bad_values(monkeypatch, env, value, match):
+    """Bad ELSA-Lean / partition settings raise an error naming the knob and its range, before any kernel
+    runs and with the user's tensors untouched (also on the CPU, where the count is always 1)."""
+    q, k, v = rand(1, 2, 20, 16), rand(1, 2, 30, 16), rand(1, 2, 30, 16)
+    before = [t.clone() for t in (q, k, v)]
+    kw = {}
+    if env is None:
+        name, raw = value.split("=")
+        kw[name] = float(raw) if name == "eta" else int(raw)
+    else:
+        monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=match):
+        launch.attention(q, k, v, scale=0.25, precision="strict", **kw)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))
