@@ -41,7 +41,9 @@ def attention(
         attn_mask: bool (True = attend, SDPA's polarity) or additive float, broadcastable to
             ``[B, Hq, Nq, Nk]``; with ``windowed_mask=True``, ``[nW, Hq|1, Nq, Nk]`` applied to batch row
             ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``).
-        dropout_p: must be 0.0 (inference framework).
+        dropout_p: attention dropout in [0, 1], as SDPA's. The ELSA kernels implement none: a call with
+            ``dropout_p > 0`` runs on the reference backend under ``auto`` (the reason is logged and
+            recorded), and raises under ``backend="elsa"``.
         is_causal: bottom-right aligned when ``Nq != Nk`` (query i sees keys ``j <= i + Nk - Nq``).
         scale: defaults to ``D ** -0.5``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made).
@@ -56,7 +58,8 @@ def attention(
     """
     p = build_problem(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       q_lengths=q_lengths, kv_lengths=kv_lengths, windowed_mask=windowed_mask)
-    d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=return_lse)
+    d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=return_lse,
+                        dropout_p=p.dropout_p)
     dispatch.announce(d)
     if d.backend == "elsa":
         out, lse = _kernels().attention(

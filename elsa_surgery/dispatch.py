@@ -102,8 +102,13 @@ def kernel_unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optiona
     return kernels.unsupported_reason(q, k, v, mask, varlen=varlen)
 
 
+def auto_runs_kernels_on(device: torch.device) -> bool:
+    """Whether ``auto`` tries the kernels on this device at all (CUDA; elsewhere it picks the reference)."""
+    return device.type == "cuda"
+
+
 def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Optional[str] = None,
-           varlen: bool = False, need_lse: bool = False) -> Decision:
+           varlen: bool = False, need_lse: bool = False, dropout_p: float = 0.0) -> Decision:
     """Pick the backend and precision for one call, and say why."""
     want = requested_backend(backend)
     prec = requested_precision(precision)
@@ -119,11 +124,12 @@ def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Op
             raise ValueError("backend='sdpa' has no packed-varlen path; use backend='elsa' or 'reference'")
         return Decision("sdpa", None, "backend='sdpa' requested")
 
-    if want == "auto" and q.device.type != "cuda":
+    if want == "auto" and not auto_runs_kernels_on(q.device):
         return Decision("reference", None,
                         f"auto on {q.device.type} tensors: the reference backend (the Triton kernels need CUDA; "
                         f"backend='elsa' with TRITON_INTERPRET=1 runs them in the interpreter)")
-    why_not = kernel_unsupported_reason(q, k, v, mask, varlen=varlen)
+    why_not = (f"attention dropout (dropout_p={dropout_p}) is not implemented by the ELSA kernels" if dropout_p > 0
+               else kernel_unsupported_reason(q, k, v, mask, varlen=varlen))
     if why_not is None:
         mode = (prec or default_precision(q.device)) if fp32 else None
         how = "requested" if want == "elsa" else f"auto: {q.device.type} {str(q.dtype).replace('torch.', '')}"

@@ -79,16 +79,20 @@ def from_scores(scores: torch.Tensor, v: torch.Tensor) -> State:
     return State(m, p.sum(dim=-1), torch.matmul(p.to(v.dtype), v).to(p.dtype))
 
 
-def fold_scores(state: State, scores: torch.Tensor, v: torch.Tensor) -> State:
+def fold_scores(state: State, scores: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor] = None) -> State:
     """``state ⊕ from_scores(scores, v)`` in one pass over the block (what a kernel's inner loop does).
 
-    ``scores`` is consumed: it is overwritten in place with the block's probabilities.
+    ``scores`` is consumed: it is overwritten in place with the block's probabilities. ``keep`` (dropout:
+    0 or ``1 / (1 - p)`` per score) scales the probabilities that enter ``W`` only, so that ``W / S`` is the
+    dropped-out softmax times V, as in SDPA.
     """
     m = torch.maximum(state.m, scores.amax(dim=-1))
     ref = _safe_max(m)
     alpha = torch.exp(state.m - ref)
     p = scores.sub_(ref.unsqueeze(-1)).exp_()
     S = state.S * alpha + p.sum(dim=-1)
+    if keep is not None:
+        p = p.mul_(keep)
     W = torch.matmul(p.to(v.dtype), v).to(p.dtype).add_(state.W * alpha.unsqueeze(-1))
     return State(m, S, W)
 

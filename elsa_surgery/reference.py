@@ -90,7 +90,8 @@ def run_state(p: AttentionProblem) -> monoid.State:
             if p.has_index_mask:
                 vis = p.visible(rows, torch.arange(j0, j1, device=dev))
                 s.masked_fill_(~vis.view(B, 1, 1, i1 - i0, j1 - j0), float("-inf"))
-            st = monoid.fold_scores(st, s, v5[:, :, :, j0:j1].to(acc))
+            keep = _dropout_keep(s, p.dropout_p) if p.dropout_p > 0 else None
+            st = monoid.fold_scores(st, s, v5[:, :, :, j0:j1].to(acc), keep)
         ms.append(st.m)
         Ss.append(st.S)
         Ws.append(st.W)
@@ -98,6 +99,14 @@ def run_state(p: AttentionProblem) -> monoid.State:
     S = torch.cat(Ss, dim=3).reshape(B, Hq, Nq)
     W = torch.cat(Ws, dim=3).reshape(B, Hq, Nq, Dv)
     return monoid.State(m, S, W)
+
+
+def _dropout_keep(scores: torch.Tensor, p: float) -> torch.Tensor:
+    """SDPA's attention dropout for one score block: each probability kept with chance ``1 - p`` and scaled
+    by ``1 / (1 - p)`` (all dropped at ``p = 1``)."""
+    if p >= 1.0:
+        return torch.zeros_like(scores)
+    return torch.empty_like(scores).bernoulli_(1.0 - p).div_(1.0 - p)
 
 
 def run(p: AttentionProblem, return_lse: bool = False):

@@ -30,7 +30,7 @@ def run(p: AttentionProblem) -> torch.Tensor:
     if mask is not None and mask.dtype != torch.bool and mask.dtype != p.q.dtype:
         mask = mask.to(p.q.dtype)
     out = F.scaled_dot_product_attention(
-        p.q, p.k, p.v, attn_mask=mask, scale=p.scale, enable_gqa=p.heads_q != p.heads_kv
+        p.q, p.k, p.v, attn_mask=mask, dropout_p=p.dropout_p, scale=p.scale, enable_gqa=p.heads_q != p.heads_kv
     )
     if mask is not None:
         visible = mask.any(dim=-1) if mask.dtype == torch.bool else (mask > float("-inf")).any(dim=-1)

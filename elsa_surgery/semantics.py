@@ -41,6 +41,7 @@ class AttentionProblem:
     q_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
     kv_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
     squeeze_head: bool = False  # the caller passed 3-D tensors; the output drops the head axis
+    dropout_p: float = 0.0  # attention-probability dropout (SDPA's; reference and sdpa backends only)
 
     @property
     def batch(self) -> int:
@@ -183,13 +184,16 @@ def resolve_scale(scale, head_dim: int) -> float:
     return scale
 
 
-def check_dropout(dropout_p) -> None:
-    if dropout_p is None or dropout_p == 0.0:
-        return
-    raise ValueError(
-        f"dropout_p must be 0.0: elsa_surgery is an inference framework and its kernels do not "
-        f"implement attention dropout (got dropout_p={dropout_p}); call model.eval() or pass dropout_p=0.0"
-    )
+def check_dropout(dropout_p) -> float:
+    """SDPA's ``dropout_p``: a number in [0, 1] (None = 0). The ELSA kernels implement no dropout, so a
+    call with ``dropout_p > 0`` runs on the reference backend under ``auto`` (``dispatch.decide``)."""
+    if dropout_p is None:
+        return 0.0
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a number in [0, 1], got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:  # also rejects NaN
+        raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p}")
+    return float(dropout_p)
 
 
 def _data_checks_allowed(t: torch.Tensor) -> bool:
@@ -269,7 +273,7 @@ def build_problem(
 ) -> AttentionProblem:
     """Validate an SDPA-style call and return its canonical form (never copies q/k/v)."""
     check_qkv(q, k, v, layout="dense")
-    check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
@@ -288,7 +292,7 @@ def build_problem(
     kl = canonical_lengths("kv_lengths", kv_lengths, B, Nk, q.device)
     return AttentionProblem(
         q=q, k=k, v=v, scale=resolve_scale(scale, D), mask=mask, is_causal=bool(is_causal),
-        q_lengths=ql, kv_lengths=kl, squeeze_head=squeeze,
+        q_lengths=ql, kv_lengths=kl, squeeze_head=squeeze, dropout_p=dropout_p,
     )
 
 

@@ -78,10 +78,16 @@ def test_windowed_mask_must_divide_batch():
         elsa_surgery.attention(q, k, v, torch.zeros(4, 1, 8, 8), windowed_mask=True)
 
 
-def test_dropout_raises_clear_error():
+@pytest.mark.parametrize("p,err,match", [(-0.1, ValueError, r"dropout_p must lie in \[0, 1\], got -0.1"),
+                                         (1.5, ValueError, r"dropout_p must lie in \[0, 1\], got 1.5"),
+                                         (float("nan"), ValueError, r"dropout_p must lie in \[0, 1\]"),
+                                         ("0.1", TypeError, r"dropout_p must be a number in \[0, 1\], got str")])
+def test_bad_dropout_raises_clear_error(p, err, match):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="dropout_p must be 0.0.*inference"):
-        elsa_surgery.attention(q, k, v, dropout_p=0.1)
+    before = [t.clone() for t in (q, k, v)]
+    with pytest.raises(err, match=match):
+        elsa_surgery.attention(q, k, v, dropout_p=p)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))
 
 
 def test_lengths_out_of_range():

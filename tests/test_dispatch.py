@@ -37,6 +37,7 @@ def test_precision_from_environment(monkeypatch):
 
 
 def test_forced_elsa_without_cuda_or_interpreter_raises(monkeypatch):
+    dispatch.kernels_module()  # triton is imported with the interpreter on (conftest), as later tests need it
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = _t(1, 2, 8, 16)
     with pytest.raises(elsa_surgery.BackendUnavailable, match="need CUDA"):
@@ -59,3 +60,42 @@ def test_sdpa_backend_refuses_lse_and_varlen():
     q = _t(1, 2, 8, 16)
     with pytest.raises(ValueError, match="return_lse"):
         elsa_surgery.attention(q, q, q, backend="sdpa", return_lse=True)
+
+
+def _auto_as_on_a_gpu(monkeypatch):
+    """``auto`` as it decides on a GPU, on CPU tensors: the kernels run in the Triton interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "auto_runs_kernels_on", lambda device: True)
+
+
+@pytest.mark.parametrize("case,why", [
+    ("head dim 264", "D=264: the kernels take head dims from 8 to 256"),
+    ("float64", "dtype torch.float64"),
+    ("dropout", "attention dropout (dropout_p=0.25) is not implemented"),
+])
+def test_auto_falls_back_to_reference_and_says_why(monkeypatch, caplog, case, why):
+    """Unsupported cases under ``auto`` (as on a GPU) run the reference backend, the reason logged once and
+    recorded as a fallback; under ``backend="elsa"`` the same calls raise with that reason."""
+    _auto_as_on_a_gpu(monkeypatch)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    d = 264 if case == "head dim 264" else 16
+    q, k, v = _t(1, 2, 8, d, dtype=dtype), _t(1, 2, 12, d, dtype=dtype), _t(1, 2, 12, d, dtype=dtype)
+    drop = 0.25 if case == "dropout" else 0.0
+    dispatch._logged.clear()
+    with dispatch.record() as log, caplog.at_level(logging.WARNING, logger="elsa_surgery"):
+        torch.manual_seed(0)
+        out = elsa_surgery.attention(q, k, v, dropout_p=drop)
+    assert [(x.backend, x.fallback) for x in log] == [("reference", True)], log
+    assert why in log[0].reason and why in caplog.text
+    torch.manual_seed(0)
+    assert torch.equal(out, elsa_surgery.attention(q, k, v, dropout_p=drop, backend="reference"))
+    with pytest.raises(elsa_surgery.BackendUnavailable, match=why.split(":")[0].replace("(", r"\(").replace(")", r"\)")):
+        elsa_surgery.attention(q, k, v, dropout_p=drop, backend="elsa")
+
+
+def test_auto_runs_the_kernels_when_it_can(monkeypatch):
+    _auto_as_on_a_gpu(monkeypatch)
+    q = _t(1, 2, 8, 16)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, q, q)
+    assert [(x.backend, x.fallback) for x in log] == [("elsa", False)], log

@@ -255,3 +255,40 @@ def test_varlen_fp32_matches_float64_oracle(seed, lens, D, groups, causal, scale
         ref, _ = naive_attention(q[qs].transpose(0, 1)[None], k[ks].transpose(0, 1)[None],
                                  v[ks].transpose(0, 1)[None], is_causal=causal, scale=scale)
         assert rel_err(out[qs], ref[0].transpose(0, 1)) <= fp32_tolerance(q, k, scale)
+
+
+def test_dropout_follows_sdpa_semantics(monkeypatch):
+    """Attention dropout on the reference backend (where ``auto`` sends it): each probability kept with chance
+    ``1 - p`` and scaled by ``1 / (1 - p)``, the normaliser left alone. Exact checks with one visible key per
+    row (a row is 0 or v / (1 - p)); over many draws the mean is the dropout-free output; p = 1 gives zeros,
+    p = 0 the plain result; masked rows stay zero; several score chunks draw independent masks."""
+    B, H, N, D = 2, 3, 24, 8
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    eye = torch.eye(N, dtype=torch.bool)  # one visible key per row: the softmax is 1 on it
+    out = elsa_surgery.attention(q, k, v, eye, dropout_p=0.25, backend="reference")
+    kept = torch.isclose(out, v / 0.75).all(-1)
+    dropped = (out == 0).all(-1)
+    assert bool((kept | dropped).all()) and 0 < int(dropped.sum()) < kept.numel()
+
+    plain = elsa_surgery.attention(q, k, v, backend="reference")
+    assert torch.equal(elsa_surgery.attention(q, k, v, dropout_p=0.0, backend="reference"), plain)
+    assert torch.equal(elsa_surgery.attention(q, k, v, dropout_p=1.0, backend="reference"), torch.zeros_like(plain))
+    monkeypatch.setattr(reference, "SCORE_BLOCK_ELEMENTS", 64)  # many q/k chunks per call
+    monkeypatch.setattr(reference, "MIN_CHUNK", 4)
+    draws = torch.stack([elsa_surgery.attention(q, k, v, dropout_p=0.5, backend="reference") for _ in range(400)])
+    assert (draws[0] != draws[1]).any()
+    se = draws.std(0) / 400 ** 0.5
+    assert bool(((draws.mean(0) - plain).abs() <= 5 * se + 1e-12).all())
+
+    mask = torch.ones(B, 1, N, N, dtype=torch.bool)
+    mask[:, :, 3] = False  # row 3 sees no key
+    out = elsa_surgery.attention(q, k, v, mask, dropout_p=0.3, backend="reference")
+    assert not out.isnan().any() and bool((out[:, :, 3] == 0).all())
+
+
+def test_sdpa_backend_passes_dropout_through():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    torch.manual_seed(3)
+    got = elsa_surgery.attention(q, k, v, dropout_p=0.4, backend="sdpa")
+    torch.manual_seed(3)
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, dropout_p=0.4))
