@@ -180,9 +180,10 @@ class _SplitKV:
             vh, vl, vi = v, kl, ki
         bd, bdv = occ.block_dim(self.d), occ.block_dim(self.dv)
         rk = max(1, 4096 // bd)  # K's rows per program (a scale per row); V's: the attention kernel's key block
-        grid = (max(-(-N // rk), -(-N // self.block_n) if self.split_v else 0), B * H, 2 if self.split_v else 1)
+        n_rblocks = max(-(-N // rk), -(-N // self.block_n) if self.split_v else 0)
+        grid = (n_rblocks * B * H, 2 if self.split_v else 1)
         scan.split_f16[grid](
-            k, kh, kl, ki, v, vh, vl, vi, N, H,
+            k, kh, kl, ki, v, vh, vl, vi, N, H, n_rblocks,
             *k.stride(), kh.stride(0), kh.stride(1), ki.stride(0), ki.stride(1),
             *v.stride(), vh.stride(0), vh.stride(1), vi.stride(0), vi.stride(1),
             D=self.d, DV=self.dv, BLOCK_RK=rk, BLOCK_D=bd, BLOCK_RV=self.block_n, BLOCK_DV=bdv, num_warps=4)

@@ -450,9 +450,9 @@ def _split_tile(
     tl.store(LO + o, lo, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "H", "n_rblocks"])
 def split_f16(
-    K, KH, KL, KI, V, VH, VL, VI, R, H,
+    K, KH, KL, KI, V, VH, VL, VI, R, H, n_rblocks,
     stride_kb, stride_kh, stride_kr, stride_kc, stride_khb, stride_khh, stride_kib, stride_kih,
     stride_vb, stride_vh, stride_vr, stride_vc, stride_vhb, stride_vhh, stride_vib, stride_vih,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -462,10 +462,11 @@ def split_f16(
     each head's ``[R, C]`` contiguous, batch/head strides given) and inverse power-of-two scales ``INV``,
     ``X = (HI + LO) * INV``: K's per row (``KI [B, H, R]``), V's per column of each block of ``BLOCK_RV`` rows
     (``VI [B, H, ceil(R / BLOCK_RV), DV]``, ``BLOCK_RV`` being the attention kernel's ``BLOCK_N``). One launch:
-    programs ``(r, bh, 0)`` split K's row blocks, ``(r, bh, 1)`` V's (grid ``z = 1``: K alone)."""
-    pid_r = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    if tl.program_id(2) == 0:
+    programs ``(bh * n_rblocks + r, 0)`` split K's row blocks, ``(bh * n_rblocks + r, 1)`` V's (grid ``y = 1``:
+    K alone); batch and heads share grid axis x, whose limit is 2^31 - 1 (axis y's is 65,535)."""
+    pid_r = tl.program_id(0) % n_rblocks
+    pid_bh = tl.program_id(0) // n_rblocks
+    if tl.program_id(1) == 0:
         if pid_r * BLOCK_RK < R:
             _split_tile(K, KH, KL, KI, R, H, pid_r, pid_bh, stride_kb, stride_kh, stride_kr, stride_kc,
                         stride_khb, stride_khh, stride_kib, stride_kih, D, BLOCK_RK, BLOCK_D, True)

@@ -274,3 +274,45 @@ def test_precise_f16_split_padded_head_dims_masked(plan, kind, monkeypatch):
             ro, rl = oracle(q, k, v, is_causal=True, attn_mask=None if mask is None else mask.double())
             assert not torch.isnan(out).any() and not torch.isnan(lse).any(), (B, masked)
             assert rel(out, ro) <= TOL["precise"], (B, masked, rel(out, ro))
+
+
+def test_precise_f16_split_more_batch_heads_than_grid_y(monkeypatch):
+    """The fp16 split launches one program per (row block, batch, head) on grid axis x: B * H = 70,400 is past
+    CUDA's 65,535 limit of grid axis y, where the batch-head index used to be."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, "f16")
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, "whole")
+    splits = []
+    real = launch._SplitKV.__call__
+    monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v, views: splits.append(k.shape) or real(self, k, v, views))
+    q, k, v = rand(1100, 64, 40, 16), rand(1100, 64, 72, 16), rand(1100, 64, 72, 16)
+    out, lse = poisoned(q, k, v, "precise")
+    assert splits == [k.shape], splits  # the split really ran, on every batch row and head at once
+    sel = (slice(None, None, 97), slice(None))  # every 97th batch row, all heads
+    ro, rl = oracle(q[sel], k[sel], v[sel])
+    assert not torch.isnan(out).any()
+    assert rel(out[sel], ro) <= TOL["precise"]
+    assert rel(lse[sel], rl) <= TOL["precise"]
+
+
+@pytest.mark.parametrize("case", ["head dim 264", "float64", "dropout"])
+def test_auto_falls_back_on_the_gpu_and_says_why(case):
+    """On CUDA, ``auto`` runs what the kernels cannot (D > 256, float64, dropout) on the reference backend,
+    recording the reason as a fallback; the same calls raise under ``backend="elsa"``."""
+    from elsa_surgery import dispatch
+
+    dtype = torch.float64 if case == "float64" else torch.float32
+    d = 264 if case == "head dim 264" else 64
+    q, k, v = (rand(2, 4, 300, d, dtype=dtype) for _ in range(3))
+    drop = 0.2 if case == "dropout" else 0.0
+    with dispatch.record() as log:
+        torch.manual_seed(0)
+        out = elsa_surgery.attention(q, k, v, dropout_p=drop)
+    assert [(x.backend, x.fallback) for x in log] == [("reference", True)], log
+    assert {"head dim 264": "D=264", "float64": "float64", "dropout": "dropout"}[case] in log[0].reason
+    torch.manual_seed(0)
+    assert torch.equal(out, elsa_surgery.attention(q, k, v, dropout_p=drop, backend="reference"))
+    with pytest.raises(elsa_surgery.BackendUnavailable):
+        elsa_surgery.attention(q, k, v, dropout_p=drop, backend="elsa")
