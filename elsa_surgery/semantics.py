@@ -13,7 +13,11 @@ canonicalisation and the meaning of every argument live in this file and nowhere
   query ``i`` sees key ``j`` iff ``j <= i + kv_len[b] - q_len[b]``.
 * ``q_lengths`` / ``kv_lengths``: per-batch valid lengths (``int32 [B]``). Keys ``j >= kv_len[b]`` are
   never attended; query rows ``i >= q_len[b]`` are padding and return zeros.
-* A query row with no visible key returns zeros (and ``lse = -inf``), never NaN.
+* A query row with no visible key returns zeros (and ``lse = -inf``), never NaN. An additive ``-inf``
+  hides a key; finite values hide nothing (``torch.finfo.min`` rows average their keys, as in SDPA). The
+  Triton kernels treat finite mask values below ``-2.3e38`` as ``-2.3e38`` (times ``log2(e)`` they must
+  stay finite): outputs are unchanged unless every visible key of a row lies below it with different
+  values, and the lse of a row whose every key lies below it reads about ``-2.3e38``.
 * Output dtype = input dtype; accumulation in fp32 (float64 for float64 inputs).
 """
 

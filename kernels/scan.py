@@ -43,6 +43,9 @@ LN2 = 0.6931471805599453
 
 # Runtime sizes that must not trigger a recompilation when they change (Triton would otherwise
 # specialise integers on ``== 1`` and on divisibility by 16).
+# The lowest finite additive-mask value the kernels keep: times log2(e) it is still finite in fp32 (3.32e38).
+MASK_FLOOR: tl.constexpr = tl.constexpr(-2.3e38)
+
 _RUNTIME_SIZES = ["Nq", "Nk", "n_mblocks", "part_len", "n_rows_buf", "BH", "mask_period", "koff", "klim"]
 
 
@@ -122,8 +125,9 @@ def _fold_block(
         elif MASK_KIND == 2:
             mk = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_row_ok[:, None] & col_ok[None, :], other=0.0)
             mk = mk.to(tl.float32)
-            # finite "minus huge" masks (torch.finfo.min) stay finite after the log2(e) scaling
-            mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, -1.0e38))
+            # finite "minus huge" masks (torch.finfo.min) stay finite after the log2(e) scaling: values below
+            # MASK_FLOOR act as MASK_FLOOR (semantics.py: the same outputs, an lse near MASK_FLOOR)
+            mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, MASK_FLOOR))
             s = s + mk * 1.4426950408889634
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -66,6 +66,17 @@ def check(out, lse, ref_out, ref_lse, tol):
         assert rel(lse.cpu()[fin], ref_lse.cpu()[fin]) <= max(tol, 1e-6)
 
 
+@pytest.mark.parametrize("mode", ["strict", "precise", torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nq,nk,causal", [(77, 77, True), (197, 1041, False), (1374, 77, True)])
+def test_sequence_lengths_from_the_issue(nq, nk, causal, mode):
+    """The lengths the issue names (77: CLIP text, 197: ViT, 1041: VGGT frame, 1374: DINOv2 at 518 px), as
+    query and key lengths, causal (bottom-right; 1374 queries over 77 keys leaves rows with no key) or not."""
+    dtype = mode if isinstance(mode, torch.dtype) else torch.float32
+    q, k, v = rand(1, 1, nq, 8, dtype=dtype), rand(1, 1, nk, 8, dtype=dtype), rand(1, 1, nk, 16, dtype=dtype)
+    out, lse = poisoned_run(q, k, v, is_causal=causal, precision=mode if dtype == torch.float32 else None)
+    check(out, lse, *oracle(q, k, v, is_causal=causal), TOL[mode])
+
+
 @pytest.mark.parametrize("mode", ["strict", "precise", "turbo", torch.float16, torch.bfloat16])
 def test_dtypes_and_modes(mode):
     dtype = mode if isinstance(mode, torch.dtype) else torch.float32
@@ -129,6 +140,31 @@ def test_additive_mask_with_inf_and_key_padding(mdtype):
     pad[1, ..., 30:] = torch.finfo(torch.float32).min
     out, lse = poisoned_run(q, k, v, mask=pad.expand(B, 1, Nq, Nk))
     check(out, lse, *oracle(q, k, v, pad), TOL["strict"])
+
+
+@pytest.mark.parametrize("mode", ["strict", "precise", torch.float16])
+def test_rows_masked_with_finfo_min_average_their_keys(mode):
+    """A finite ``torch.finfo.min`` mask hides nothing: a row masked that way everywhere averages its keys'
+    V (as SDPA and the reference do), a row with one key at 0 reads that key's V, no NaN; the kernels floor
+    such values at -2.3e38 (semantics.py), so the lse of the fully ``finfo.min`` row is finite and about
+    -2.3e38 rather than the reference's -3.4e38."""
+    dtype = mode if isinstance(mode, torch.dtype) else torch.float32
+    q, k, v = rand(1, 2, 6, 16, dtype=dtype), rand(1, 2, 40, 16, dtype=dtype), rand(1, 2, 40, 16, dtype=dtype)
+    mask = torch.zeros(1, 1, 6, 40, device=DEV, dtype=dtype)
+    mask[..., 2, :] = torch.finfo(dtype).min
+    mask[..., 4, 1:] = torch.finfo(dtype).min
+    out, lse = poisoned_run(q, k, v, mask=mask, precision=mode if dtype == torch.float32 else None)
+    ro, rl = oracle(q, k, v, mask)
+    tol = TOL[mode]
+    assert not out.isnan().any() and rel(out, ro) <= tol
+    assert rel(out[..., 4, :], v[..., 0, :]) <= tol
+    if dtype == torch.float32:  # fp32's finfo.min absorbs the logits: uniform weights (fp16's -65504 does not)
+        assert rel(out[..., 2, :], v.mean(2)) <= tol
+    keep = torch.ones(6, dtype=torch.bool)
+    keep[2] = dtype != torch.float32  # fp16's finfo.min (-65504) is above the floor: exact lse there too
+    assert rel(lse[..., keep], rl[..., keep]) <= max(tol, 1e-6)
+    if dtype == torch.float32:
+        assert torch.isfinite(lse[..., 2]).all() and bool((lse[..., 2] - (-2.3e38)).abs().max() < 1e33)
 
 
 def test_windowed_mask_swin_through_api():
