@@ -82,18 +82,21 @@ def from_scores(scores: torch.Tensor, v: torch.Tensor) -> State:
 def fold_scores(state: State, scores: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor] = None) -> State:
     """``state ⊕ from_scores(scores, v)`` in one pass over the block (what a kernel's inner loop does).
 
-    ``scores`` is consumed: it is overwritten in place with the block's probabilities. ``keep`` (dropout:
-    0 or ``1 / (1 - p)`` per score) scales the probabilities that enter ``W`` only, so that ``W / S`` is the
-    dropped-out softmax times V, as in SDPA.
+    ``scores`` is consumed: it is overwritten in place with the block's probabilities, unless autograd records
+    the call (then every step is out of place, so that the reference backend can be differentiated). ``keep``
+    (dropout: 0 or ``1 / (1 - p)`` per score) scales the probabilities that enter ``W`` only, so that ``W / S``
+    is the dropped-out softmax times V, as in SDPA.
     """
     m = torch.maximum(state.m, scores.amax(dim=-1))
     ref = _safe_max(m)
     alpha = torch.exp(state.m - ref)
-    p = scores.sub_(ref.unsqueeze(-1)).exp_()
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (scores, v, state.m, state.S, state.W))
+    p = torch.exp(scores - ref.unsqueeze(-1)) if recorded else scores.sub_(ref.unsqueeze(-1)).exp_()
     S = state.S * alpha + p.sum(dim=-1)
     if keep is not None:
-        p = p.mul_(keep)
-    W = torch.matmul(p.to(v.dtype), v).to(p.dtype).add_(state.W * alpha.unsqueeze(-1))
+        p = p * keep if recorded else p.mul_(keep)
+    W = torch.matmul(p.to(v.dtype), v).to(p.dtype)
+    W = W + state.W * alpha.unsqueeze(-1) if recorded else W.add_(state.W * alpha.unsqueeze(-1))
     return State(m, S, W)
 
 
