@@ -24,6 +24,7 @@ canonicalisation and the meaning of every argument live in this file and nowhere
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -193,7 +194,7 @@ def check_dropout(dropout_p) -> float:
     call with ``dropout_p > 0`` runs on the reference backend under ``auto`` (``dispatch.decide``)."""
     if dropout_p is None:
         return 0.0
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):  # Python and NumPy numbers
         raise TypeError(f"dropout_p must be a number in [0, 1], got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p <= 1.0:  # also rejects NaN
         raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p}")

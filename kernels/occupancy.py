@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -240,7 +242,7 @@ def _forced_stage_plan() -> Optional[Tuple[str, int]]:
     kind, _, num = env.partition(":")
     if kind == "whole" and not num:
         return "whole", 0
-    if kind in ("heads", "keys", "rkeys") and num.isdigit() and int(num) > 0:
+    if kind in ("heads", "keys", "rkeys") and num.isdecimal() and int(num) > 0:
         return kind, int(num)
     raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G', 'keys:N' or 'rkeys:N' with G, N > 0, got {env!r}")
 
@@ -357,28 +359,32 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_ETA_RANGE = "a finite number >= 0 (partition-state bytes per output byte; 0 = one partition)"
+
+
 def check_eta(eta, name: str = "eta") -> float:
-    """ELSA-Lean's bound: a finite number >= 0 (bytes of partition states per byte of output)."""
-    try:
-        value = float(eta)
-    except (TypeError, ValueError):
-        value = float("nan")
+    """ELSA-Lean's bound: a real, finite number >= 0 (bytes of partition states per byte of output)."""
+    value = float(eta) if isinstance(eta, numbers.Real) and not isinstance(eta, bool) else float("nan")
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0 (partition-state bytes per output byte; 0 = one "
-                         f"partition), got {eta!r}")
+        raise ValueError(f"{name} must be {_ETA_RANGE}, got {eta!r}")
     return value
 
 
 def lean_eta() -> Optional[float]:
     raw = os.environ.get(ENV_LEAN_ETA, "").strip()
-    return check_eta(raw, f"environment variable {ENV_LEAN_ETA}") if raw else None
+    if not raw:
+        return None
+    try:
+        return check_eta(float(raw))
+    except ValueError:  # not a number, or out of range
+        raise ValueError(f"environment variable {ENV_LEAN_ETA} must be {_ETA_RANGE}, got {raw!r}") from None
 
 
 def forced_partitions() -> Optional[int]:
     raw = os.environ.get(ENV_PARTITIONS, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    if not raw.isdecimal() or int(raw) < 1:
         raise ValueError(f"environment variable {ENV_PARTITIONS} must be an integer >= 1, got {raw!r}")
     return int(raw)
 
@@ -397,8 +403,13 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
     eta = lean_eta() if eta is None else check_eta(eta)
     if forced is None:
         forced = forced_partitions()
-    elif isinstance(forced, bool) or not isinstance(forced, int) or forced < 1:
-        raise ValueError(f"num_partitions must be an integer >= 1, got {forced!r}")
+    else:
+        try:
+            forced = operator.index(forced)  # Python and NumPy integers
+        except TypeError:
+            forced = 0
+        if isinstance(forced, bool) or forced < 1:
+            raise ValueError(f"num_partitions must be an integer >= 1, got {forced!r}")
     max_by_keys = max(1, -(-max(n_k, 1) // block_n))  # at least one key block per partition
     if forced is not None:
         return max(1, min(int(forced), max_by_keys))

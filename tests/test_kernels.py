@@ -842,3 +842,15 @@ def test_partition_knobs_reject_bad_values(monkeypatch, env, value, match):
     with pytest.raises(ValueError, match=match):
         launch.attention(q, k, v, scale=0.25, precision="strict", **kw)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))
+
+
+def test_partition_knobs_take_numpy_numbers():
+    import numpy as np
+
+    q, k, v = rand(1, 2, 20, 16), rand(1, 2, 30, 16), rand(1, 2, 30, 16)
+    ro, rl = oracle(q, k, v)
+    for kw in (dict(num_partitions=np.int64(2)), dict(eta=np.float32(0.5)), dict(eta=0)):
+        out, lse = launch.attention(q, k, v, scale=0.25, precision="strict", **kw)
+        check(out, lse, *oracle(q, k, v, scale=0.25), TOL["strict"])
+    out = elsa_surgery.attention(q, k, v, dropout_p=np.float32(0.0), backend="elsa", precision="strict")
+    assert rel(out, ro) <= TOL["strict"]
