@@ -141,6 +141,23 @@ def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: O
     return statistics.median(times), mem.mib, out
 
 
+def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, warmup: int = 5) -> float:
+    """Mean ms per call of ``n`` back-to-back calls of ``fn`` on the GPU, after ``warmup`` calls: the clock
+    stops after the device is synchronised (host and GPU time: the eager cost of a call), or before it with
+    ``host_only`` (the host's launch and Python time alone)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if not host_only:
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) / n * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
 # ratio field -> the peak it compares (allocated, requested, reserved: see PeakMemory)
 _PEAK_RATIOS = {"memory_vs_native": "peak_mib", "requested_memory_vs_native": "peak_requested_mib",
                 "reserved_memory_vs_native": "peak_reserved_mib"}

@@ -10,7 +10,6 @@ Needs a CUDA GPU. docs/PERF.md, "Version 9", has its output on an H100.
 
 import argparse
 import os
-import time
 import warnings
 
 import torch
@@ -29,18 +28,6 @@ def bench(fn, rep=60):
 
 def gbench(fn):
     return bench(benchmark.cuda_graph(fn))
-
-
-def host_us(fn, n):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    h = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return h
 
 
 def orders(shapes):
@@ -75,7 +62,7 @@ def host(cases):
         fn = lambda: launch.attention(q, k, v, scale=D ** -0.5, precision=mode, is_causal=causal, return_lse=False)
         ms = bench(fn)
         g = gbench(fn)
-        print(f"{mode} N={N} causal={causal}: host {host_us(fn, 20 if N > 8192 else 200):8.1f} us/call, "
+        print(f"{mode} N={N} causal={causal}: host {benchmark.per_call_ms(fn, 20 if N > 8192 else 200, host_only=True) * 1e3:8.1f} us/call, "
               f"eager {ms * 1e3:8.1f} us, graph {g * 1e3:8.1f} us", flush=True)
 
 

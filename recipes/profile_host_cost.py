@@ -7,23 +7,12 @@ public call, the bare launcher and PyTorch SDPA on the same q/k/v. Needs a CUDA 
 """
 
 import argparse
-import time
 
 import torch
 
 import elsa_surgery
+from elsa_surgery import benchmark
 from elsa_surgery.kernels import launch
-
-
-def per_call_ms(fn, n):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e3
 
 
 def main(argv=None):
@@ -38,9 +27,9 @@ def main(argv=None):
     m = timm.create_model(a.model, pretrained=False).to(dev, dt).eval()
     x = torch.randn(a.batch, 3, 224, 224, device=dev, dtype=dt)
     with torch.inference_mode():
-        print(f"native model ms {per_call_ms(lambda: m(x), 30):.3f}")
+        print(f"native model ms {benchmark.per_call_ms(lambda: m(x), 30):.3f}")
         elsa_surgery.convert(m, verify=False)
-        print(f"converted model ms {per_call_ms(lambda: m(x), 30):.3f}")
+        print(f"converted model ms {benchmark.per_call_ms(lambda: m(x), 30):.3f}")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 m(x)
@@ -49,9 +38,9 @@ def main(argv=None):
         blk = m.blocks[0].attn
         n_tok = m.patch_embed.num_patches + m.num_prefix_tokens
         q, k, v = (torch.randn(a.batch, blk.num_heads, n_tok, blk.head_dim, device=dev, dtype=dt) for _ in range(3))
-        print(f"public call us {per_call_ms(lambda: elsa_surgery.attention(q, k, v, backend='elsa'), 200) * 1e3:.1f}")
-        print(f"launcher only us {per_call_ms(lambda: launch.attention(q, k, v, scale=blk.head_dim ** -0.5, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, precision=None, return_lse=False), 200) * 1e3:.1f}")
-        print(f"SDPA call us {per_call_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), 200) * 1e3:.1f}")
+        print(f"public call us {benchmark.per_call_ms(lambda: elsa_surgery.attention(q, k, v, backend='elsa'), 200) * 1e3:.1f}")
+        print(f"launcher only us {benchmark.per_call_ms(lambda: launch.attention(q, k, v, scale=blk.head_dim ** -0.5, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, precision=None, return_lse=False), 200) * 1e3:.1f}")
+        print(f"SDPA call us {benchmark.per_call_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), 200) * 1e3:.1f}")
 
 
 if __name__ == "__main__":
