@@ -218,6 +218,10 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
          num_partitions=None, eta=None):
     """Shared launcher. Dense: q [B,Hq,Nq,D]. Varlen: q [total,Hq,D] with varlen_dims=(B, max_q, max_k)."""
     scan = _scan()
+    from . import hopper  # after _scan(): Triton is imported only when kernels run
+
+    hopper.mode()  # a bad ELSA_HOPPER raises on every call, not only where the Gluon kernel could run
+
     dot = _dot_kind(q.dtype, precision)
     varlen = varlen_dims is not None
     if varlen:
@@ -297,6 +301,12 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     split = dot in occ.SPLIT_DOTS
     if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
+        if dot == occ.DOT_LOWP and parts == 1 and n_mblocks and BH:
+            why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                      varlen=varlen, state=state, is_causal=bool(is_causal))
+            if why_not is None:
+                hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal)
+                return out, lse, state
         stage, plan = staging(dot, cfg, n_mblocks, parts)
     if n_mblocks == 0 or BH == 0:
         return out, lse, state

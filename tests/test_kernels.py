@@ -854,3 +854,37 @@ def test_partition_knobs_take_numpy_numbers():
         check(out, lse, *oracle(q, k, v, scale=0.25), TOL["strict"])
     out = elsa_surgery.attention(q, k, v, dropout_p=np.float32(0.0), backend="elsa", precision="strict")
     assert rel(out, ro) <= TOL["strict"]
+
+
+def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
+    """The Gluon kernel (kernels/hopper.py) runs on sm_90 only, so the CPU checks its switches: bad
+    ``ELSA_HOPPER`` / ``ELSA_HOPPER_TILES`` values raise naming the variable, before any launch and with the
+    user's tensors untouched; CPU calls name why the kernel is not taken and still run the portable kernel.
+    Its numerics are tested on the GPU (tests/test_kernels_gpu.py::test_hopper_kernel_matches_the_oracle)."""
+    from elsa_surgery.kernels import hopper
+
+    q = torch.randn(1, 2, 40, 64)
+    before = q.clone()
+    for bad in ("2", "yes"):
+        monkeypatch.setenv("ELSA_HOPPER", bad)
+        with pytest.raises(ValueError, match="ELSA_HOPPER"):
+            elsa_surgery.attention(q, q, q, backend="elsa")
+        assert torch.equal(q, before)
+    monkeypatch.setenv("ELSA_HOPPER", "0")
+    assert hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False,
+                           state=None) == "ELSA_HOPPER=0"
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    reason = hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False, state=None)
+    assert reason == (hopper._IMPORT_ERROR or "not a CUDA device")
+    out = elsa_surgery.attention(q, q, q, backend="elsa")  # the portable kernel, under the interpreter
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert (out.double() - ref).abs().max() < 2e-6
+    monkeypatch.delenv("ELSA_HOPPER")
+    assert hopper.tiles(128, 128, False, tiles_128=4096) == (128, 64, 2, 8)
+    assert hopper.tiles(64, 64, False, tiles_128=4096) == (128, 128, 2, 8)
+    assert hopper.tiles(128, 128, True, tiles_128=1024) == (64, 64, 2, 4)  # small causal grid
+    monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32,3,4")
+    assert hopper.tiles(128, 128, False) == (64, 32, 3, 4)
+    monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32")
+    with pytest.raises(ValueError, match="ELSA_HOPPER_TILES"):
+        hopper.tiles(128, 128, False)

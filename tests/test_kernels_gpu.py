@@ -316,3 +316,123 @@ def test_auto_falls_back_on_the_gpu_and_says_why(case):
     assert torch.equal(out, elsa_surgery.attention(q, k, v, dropout_p=drop, backend="reference"))
     with pytest.raises(elsa_surgery.BackendUnavailable):
         elsa_surgery.attention(q, k, v, dropout_p=drop, backend="elsa")
+
+
+def _is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the Gluon kernel runs on sm_90 only")
+
+
+def _count_hopper_runs(monkeypatch):
+    from elsa_surgery.kernels import hopper
+
+    runs = []
+    real = hopper.forward
+    monkeypatch.setattr(hopper, "forward", lambda *a, **kw: runs.append(a[0].shape) or real(*a, **kw))
+    return runs
+
+
+def _layout(t, layout):
+    """``t [B, H, N, D]`` as a view whose memory is ``[B, N, H, D]`` when ``layout == "bnhd"``."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "bnhd" else t
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,Dv,layout", [
+    (2, 4, 4, 1041, 1041, 64, 64, "bhnd"),
+    (1, 8, 2, 1374, 77, 128, 128, "bnhd"),  # GQA; causal rows before the first key see none
+    (2, 2, 1, 77, 1374, 128, 64, "bhnd"),  # MQA, Dv != D
+    (1, 3, 3, 4096, 4096, 128, 128, "bnhd"),
+    (3, 2, 2, 200, 333, 32, 16, "bhnd"),
+])
+def test_hopper_kernel_matches_the_oracle(dtype, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch):
+    """The Gluon kernel (kernels/hopper.py) on ragged lengths, Nq != Nk both ways, GQA/MQA, Dv != D, both memory
+    layouts: outputs and lse against the float64 oracle, every element written (poisoned first), rows with no
+    key zeros with lse -inf, and the Gluon kernel really ran (``ELSA_HOPPER=force``: small calls too)."""
+    monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    runs = _count_hopper_runs(monkeypatch)
+    q = _layout(rand(B, Hq, Nq, D, dtype=dtype), layout)
+    k = _layout(rand(B, Hkv, Nk, D, dtype=dtype), layout)
+    v = _layout(rand(B, Hkv, Nk, Dv, dtype=dtype), layout)
+    out, lse = poisoned(q, k, v, None, is_causal=causal)
+    assert len(runs) == 1, runs
+    ro, rl = oracle(q, k, v, is_causal=causal)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel(out, ro) <= TOL[dtype], rel(out, ro)
+    none = torch.isinf(rl)
+    assert torch.equal(torch.isinf(lse), none) and (lse[none] < 0).all()
+    assert (out[none] == 0).all()
+    assert rel(lse[~none], rl[~none]) <= 1e-5
+    # the public call (its own [B, N, H, Dv] output) takes the same kernel
+    got = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", enable_gqa=True)
+    assert len(runs) == 2 and rel(got, ro) <= TOL[dtype]
+
+
+@hopper_only
+@pytest.mark.parametrize("case", ["mask", "head dim 80", "ELSA_HOPPER=0", "float32"])
+def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
+    """Calls outside the Gluon kernel's scope run the portable kernel, correctly."""
+    monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
+    monkeypatch.setenv("ELSA_HOPPER", "0" if case == "ELSA_HOPPER=0" else "force")
+    runs = _count_hopper_runs(monkeypatch)
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    d = 80 if case == "head dim 80" else 64
+    q, k, v = (rand(2, 4, 1000, d, dtype=dtype) for _ in range(3))
+    mask = torch.rand(2, 1, 1000, 1000, device="cuda") > 0.2 if case == "mask" else None
+    out = elsa_surgery.attention(q, k, v, mask, backend="elsa", precision="precise" if dtype == torch.float32 else None)
+    assert runs == []
+    ro = elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    assert rel(out, ro) <= TOL[dtype if dtype != torch.float32 else "precise"]
+
+
+@hopper_only
+def test_hopper_kernel_taken_by_size_under_auto(monkeypatch):
+    """Unforced, the Gluon kernel takes calls of at least ``hopper.MIN_WORK`` and leaves smaller ones (whose
+    launch it would make slower) to the portable kernel."""
+    from elsa_surgery.kernels import hopper
+
+    monkeypatch.delenv("ELSA_HOPPER", raising=False)
+    runs = _count_hopper_runs(monkeypatch)
+    q, k, v = (rand(1, 8, 4096, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert 8 * 4096 * 4096 * 128 >= hopper.MIN_WORK
+    out = elsa_surgery.attention(q, k, v, backend="elsa")
+    assert len(runs) == 1
+    assert rel(out[:, :2], oracle(q[:, :2], k[:, :2], v[:, :2])[0]) <= TOL[torch.bfloat16]  # two heads: quick
+    q, k, v = (rand(1, 8, 1024, 64, dtype=torch.bfloat16) for _ in range(3))
+    elsa_surgery.attention(q, k, v, backend="elsa")
+    assert len(runs) == 1
+
+
+@hopper_only
+def test_hopper_kernel_in_cuda_graphs_and_compile(monkeypatch):
+    """The Gluon kernel captures in a CUDA graph (descriptors are launch parameters) and runs inside
+    torch.compile(fullgraph=True) across lengths without a recompile per length."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    runs = _count_hopper_runs(monkeypatch)
+    q, k, v = (rand(2, 4, 777, 128, dtype=torch.float16) for _ in range(3))
+    replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa"))
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    out = replay()
+    torch.cuda.synchronize()
+    assert runs and rel(out, oracle(q, k, v, is_causal=True)[0]) <= 5e-3
+
+    torch._dynamo.reset()
+    counters.clear()
+    cf = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa") * 2,
+                       fullgraph=True)
+    runs.clear()
+    for n in (1000, 1500, 2100, 3000):
+        q, k, v = (rand(1, 4, n, 64, dtype=torch.bfloat16) for _ in range(3))
+        assert rel(cf(q, k, v), oracle(q, k, v, is_causal=True)[0] * 2) <= 2e-2
+    assert len(runs) == 4
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
