@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, monoid, reference, sdpa
+from . import dispatch, monoid, reference_ops, sdpa
 from .semantics import Lengths, build_problem, build_varlen_problem
 
 
@@ -69,7 +69,7 @@ def attention(
     elif d.backend == "sdpa":
         out, lse = sdpa.run(p), None
     else:
-        out, lse = reference.run(p, return_lse=return_lse)
+        out, lse = reference_ops.run(p, return_lse=return_lse)
     out, lse = p.restore_shape(out, lse)
     return (out, lse) if return_lse else out
 
@@ -96,7 +96,7 @@ def attention_state(
             kv_lengths=p.kv_lengths, precision=d.precision,
         ))
     else:
-        state = reference.run_state(p)
+        state = reference_ops.run_state(p)
     if p.squeeze_head:
         state = monoid.State(state.m.squeeze(1), state.S.squeeze(1), state.W.squeeze(1))
     return state
@@ -135,5 +135,5 @@ def attention_varlen(
             scale=vp.scale, is_causal=vp.is_causal, precision=d.precision, return_lse=return_lse,
         )
     else:
-        out, lse = reference.run_varlen(vp, return_lse=return_lse)
+        out, lse = reference_ops.run_varlen(vp, return_lse=return_lse)
     return (out, lse) if return_lse else out

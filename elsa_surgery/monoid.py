@@ -112,6 +112,21 @@ def finalize(state: State, out_dtype: Optional[torch.dtype] = None) -> Tuple[tor
     return out, lse
 
 
+def finalize_backward(state: State, grad_out: Optional[torch.Tensor] = None,
+                      grad_lse: Optional[torch.Tensor] = None) -> State:
+    """The gradients with respect to ``state`` of a scalar whose gradients with respect to ``finalize(state)``
+    are ``grad_out`` and ``grad_lse`` (None = zero), as a ``State`` ``(dm, dS, dW)``. Rows with no visible key
+    finalize to constants: zero gradients."""
+    empty = state.S == 0
+    denom = torch.where(empty, torch.ones_like(state.S), state.S)
+    g_out = torch.zeros_like(state.W) if grad_out is None else grad_out.to(state.W.dtype)
+    g_lse = torch.zeros_like(state.S) if grad_lse is None else grad_lse.to(state.S.dtype)
+    zero = torch.zeros_like(state.S)
+    dW = torch.where(empty.unsqueeze(-1), torch.zeros_like(state.W), g_out / denom.unsqueeze(-1))
+    dS = torch.where(empty, zero, (g_lse - (g_out * state.W).sum(-1) / denom) / denom)
+    return State(torch.where(empty, zero, g_lse), dS, dW)
+
+
 def from_output(out: torch.Tensor, lse: torch.Tensor) -> State:
     """The state equivalent to a finished ``(out, lse)`` pair: ``(lse, 1, out)`` (identity where lse = -inf).
 

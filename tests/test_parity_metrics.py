@@ -49,14 +49,14 @@ def test_attention_drift_sees_a_wrong_backend(monkeypatch):
     q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
     good = parity.attention_drift(q, k, v, backend="reference")
     assert good["dY_rel2"]["max"] < 2e-6 and good["dP_inf"]["max"] < 1e-6
-    real = elsa_surgery.api.reference.run
+    real = elsa_surgery.reference.run
 
     def skewed(p, return_lse=False):  # a backend with a 1% logit error
         if p.q.dtype == torch.float32:  # leave the float64 oracle alone
             p.scale *= 1.01
         return real(p, return_lse)
 
-    monkeypatch.setattr(elsa_surgery.api.reference, "run", skewed)
+    monkeypatch.setattr(elsa_surgery.reference, "run", skewed)
     bad = parity.attention_drift(q, k, v, backend="reference")
     assert bad["dY_rel2"]["max"] > 1e-3 and bad["dP_inf"]["max"] > 1e-4
 
