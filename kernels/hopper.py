@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from .occupancy import _sms
+
 LOG2E = 1.4426950408889634
 
 try:  # Gluon's Hopper API as of Triton 3.6
@@ -191,10 +193,11 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
             and all(s > 0 and (s * es) % 16 == 0 for s in t.stride()[:-1]))
 
 
-def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, is_causal: bool = False
-             ) -> Optional[str]:
-    """``None`` when this call runs on the Hopper kernel, else the reason it does not (dense q ``[B,H,N,D]``)."""
-    how = mode()
+def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, is_causal: bool = False,
+             how: Optional[str] = None) -> Optional[str]:
+    """``None`` when this call runs on the Hopper kernel, else the reason it does not (dense q ``[B,H,N,D]``).
+    ``how``: :func:`mode`, when the caller has read it already."""
+    how = mode() if how is None else how
     if how == "0":
         return f"{ENV}=0"
     if _IMPORT_ERROR is not None:
@@ -250,8 +253,6 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool):
     """``out [B, Hq, Nq, Dv]`` (any TMA-compatible strides) and optionally ``lse [B, Hq, Nq]`` fp32."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    from .occupancy import _sms
-
     bm, bn, stages, warps = tiles(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq, sms=_sms(q.device))
     n_mb = -(-Nq // bm)
     sl = lse.stride() if lse is not None else (0, 0, 0)

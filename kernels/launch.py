@@ -220,7 +220,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     scan = _scan()
     from . import hopper  # after _scan(): Triton is imported only when kernels run
 
-    hopper.mode()  # a bad ELSA_HOPPER raises on every call, not only where the Gluon kernel could run
+    hopper_mode = hopper.mode()  # read on every call: a bad ELSA_HOPPER raises wherever the call would run
 
     dot = _dot_kind(q.dtype, precision)
     varlen = varlen_dims is not None
@@ -303,7 +303,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         cfg, n_mblocks, parts, part_len = tiles(dot)
         if dot == occ.DOT_LOWP and parts == 1 and n_mblocks and BH:
             why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                      varlen=varlen, state=state, is_causal=bool(is_causal))
+                                      varlen=varlen, state=state, is_causal=bool(is_causal), how=hopper_mode)
             if why_not is None:
                 hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal)
                 return out, lse, state

@@ -126,29 +126,25 @@ def test_masks_gpu():
     assert rel(out, ro) <= 5e-3
 
 
-def test_torch_compile_fullgraph_no_recompile_storm():
+def _compile_across_lengths():
+    """A causal bf16 call under torch.compile(fullgraph=True) over four lengths: accurate, and at most one
+    static compile plus one dynamic-shape recompile."""
     import torch._dynamo
-
-    torch._dynamo.reset()
-
-    def f(q, k, v):
-        return elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa") * 2
-
-    cf = torch.compile(f, fullgraph=True)
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
+    cf = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa") * 2,
+                       fullgraph=True)
     counters.clear()
     for n in (1000, 1500, 2100, 3000):
         q, k, v = (rand(1, 4, n, 64, dtype=torch.bfloat16) for _ in range(3))
-        out = cf(q, k, v)
-        ro = oracle(q, k, v, is_causal=True)[0] * 2
-        assert rel(out, ro) <= 2e-2
-    # at most: one static compile + one dynamic-shape recompile
+        assert rel(cf(q, k, v), oracle(q, k, v, is_causal=True)[0] * 2) <= 2e-2
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
-def test_cuda_graph_capture():
-    q, k, v = (rand(2, 4, 777, 64, dtype=torch.float16) for _ in range(3))
+def _cuda_graph_replay(d: int):
+    """A causal fp16 call captured in a CUDA graph, replayed on new inputs written into the captured ones."""
+    q, k, v = (rand(2, 4, 777, d, dtype=torch.float16) for _ in range(3))
     replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa"))
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
@@ -156,6 +152,13 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     assert rel(out, oracle(q, k, v, is_causal=True)[0]) <= 5e-3
 
+
+def test_torch_compile_fullgraph_no_recompile_storm():
+    _compile_across_lengths()
+
+
+def test_cuda_graph_capture():
+    _cuda_graph_replay(64)
 
 
 def test_cuda_graph_helper_keeps_its_inputs_alive():
@@ -412,27 +415,11 @@ def test_hopper_kernel_taken_by_size_under_auto(monkeypatch):
 def test_hopper_kernel_in_cuda_graphs_and_compile(monkeypatch):
     """The Gluon kernel captures in a CUDA graph (descriptors are launch parameters) and runs inside
     torch.compile(fullgraph=True) across lengths without a recompile per length."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
     monkeypatch.setenv("ELSA_HOPPER", "force")
     runs = _count_hopper_runs(monkeypatch)
-    q, k, v = (rand(2, 4, 777, 128, dtype=torch.float16) for _ in range(3))
-    replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa"))
-    for t in (q, k, v):
-        t.copy_(torch.randn_like(t))
-    out = replay()
-    torch.cuda.synchronize()
-    assert runs and rel(out, oracle(q, k, v, is_causal=True)[0]) <= 5e-3
-
-    torch._dynamo.reset()
-    counters.clear()
-    cf = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa") * 2,
-                       fullgraph=True)
+    _cuda_graph_replay(128)
+    assert runs
     runs.clear()
-    for n in (1000, 1500, 2100, 3000):
-        q, k, v = (rand(1, 4, n, 64, dtype=torch.bfloat16) for _ in range(3))
-        assert rel(cf(q, k, v), oracle(q, k, v, is_causal=True)[0] * 2) <= 2e-2
+    _compile_across_lengths()
     assert len(runs) == 4
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
