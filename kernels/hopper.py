@@ -1,6 +1,6 @@
 """The ELSA scan for fp16/bf16 on Hopper (sm_90), written in Gluon: asynchronous wgmma, TMA loads of K/V tiles
-into a ring of shared-memory stages completing on mbarriers, and two CTAs per SM so one CTA's softmax overlaps
-the other's tensor-core products.
+into a ring of shared-memory stages completing on mbarriers, and two or three CTAs per SM so one CTA's softmax
+overlaps another's tensor-core products.
 
 It is the same fold as ``scan.elsa_fwd`` with one partition: each program folds the key tiles of its row block
 into per-row ``(m, S, W)`` on chip and finalises them. Triton's own code generation stops at 0.71-0.76x SDPA
@@ -8,8 +8,8 @@ cuDNN for this loop at D=128 (docs/PERF.md, v9); the explicit schedule here is w
 
 Scope (``eligible`` says why a call is not taken, and the launcher then runs ``scan.elsa_fwd``):
 fp16/bf16 on a CUDA device of compute capability 9.x with Gluon available (Triton >= 3.6); dense calls
-without a mask, ``q_lengths``/``kv_lengths`` or state output; causal (bottom-right) or not; GQA/MQA by head
-index; head dims D, Dv in {16, 32, 64, 128} (Gluon tiles are powers of two; 256 does not fit the registers),
+without a mask, ``q_lengths``/``kv_lengths`` or state output; a positive scale (it is applied after the row
+max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv in {16, 32, 64, 128} (Gluon tiles are powers of two; 256 does not fit the registers),
 other head dims on the portable kernel; any Nq, Nk
 (TMA zero-fills past the end and the last tiles are masked); any strides whose inner dim is contiguous and
 whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path is tested
@@ -47,10 +47,12 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
 
 ENV = "ELSA_HOPPER"  # "0": off (the portable kernel runs); "1" or unset: by size; "force": whenever in scope
 _ENV_VALUES = ("0", "1", "force")
-# Calls with less work than this (B·H·Nq·Nk·D, halved when causal; about a 100 µs kernel on an H100) run the
-# portable kernel: the Gluon launch costs ~50 µs more host time (four TMA descriptors), and at these sizes its
-# kernel is not faster (H100, session 9: H=8 D=64 N=1K-4K, H=32 D=128 N=1K graph-replayed within 10 %)
-MIN_WORK = 1e10
+# Calls with less work than this (B·H·Nq·Nk·D, halved when causal; a kernel of ~15 µs on an H100) run the
+# portable kernel. Above it the Gluon kernel is the faster one in every cell measured (H100, session 10,
+# graph-replayed: N=1K H=8 D=64 1.17x cuDNN vs 1.00x, N=1K H=32 D=128 0.95x vs 0.75x); below it calls are short
+# sequences (a ViT at 224 px: <= 3.2e8) whose eager time is the launch's host time, ~14 µs more for the Gluon
+# launch (four TMA descriptors and Gluon's binder: 113 vs 99 µs per call, session 9)
+MIN_WORK = 5e8
 
 if gluon is not None:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -129,18 +131,19 @@ if gluon is not None:
             k_smem = k_ring.index(st).reshape([BLOCK_N, HEAD_D])
             v_smem = v_ring.index(st).reshape([BLOCK_N, HEAD_DV])
             s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            s = s * qk_scale
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # raw Q·Kᵀ: the scale is applied below
             if n0 + BLOCK_N > n_full:  # the ragged end or the causal diagonal
                 keys = n0 + cols
                 visible = gl.expand_dims(keys < Nk, 0)
                 if IS_CAUSAL:
                     visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1))
                 s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
+            # qk_scale > 0 (``eligible``): the row max of the raw scores, scaled, is the max of the scaled
+            # scores, and the scale folds into exp2's argument as one FMA per score (no separate multiply)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
             alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -194,7 +197,7 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
 
 
 def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, is_causal: bool = False,
-             how: Optional[str] = None) -> Optional[str]:
+             scale: float = 1.0, how: Optional[str] = None) -> Optional[str]:
     """``None`` when this call runs on the Hopper kernel, else the reason it does not (dense q ``[B,H,N,D]``).
     ``how``: :func:`mode`, when the caller has read it already."""
     how = mode() if how is None else how
@@ -210,6 +213,8 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
         return f"dtype {q.dtype}"
     if varlen or state is not None or mask is not None or q_lengths is not None or kv_lengths is not None:
         return "masks, lengths, varlen and state output run on the portable kernel"
+    if not scale > 0:
+        return f"scale {scale} <= 0 (the kernel applies the scale after the row max)"
     D, Dv = q.shape[-1], v.shape[-1]
     if D not in HEAD_DIMS or Dv not in HEAD_DIMS:
         return f"head dims D={D}, Dv={Dv} (Gluon tiles need powers of two: one of {HEAD_DIMS})"
@@ -224,25 +229,33 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
 ENV_TILES = "ELSA_HOPPER_TILES"  # "BLOCK_M,BLOCK_N,STAGES,num_warps", for tile sweeps (recipes/bench_attention.py)
 
 
-# Causal calls whose 128-row grid is under this many waves of two CTAs per SM take 64-row tiles: the
-# triangle's uneven programs balance better in smaller pieces (H100, session 9: 4K causal H=32 D=128
-# 0.79x -> 0.88x cuDNN, H=8 D=64 0.094 -> 0.080 ms)
-CAUSAL_SMALL_GRID_WAVES = 8
+# Grids of fewer 128-row programs than this many per SM take 64-row tiles (more, smaller programs balance
+# better on 132 SMs), measured on an H100 in session 10 (bf16, graph-replayed, docs/PERF.md v11): non-causal
+# D=128 N=1K H=8 (64 programs) 1.04x cuDNN vs 0.84x; causal D=128 N=1K H=32 (256) 0.95x vs 0.91x, but at
+# N=4K H=32 (1024) 128-row tiles: 0.89x vs 0.85x; non-causal D=64 N=2K H=8 (128) 1.00x vs 0.81x, N=4K H=8 (256)
+# 128-row tiles: 0.99x vs 0.90x
+SMALL_GRID_PER_SM = 1
+CAUSAL_SMALL_GRID_PER_SM = 4
 
 
 def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
     """``(BLOCK_M, BLOCK_N, STAGES, num_warps)``, shared memory under 113 KB so that two CTAs share an SM.
-    ``tiles_128``: programs of the grid with 128-row tiles. Measured on an H100 (docs/PERF.md, session 9):
-    128 x 64 at D = 128, 128 x 128 for narrower heads, 64 x 64 for small causal grids."""
+    ``tiles_128``: programs of the grid with 128-row tiles. Measured on an H100 (docs/PERF.md, sessions 9-10):
+    128 x 64 at D = 128, 128 x 128 for narrower heads; 64-row tiles for small grids; 64 x 128 (three CTAs per
+    SM) for causal calls with narrow heads at every size (N=4K H=8 D=64 1.14x cuDNN, 64 x 64: 0.90x)."""
     forced = os.environ.get(ENV_TILES, "").strip()
     if forced:
         parts = forced.split(",")
         if len(parts) != 4 or not all(p.strip().isdecimal() for p in parts):
             raise ValueError(f"{ENV_TILES} must be 'BLOCK_M,BLOCK_N,STAGES,num_warps' (integers), got {forced!r}")
         return tuple(int(p) for p in parts)
-    if is_causal and tiles_128 < CAUSAL_SMALL_GRID_WAVES * 2 * sms:
+    wide = max(d, dv) > 64
+    small = tiles_128 < (CAUSAL_SMALL_GRID_PER_SM if is_causal else SMALL_GRID_PER_SM) * sms
+    if not wide and (is_causal or small):
+        return 64, 128, 2, 4
+    if small:
         return 64, 64, 2, 4
-    return (128, 64, 2, 8) if max(d, dv) > 64 else (128, 128, 2, 8)
+    return (128, 64, 2, 8) if wide else (128, 128, 2, 8)
 
 
 def _desc(t: torch.Tensor, block):
@@ -261,5 +274,7 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool):
         lse if lse is not None else out, *sl, Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, num_warps=warps,
+        # eight warps: at most 128 registers a thread, so that two CTAs share an SM (ptxas may take more)
+        **({"maxnreg": 128} if warps == 8 else {}),
     )
     return out, lse

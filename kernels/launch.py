@@ -303,7 +303,8 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         cfg, n_mblocks, parts, part_len = tiles(dot)
         if dot == occ.DOT_LOWP and parts == 1 and n_mblocks and BH:
             why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                      varlen=varlen, state=state, is_causal=bool(is_causal), how=hopper_mode)
+                                      varlen=varlen, state=state, is_causal=bool(is_causal), scale=scale,
+                                      how=hopper_mode)
             if why_not is None:
                 hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal)
                 return out, lse, state

@@ -149,6 +149,12 @@ def dense_cell(dname, H, D, N, causal, baselines, B=1):
             row[f"{name}_ms"] = bench(fn)
             row[f"{name}_mem_mb"] = peak_extra(fn)
             row[f"ratio_{name}"] = row[f"{name}_ms"] / row["elsa_ms"]
+            if GRAPH and name != "flex":  # kernel against kernel: both replayed from CUDA graphs
+                try:
+                    row[f"{name}_graph_ms"] = graph_ms(fn)
+                    row[f"gratio_{name}"] = row[f"{name}_graph_ms"] / row["elsa_graph_ms"]
+                except Exception as exc:  # a backend that cannot be captured
+                    row[f"{name}_graph_err"] = str(exc).splitlines()[0][:120]
         except Exception as exc:  # a backend that cannot run this case
             row[f"{name}_ms"] = None
             row[f"{name}_err"] = str(exc).splitlines()[0][:120]
@@ -254,6 +260,7 @@ def fmt(row):
     if "elsa_tflops" in row:
         parts.append(f"TF/s={row['elsa_tflops']:.1f}")
     parts += [f"x{k[6:]}={row[k]:.2f}" for k in row if k.startswith("ratio_")]
+    parts += [f"gx{k[7:]}={row[k]:.2f}" for k in row if k.startswith("gratio_")]  # graph-replayed, both sides
     if "rel_err" in row:
         parts.append(f"err={row['rel_err']:.1e}")
     if "elsa_mem_mb" in row:
@@ -274,7 +281,8 @@ def main(argv=None):
     ap.add_argument("--space", default="bm=64,128;bn=32,64,128;w=4,8;s=2,3",
                     help="sweep space, e.g. 'bm=32,64;bn=16,32;w=4;s=1,2'")
     ap.add_argument("--graph", action="store_true",
-                    help="also time ELSA replayed from a CUDA graph (with --sweep: time every tile that way)")
+                    help="also time ELSA and the SDPA baselines replayed from CUDA graphs (ratios gx*: kernel "
+                         "against kernel, no launch overhead); with --sweep: time every tile that way")
     ap.add_argument("--lean", action="store_true", help="ELSA-Lean eta trade-off only")
     ap.add_argument("--json", default=None, help="append rows as JSON lines to this file")
     a = ap.parse_args(argv)

@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu_$part.txt"
 case "$part" in
   tests)  # from outside the checkout so that the repo's unmapped elsa_surgery/ is not imported first
-    (cd /tmp && timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
+    (cd /tmp && timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
        --rootdir "$repo" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.log" | tail -60) ;;
   models)
     timeout 560 python3 recipes/bench_models.py --models vit_b16,vit_l14_clip,swin_t --dtypes fp32,bf16 \

@@ -882,7 +882,14 @@ def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
     monkeypatch.delenv("ELSA_HOPPER")
     assert hopper.tiles(128, 128, False, tiles_128=4096) == (128, 64, 2, 8)
     assert hopper.tiles(64, 64, False, tiles_128=4096) == (128, 128, 2, 8)
-    assert hopper.tiles(128, 128, True, tiles_128=1024) == (64, 64, 2, 4)  # small causal grid
+    assert hopper.tiles(128, 128, True, tiles_128=1024) == (128, 64, 2, 8)
+    assert hopper.tiles(128, 128, True, tiles_128=256) == (64, 64, 2, 4)  # small causal grid
+    assert hopper.tiles(128, 64, False, tiles_128=64) == (64, 64, 2, 4)  # smaller than one program per SM
+    assert hopper.tiles(64, 64, False, tiles_128=64) == (64, 128, 2, 4)
+    assert hopper.tiles(32, 64, True, tiles_128=4096) == (64, 128, 2, 4)  # causal, narrow heads: every size
+    assert hopper.tiles(64, 128, True, tiles_128=4096) == (128, 64, 2, 8)  # Dv decides too
+    assert hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False, state=None,
+                           scale=-0.125, how="force") == (hopper._IMPORT_ERROR or "not a CUDA device")
     monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32,3,4")
     assert hopper.tiles(128, 128, False) == (64, 32, 3, 4)
     monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32")

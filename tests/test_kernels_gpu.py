@@ -377,7 +377,22 @@ def test_hopper_kernel_matches_the_oracle(dtype, causal, B, Hq, Hkv, Nq, Nk, D, 
 
 
 @hopper_only
-@pytest.mark.parametrize("case", ["mask", "head dim 80", "ELSA_HOPPER=0", "float32"])
+@pytest.mark.parametrize("tiles", ["128,64,2,8", "128,128,2,8", "64,64,2,4", "64,128,2,4"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,B,Hq,Hkv,Nq,Nk,D,Dv,layout", [
+    (torch.float16, 2, 4, 4, 1041, 1041, 64, 64, "bhnd"),
+    (torch.bfloat16, 1, 8, 2, 1374, 77, 128, 128, "bnhd"),  # GQA; causal rows before the first key see none
+    (torch.bfloat16, 2, 2, 1, 77, 1374, 32, 16, "bhnd"),
+])
+def test_hopper_kernel_every_tile_config(tiles, causal, dtype, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch):
+    """Each tile configuration ``hopper.tiles`` chooses (by grid size and head dim), forced on shapes that would
+    pick another: outputs and lse against the float64 oracle, poisoned outputs, rows with no key."""
+    monkeypatch.setenv("ELSA_HOPPER_TILES", tiles)
+    test_hopper_kernel_matches_the_oracle(dtype, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch)
+
+
+@hopper_only
+@pytest.mark.parametrize("case", ["mask", "head dim 80", "ELSA_HOPPER=0", "float32", "negative scale"])
 def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
     """Calls outside the Gluon kernel's scope run the portable kernel, correctly."""
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
@@ -387,9 +402,11 @@ def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
     d = 80 if case == "head dim 80" else 64
     q, k, v = (rand(2, 4, 1000, d, dtype=dtype) for _ in range(3))
     mask = torch.rand(2, 1, 1000, 1000, device="cuda") > 0.2 if case == "mask" else None
-    out = elsa_surgery.attention(q, k, v, mask, backend="elsa", precision="precise" if dtype == torch.float32 else None)
+    scale = -0.125 if case == "negative scale" else None
+    out = elsa_surgery.attention(q, k, v, mask, backend="elsa", scale=scale,
+                                 precision="precise" if dtype == torch.float32 else None)
     assert runs == []
-    ro = elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    ro = elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference", scale=scale)
     assert rel(out, ro) <= TOL[dtype if dtype != torch.float32 else "precise"]
 
 
@@ -406,7 +423,8 @@ def test_hopper_kernel_taken_by_size_under_auto(monkeypatch):
     out = elsa_surgery.attention(q, k, v, backend="elsa")
     assert len(runs) == 1
     assert rel(out[:, :2], oracle(q[:, :2], k[:, :2], v[:, :2])[0]) <= TOL[torch.bfloat16]  # two heads: quick
-    q, k, v = (rand(1, 8, 1024, 64, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (rand(1, 8, 512, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert 8 * 512 * 512 * 64 < hopper.MIN_WORK
     elsa_surgery.attention(q, k, v, backend="elsa")
     assert len(runs) == 1
 
