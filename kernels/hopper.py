@@ -47,12 +47,13 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
 
 ENV = "ELSA_HOPPER"  # "0": off (the portable kernel runs); "1" or unset: by size; "force": whenever in scope
 _ENV_VALUES = ("0", "1", "force")
-# Calls with less work than this (B·H·Nq·Nk·D, halved when causal; a kernel of ~15 µs on an H100) run the
-# portable kernel. Above it the Gluon kernel is the faster one in every cell measured (H100, session 10,
-# graph-replayed: N=1K H=8 D=64 1.17x cuDNN vs 1.00x, N=1K H=32 D=128 0.95x vs 0.75x); below it calls are short
-# sequences (a ViT at 224 px: <= 3.2e8) whose eager time is the launch's host time, ~14 µs more for the Gluon
-# launch (four TMA descriptors and Gluon's binder: 113 vs 99 µs per call, session 9)
-MIN_WORK = 5e8
+# Eager calls with less work than this (B·H·Nq·Nk·D, halved when causal; a kernel under ~100 µs on an H100) run
+# the portable kernel: they are host-bound, and the Gluon launch (four TMA descriptors, Gluon's binder) costs
+# ~30 µs more host time per public call (H100, session 10: 156-164 vs 125-132 µs), more than its kernel saves
+# there (1K H=32 D=128: 39.7 vs 51.1 µs). During CUDA-graph capture the host time is paid once, so captured calls
+# take the Gluon kernel at every size: it was the faster kernel in every cell measured, N = 1K included
+# (graph-replayed: H=8 D=64 1.17x cuDNN vs 1.00x for the portable kernel, H=32 D=128 0.95x vs 0.75x)
+MIN_WORK = 1e10
 
 if gluon is not None:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -221,8 +222,8 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
     if not all(_descriptor_ok(t) for t in (q, k, v, out)):
         return "strides not TMA-compatible (inner dim contiguous, others 16-byte multiples, 16-byte base)"
     work = float(q.shape[0] * q.shape[1]) * q.shape[2] * k.shape[2] * D * (0.5 if is_causal else 1.0)
-    if how != "force" and work < MIN_WORK:
-        return f"small call (work {work:.2g} < {MIN_WORK:.0e}): the portable kernel's launch is cheaper"
+    if how != "force" and work < MIN_WORK and not torch.cuda.is_current_stream_capturing():
+        return f"small eager call (work {work:.2g} < {MIN_WORK:.0e}): the portable kernel's launch is cheaper"
     return None
 
 

@@ -412,8 +412,8 @@ def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
 
 @hopper_only
 def test_hopper_kernel_taken_by_size_under_auto(monkeypatch):
-    """Unforced, the Gluon kernel takes calls of at least ``hopper.MIN_WORK`` and leaves smaller ones (whose
-    launch it would make slower) to the portable kernel."""
+    """Unforced, the Gluon kernel takes calls of at least ``hopper.MIN_WORK`` and leaves smaller eager ones (whose
+    launch it would make slower) to the portable kernel, but takes them too when they are captured in a graph."""
     from elsa_surgery.kernels import hopper
 
     monkeypatch.delenv("ELSA_HOPPER", raising=False)
@@ -423,10 +423,14 @@ def test_hopper_kernel_taken_by_size_under_auto(monkeypatch):
     out = elsa_surgery.attention(q, k, v, backend="elsa")
     assert len(runs) == 1
     assert rel(out[:, :2], oracle(q[:, :2], k[:, :2], v[:, :2])[0]) <= TOL[torch.bfloat16]  # two heads: quick
-    q, k, v = (rand(1, 8, 512, 64, dtype=torch.bfloat16) for _ in range(3))
-    assert 8 * 512 * 512 * 64 < hopper.MIN_WORK
-    elsa_surgery.attention(q, k, v, backend="elsa")
+    q, k, v = (rand(1, 8, 1024, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert 8 * 1024 * 1024 * 64 < hopper.MIN_WORK
+    eager = elsa_surgery.attention(q, k, v, backend="elsa")
     assert len(runs) == 1
+    # captured in a CUDA graph, the same small call takes the Gluon kernel (host time is paid once)
+    replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, backend="elsa"))
+    assert len(runs) == 2
+    assert rel(replay(), eager) <= TOL[torch.bfloat16]
 
 
 @hopper_only
