@@ -9,8 +9,8 @@ cuDNN for this loop at D=128 (docs/PERF.md, v9); the explicit schedule here is w
 Scope (``eligible`` says why a call is not taken, and the launcher then runs ``scan.elsa_fwd``):
 fp16/bf16 on a CUDA device of compute capability 9.x with Gluon available (Triton >= 3.6); dense calls
 without a mask, ``q_lengths``/``kv_lengths`` or state output; a positive scale (it is applied after the row
-max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv in {16, 32, 64, 128} (Gluon tiles are powers of two; 256 does not fit the registers),
-other head dims on the portable kernel; any Nq, Nk
+max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv in {16, 32, 64, 128} (Gluon tiles
+are powers of two; 256 does not fit the registers), other head dims on the portable kernel; any Nq, Nk
 (TMA zero-fills past the end and the last tiles are masked); any strides whose inner dim is contiguous and
 whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path is tested
 on the GPU only (tests/test_kernels_gpu.py); every CPU test runs ``scan.elsa_fwd``.
@@ -197,8 +197,8 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
             and all(s > 0 and (s * es) % 16 == 0 for s in t.stride()[:-1]))
 
 
-def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, is_causal: bool = False,
-             scale: float = 1.0, how: Optional[str] = None) -> Optional[str]:
+def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, scale: float,
+             is_causal: bool = False, how: Optional[str] = None) -> Optional[str]:
     """``None`` when this call runs on the Hopper kernel, else the reason it does not (dense q ``[B,H,N,D]``).
     ``how``: :func:`mode`, when the caller has read it already."""
     how = mode() if how is None else how

@@ -872,9 +872,10 @@ def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
         assert torch.equal(q, before)
     monkeypatch.setenv("ELSA_HOPPER", "0")
     assert hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False,
-                           state=None) == "ELSA_HOPPER=0"
+                           state=None, scale=0.125) == "ELSA_HOPPER=0"
     monkeypatch.setenv("ELSA_HOPPER", "force")
-    reason = hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False, state=None)
+    reason = hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False, state=None,
+                             scale=0.125)
     assert reason == (hopper._IMPORT_ERROR or "not a CUDA device")
     out = elsa_surgery.attention(q, q, q, backend="elsa")  # the portable kernel, under the interpreter
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
