@@ -1,19 +1,24 @@
-"""The ELSA scan for fp16/bf16 on Hopper (sm_90), written in Gluon: asynchronous wgmma, TMA loads of K/V tiles
-into a ring of shared-memory stages completing on mbarriers, and two or three CTAs per SM so one CTA's softmax
-overlaps another's tensor-core products.
+"""The ELSA scan on Hopper (sm_90), written in Gluon: two kernels, one partition each.
 
-It is the same fold as ``scan.elsa_fwd`` with one partition: each program folds the key tiles of its row block
-into per-row ``(m, S, W)`` on chip and finalises them. Triton's own code generation stops at 0.71-0.76x SDPA
-cuDNN for this loop at D=128 (docs/PERF.md, v9); the explicit schedule here is what moves it.
+* fp16/bf16 (``_elsa_fwd_sm90``): asynchronous wgmma, TMA loads of K/V tiles into a ring of shared-memory
+  stages completing on mbarriers, and two or three CTAs per SM so one CTA's softmax overlaps another's
+  tensor-core products. Triton's own code generation stops at 0.71-0.76x SDPA cuDNN for this loop at D=128
+  (docs/PERF.md, v9); the explicit schedule here is what moves it.
+* fp32 ``strict`` (``_elsa_fwd_sm90_fma``): both products as IEEE FMAs, register-blocked with layouts chosen so
+  that the shared-memory reads of the TMA tiles are free of bank conflicts; 37-40 TFLOP/s on an H100 at N >= 4K
+  where Triton's FMA dot reached 12-19.5 (docs/PERF.md, v8 and v12).
+
+Each program folds the key tiles of its row block into per-row ``(m, S, W)`` on chip and finalises them, as
+``scan.elsa_fwd`` does with one partition.
 
 Scope (``eligible`` says why a call is not taken, and the launcher then runs ``scan.elsa_fwd``):
-fp16/bf16 on a CUDA device of compute capability 9.x with Gluon available (Triton >= 3.6); dense calls
-without a mask, ``q_lengths``/``kv_lengths`` or state output; a positive scale (it is applied after the row
-max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv in {16, 32, 64, 128} (Gluon tiles
-are powers of two; 256 does not fit the registers), other head dims on the portable kernel; any Nq, Nk
-(TMA zero-fills past the end and the last tiles are masked); any strides whose inner dim is contiguous and
-whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path is tested
-on the GPU only (tests/test_kernels_gpu.py); every CPU test runs ``scan.elsa_fwd``.
+fp16/bf16, or fp32 in ``strict`` mode, on a CUDA device of compute capability 9.x with Gluon available (Triton
+>= 3.6); dense calls without a mask, ``q_lengths``/``kv_lengths`` or state output; for fp16/bf16 a positive
+scale (it is applied after the row max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv
+in {16, 32, 64, 128} (Gluon tiles are powers of two; 256 does not fit), other head dims on the portable kernel;
+any Nq, Nk (TMA zero-fills past the end and the last tiles are masked); any strides whose inner dim is
+contiguous and whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path
+is tested on the GPU only (tests/test_kernels_gpu.py); every CPU test runs ``scan.elsa_fwd``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .occupancy import _sms
+from .occupancy import _sms, causal_head_group
 
 LOG2E = 1.4426950408889634
 
@@ -54,9 +59,45 @@ _ENV_VALUES = ("0", "1", "force")
 # take the Gluon kernel at every size: it was the faster kernel in every cell measured, N = 1K included
 # (graph-replayed: H=8 D=64 1.17x cuDNN vs 1.00x for the portable kernel, H=32 D=128 0.95x vs 0.75x)
 MIN_WORK = 1e10
+# The same for the fp32 (strict) kernel, which saves more kernel time per unit of work: eager public calls on an
+# H100 (session 11, medians of 3 rounds of 200): work 1.1e9 (1x32x512x128) portable 376 us vs Gluon 226 us;
+# 5.4e8: 310 vs 239 us (8x16x257x64) but 203 vs 236 us (1x8x1024x64); 2.4e8-2.7e8: 181-187 vs 217-226 us
+MIN_WORK_FP32 = 5e8
 
 if gluon is not None:
     _LN2 = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _program_block(n_mblocks, Hq, G, head_group, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``(b, h, hk, m0)`` of this program. Causal grids run the row blocks with the most keys first across
+        each group of ``head_group`` heads (occupancy.causal_head_group), as ``scan.elsa_fwd`` does."""
+        pid = gl.program_id(0)
+        if IS_CAUSAL:
+            n_bh = gl.num_programs(0) // n_mblocks
+            per_group = n_mblocks * head_group
+            g = pid // per_group
+            gh = gl.minimum(head_group, n_bh - g * head_group)  # the last group may be smaller
+            r = pid - g * per_group
+            mb = n_mblocks - 1 - r // gh
+            bh = g * head_group + r % gh
+        else:
+            bh = pid // n_mblocks
+            mb = pid % n_mblocks
+        b = bh // Hq
+        h = bh % Hq
+        return b, h, h // G, mb * BLOCK_M
+
+    @gluon.jit
+    def _key_range(Nq, Nk, m0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``(n_full, n_tiles)``: this row block sees keys [0, n_end) in n_tiles tiles; the tiles below n_full
+        need no mask (every row sees them)."""
+        off = Nk - Nq
+        n_end = Nk
+        n_full = (Nk // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            n_end = gl.minimum(Nk, m0 + BLOCK_M + off)
+            n_full = gl.minimum(n_full, ((m0 + off + 1) // BLOCK_N) * BLOCK_N)
+        return gl.maximum(n_full, 0), gl.cdiv(gl.maximum(n_end, 0), BLOCK_N)
 
     @gluon.jit
     def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, b, hk, n0, stage):
@@ -66,19 +107,81 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], bar, v_smem.index(stage))
 
     @gluon.jit
+    def _start(q_desc, k_desc, v_desc, b, h, hk, m0, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """A program's key range (``_key_range``) and shared memory (Q tile, ring of K/V stages, their mbarriers):
+        the first STAGES K/V tiles issued, Q loaded (returned as ``[BLOCK_M, HEAD_D]``)."""
+        n_full, n_tiles = _key_range(Nq, Nk, m0, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        dtype: gl.constexpr = q_desc.dtype
+        q_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DV], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_bar, q_tile)
+        for i in gl.static_range(STAGES):
+            if i < n_tiles:
+                _issue_kv(k_desc, v_desc, k_ring, v_ring, bars, b, hk, i * BLOCK_N, i)
+        mbarrier.wait(q_bar, 0)
+        return q_tile.reshape([BLOCK_M, HEAD_D]), k_ring, v_ring, bars, q_bar, n_full, n_tiles
+
+    @gluon.jit
+    def _row_state(m0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DV: gl.constexpr, row_layout: gl.constexpr,
+                   col_layout: gl.constexpr, o_layout: gl.constexpr):
+        """The fold's per-row state before the first key (m = -inf, S = 0, W = 0), the rows' and a tile's key
+        indices."""
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DV], gl.float32, o_layout)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        return m_i, l_i, acc, rows, gl.arange(0, BLOCK_N, layout=col_layout)
+
+    @gluon.jit
+    def _kv_tile(k_ring, v_ring, bars, j, STAGES: gl.constexpr):
+        """``(stage, K tile, V tile)`` of key tile ``j``, once its TMA loads have landed."""
+        st = j % STAGES
+        mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+        k_tile = k_ring.index(st)
+        v_tile = v_ring.index(st)
+        return (st, k_tile.reshape([k_tile.shape[2], k_tile.shape[3]]),
+                v_tile.reshape([v_tile.shape[2], v_tile.shape[3]]))
+
+    @gluon.jit
+    def _visible_scores(s, n0, n_full, rows, cols, Nk, off, IS_CAUSAL: gl.constexpr):
+        """Scores of keys a row does not see set to -inf: only the tiles at the ragged end or the causal
+        diagonal (from ``n_full`` on) need it."""
+        if n0 + s.shape[1] > n_full:
+            keys = n0 + cols
+            visible = gl.expand_dims(keys < Nk, 0)
+            if IS_CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1))
+            s = gl.where(visible, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _release(q_bar, bars, STAGES: gl.constexpr):
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq):
+        """lse = ln(S) + m (m in log2 units); rows with no key: -inf."""
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * _LN2)
+        gl.store(lse_ptr + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln, lse,
+                 mask=rows < Nq)
+
+    @gluon.jit
     def _elsa_fwd_sm90(q_desc, k_desc, v_desc, o_desc, lse_ptr, s_lb, s_lh, s_ln, Nq, Nk, Hq, G, qk_scale,
-                       n_mblocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                       n_mblocks, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
-        pid = gl.program_id(0)
-        bh = pid // n_mblocks
-        mb = pid % n_mblocks
-        if IS_CAUSAL:
-            mb = n_mblocks - 1 - mb  # the longest row blocks of each head first
-        b = bh // Hq
-        h = bh % Hq
-        hk = h // G
-        m0 = mb * BLOCK_M
+        b, h, hk, m0 = _program_block(n_mblocks, Hq, G, head_group, BLOCK_M, IS_CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -90,55 +193,18 @@ if gluon is not None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        q_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_D], q_desc.layout)
-        k_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DV], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-
-        # keys this row block sees: [0, n_end); the tiles below n_full need no mask (every row sees them)
         off = Nk - Nq
-        n_end = Nk
-        n_full = (Nk // BLOCK_N) * BLOCK_N
-        if IS_CAUSAL:
-            n_end = gl.minimum(Nk, m0 + BLOCK_M + off)
-            n_full = gl.minimum(n_full, ((m0 + off + 1) // BLOCK_N) * BLOCK_N)
-        n_full = gl.maximum(n_full, 0)
-        n_tiles = gl.cdiv(gl.maximum(n_end, 0), BLOCK_N)
-
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_bar, q_tile)
-        for i in gl.static_range(STAGES):
-            if i < n_tiles:
-                _issue_kv(k_desc, v_desc, k_ring, v_ring, bars, b, hk, i * BLOCK_N, i)
-
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s)
-        acc = gl.zeros([BLOCK_M, HEAD_DV], gl.float32, o_layout)
+        q_smem, k_ring, v_ring, bars, q_bar, n_full, n_tiles = _start(
+            q_desc, k_desc, v_desc, b, h, hk, m0, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)
+        m_i, l_i, acc, rows, cols = _row_state(m0, BLOCK_M, BLOCK_N, HEAD_DV, row_s, col_s, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-        cols = gl.arange(0, BLOCK_N, layout=col_s)
-        q_smem = q_tile.reshape([BLOCK_M, HEAD_D])
-        mbarrier.wait(q_bar, 0)
 
         for j in range(0, n_tiles):
-            st = j % STAGES
             n0 = j * BLOCK_N
-            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-            k_smem = k_ring.index(st).reshape([BLOCK_N, HEAD_D])
-            v_smem = v_ring.index(st).reshape([BLOCK_N, HEAD_DV])
+            st, k_smem, v_smem = _kv_tile(k_ring, v_ring, bars, j, STAGES)
             s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # raw Q·Kᵀ: the scale is applied below
-            if n0 + BLOCK_N > n_full:  # the ragged end or the causal diagonal
-                keys = n0 + cols
-                visible = gl.expand_dims(keys < Nk, 0)
-                if IS_CAUSAL:
-                    visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1))
-                s = gl.where(visible, s, float("-inf"))
+            s = _visible_scores(s, n0, n_full, rows, cols, Nk, off, IS_CAUSAL)
             # qk_scale > 0 (``eligible``): the row max of the raw scores, scaled, is the max of the scaled
             # scores, and the scale folds into exp2's argument as one FMA per score (no separate multiply)
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -154,9 +220,7 @@ if gluon is not None:
             if j + STAGES < n_tiles:
                 _issue_kv(k_desc, v_desc, k_ring, v_ring, bars, b, hk, (j + STAGES) * BLOCK_N, st)
 
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+        _release(q_bar, bars, STAGES)
         l_o = gl.convert_layout(l_i, row_o)
         out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)  # rows with no key: zeros
         o_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DV], o_desc.layout)
@@ -164,13 +228,81 @@ if gluon is not None:
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], o_tile)
         if WRITE_LSE:
-            lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * _LN2)
-            gl.store(lse_ptr + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln, lse,
-                     mask=rows < Nq)
+            _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq)
         tma.store_wait(pendings=0)
 
 
-_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    @gluon.jit
+    def _elsa_fwd_sm90_fma(q_desc, k_desc, v_desc, o_ptr, s_ob, s_oh, s_on, lse_ptr, s_lb, s_lh, s_ln, Nq, Nk,
+                           Hq, G, qk_scale, n_mblocks, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, STAGES: gl.constexpr,
+                           IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
+        """``strict`` fp32: the same fold with both products as IEEE FMAs (no tensor cores), blocked in registers.
+
+        Each thread owns a 1-strided set of rows and key columns (rows ``r + 32·i``, keys ``c + 8·j``), so that
+        the eight threads of a warp reading a K tile touch eight consecutive keys: with the 128-byte swizzle of
+        the TMA tiles their 16-byte loads fall in distinct banks (a thread owning 8 consecutive keys made every
+        load an 8-way bank conflict: 12 instead of 38 TFLOP/s on an H100). Q and K are read 16 columns of D at
+        a time (four 16-byte loads per row) into outer products; P goes through shared memory to become the
+        left operand of P·V."""
+        TC: gl.constexpr = 8  # threads of a warp along keys (and along V's columns); 4 along rows
+        CO: gl.constexpr = 4 if HEAD_DV >= 32 else HEAD_DV // TC  # V columns per thread and 16-byte load
+        KC: gl.constexpr = 16  # D (and key) columns per outer-product step: dot_fma needs K >= 16
+        b, h, hk, m0 = _program_block(n_mblocks, Hq, G, head_group, BLOCK_M, IS_CAUSAL)
+        s_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TC, TC], [num_warps, 1], [1, 0])
+        o_layout: gl.constexpr = gl.BlockedLayout([1, CO], [32 // TC, TC], [num_warps, 1], [1, 0])
+        qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=0)
+        kb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_layout, k_width=0)
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=0)
+        vb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=o_layout, k_width=0)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        # P: 16-byte chunks swizzled by row, so that the row-strided reads of the P·V operand avoid conflicts
+        p_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+
+        p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], p_shared)
+        off = Nk - Nq
+        q_smem, k_ring, v_ring, bars, q_bar, n_full, n_tiles = _start(
+            q_desc, k_desc, v_desc, b, h, hk, m0, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)
+        m_i, l_i, acc, rows, cols = _row_state(m0, BLOCK_M, BLOCK_N, HEAD_DV, row_s, col_s, o_layout)
+
+        for j in range(0, n_tiles):
+            n0 = j * BLOCK_N
+            st, k_smem, v_smem = _kv_tile(k_ring, v_ring, bars, j, STAGES)
+            s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            for d in gl.static_range(0, HEAD_D, KC):
+                s = gl.dot_fma(q_smem.slice(d, KC, 1).load(qa_layout),
+                               k_smem.slice(d, KC, 1).permute((1, 0)).load(kb_layout), s)
+            s = _visible_scores(s * qk_scale, n0, n_full, rows, cols, Nk, off, IS_CAUSAL)  # any sign of scale
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_smem.store(p)
+            for c in gl.static_range(0, BLOCK_N, KC):
+                acc = gl.dot_fma(p_smem.slice(c, KC, 1).load(pa_layout), v_smem.slice(c, KC, 0).load(vb_layout),
+                                 acc)
+            if j + STAGES < n_tiles:
+                _issue_kv(k_desc, v_desc, k_ring, v_ring, bars, b, hk, (j + STAGES) * BLOCK_N, st)
+
+        _release(q_bar, bars, STAGES)
+        l_o = gl.convert_layout(l_i, row_o)
+        out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)  # rows with no key: zeros
+        rows_o = m0 + gl.arange(0, BLOCK_M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_DV, layout=col_o)
+        o_ptrs = (o_ptr + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh
+                  + gl.expand_dims(rows_o.to(gl.int64) * s_on, 1) + gl.expand_dims(cols_o, 0))
+        gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
+        if WRITE_LSE:
+            _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq)
+
+
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 HEAD_DIMS = (16, 32, 64, 128)  # D = 256 would not fit the registers at these tiles
 
 
@@ -198,9 +330,9 @@ def _descriptor_ok(t: torch.Tensor) -> bool:
 
 
 def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, scale: float,
-             is_causal: bool = False, how: Optional[str] = None) -> Optional[str]:
-    """``None`` when this call runs on the Hopper kernel, else the reason it does not (dense q ``[B,H,N,D]``).
-    ``how``: :func:`mode`, when the caller has read it already."""
+             precision: Optional[str], is_causal: bool = False, how: Optional[str] = None) -> Optional[str]:
+    """``None`` when this call runs on a Hopper kernel, else the reason it does not (dense q ``[B,H,N,D]``).
+    ``precision``: the fp32 mode (``None`` is ``strict``); ``how``: :func:`mode`, when the caller has read it."""
     how = mode() if how is None else how
     if how == "0":
         return f"{ENV}=0"
@@ -212,9 +344,12 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
         return "not a Hopper (sm_90) device"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}"
+    fp32 = q.dtype == torch.float32
+    if fp32 and (precision or "strict") != "strict":
+        return f"precision {precision!r} (the fp32 Gluon kernel is strict's: IEEE FMA products)"
     if varlen or state is not None or mask is not None or q_lengths is not None or kv_lengths is not None:
         return "masks, lengths, varlen and state output run on the portable kernel"
-    if not scale > 0:
+    if not fp32 and not scale > 0:
         return f"scale {scale} <= 0 (the kernel applies the scale after the row max)"
     D, Dv = q.shape[-1], v.shape[-1]
     if D not in HEAD_DIMS or Dv not in HEAD_DIMS:
@@ -222,8 +357,9 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
     if not all(_descriptor_ok(t) for t in (q, k, v, out)):
         return "strides not TMA-compatible (inner dim contiguous, others 16-byte multiples, 16-byte base)"
     work = float(q.shape[0] * q.shape[1]) * q.shape[2] * k.shape[2] * D * (0.5 if is_causal else 1.0)
-    if how != "force" and work < MIN_WORK and not torch.cuda.is_current_stream_capturing():
-        return f"small eager call (work {work:.2g} < {MIN_WORK:.0e}): the portable kernel's launch is cheaper"
+    least = MIN_WORK_FP32 if fp32 else MIN_WORK
+    if how != "force" and work < least and not torch.cuda.is_current_stream_capturing():
+        return f"small eager call (work {work:.2g} < {least:.0e}): the portable kernel's launch is cheaper"
     return None
 
 
@@ -237,6 +373,18 @@ ENV_TILES = "ELSA_HOPPER_TILES"  # "BLOCK_M,BLOCK_N,STAGES,num_warps", for tile 
 # 128-row tiles: 0.99x vs 0.90x
 SMALL_GRID_PER_SM = 1
 CAUSAL_SMALL_GRID_PER_SM = 4
+# fp32 kernel, D > 64: grids of at least this many 128-row programs per SM take 128 x 32 tiles with eight warps
+FMA_WIDE_GRID_PER_SM = 4
+
+
+def _forced_tiles():
+    forced = os.environ.get(ENV_TILES, "").strip()
+    if not forced:
+        return None
+    parts = forced.split(",")
+    if len(parts) != 4 or not all(p.strip().isdecimal() for p in parts):
+        raise ValueError(f"{ENV_TILES} must be 'BLOCK_M,BLOCK_N,STAGES,num_warps' (integers), got {forced!r}")
+    return tuple(int(p) for p in parts)
 
 
 def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
@@ -244,12 +392,9 @@ def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 13
     ``tiles_128``: programs of the grid with 128-row tiles. Measured on an H100 (docs/PERF.md, sessions 9-10):
     128 x 64 at D = 128, 128 x 128 for narrower heads; 64-row tiles for small grids; 64 x 128 (three CTAs per
     SM) for causal calls with narrow heads at every size (N=4K H=8 D=64 1.14x cuDNN, 64 x 64: 0.90x)."""
-    forced = os.environ.get(ENV_TILES, "").strip()
+    forced = _forced_tiles()
     if forced:
-        parts = forced.split(",")
-        if len(parts) != 4 or not all(p.strip().isdecimal() for p in parts):
-            raise ValueError(f"{ENV_TILES} must be 'BLOCK_M,BLOCK_N,STAGES,num_warps' (integers), got {forced!r}")
-        return tuple(int(p) for p in parts)
+        return forced
     wide = max(d, dv) > 64
     small = tiles_128 < (CAUSAL_SMALL_GRID_PER_SM if is_causal else SMALL_GRID_PER_SM) * sms
     if not wide and (is_causal or small):
@@ -259,23 +404,43 @@ def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 13
     return (128, 64, 2, 8) if wide else (128, 128, 2, 8)
 
 
+def fma_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
+    """``(BLOCK_M, BLOCK_N, STAGES, num_warps)`` of the fp32 (``strict``) kernel; ``ELSA_HOPPER_TILES`` forces
+    them as for :func:`tiles`. Measured on an H100 (docs/PERF.md, v12): 64 x 64 with four warps for D <= 64 (two
+    CTAs an SM); for wider heads 32-key tiles (shared memory), 128 rows with eight warps on large grids."""
+    forced = _forced_tiles()
+    if forced:
+        return forced
+    if max(d, dv) <= 64:
+        return 64, 64, 2, 4
+    return (128, 32, 2, 8) if tiles_128 >= FMA_WIDE_GRID_PER_SM * sms else (64, 32, 2, 4)
+
+
 def _desc(t: torch.Tensor, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(tuple(block), t.dtype))
 
 
 def forward(q, k, v, out, lse, *, scale: float, is_causal: bool):
-    """``out [B, Hq, Nq, Dv]`` (any TMA-compatible strides) and optionally ``lse [B, Hq, Nq]`` fp32."""
+    """``out [B, Hq, Nq, Dv]`` (any TMA-compatible strides) and optionally ``lse [B, Hq, Nq]`` fp32: the FMA kernel
+    for fp32, the wgmma kernel for fp16/bf16."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    bm, bn, stages, warps = tiles(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq, sms=_sms(q.device))
+    fp32 = q.dtype == torch.float32
+    bm, bn, stages, warps = (fma_tiles if fp32 else tiles)(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq,
+                                                            sms=_sms(q.device))
     n_mb = -(-Nq // bm)
-    sl = lse.stride() if lse is not None else (0, 0, 0)
-    _elsa_fwd_sm90[(n_mb * B * Hq,)](
-        _desc(q, [1, 1, bm, D]), _desc(k, [1, 1, bn, D]), _desc(v, [1, 1, bn, Dv]), _desc(out, [1, 1, bm, Dv]),
-        lse if lse is not None else out, *sl, Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb,
+    head_group = (causal_head_group(q.device, n_k=Nk, kv_bytes_per_key=q.element_size() * (D + Dv),
+                                    groups=Hq // Hkv, bh=B * Hq, m_blocks=n_mb) if is_causal else 1)
+    descs = _desc(q, [1, 1, bm, D]), _desc(k, [1, 1, bn, D]), _desc(v, [1, 1, bn, Dv])
+    # fp32: the output is stored from registers (through its strides); fp16/bf16: through a TMA descriptor
+    o_args = (out, *out.stride()[:3]) if fp32 else (_desc(out, [1, 1, bm, Dv]),)
+    (_elsa_fwd_sm90_fma if fp32 else _elsa_fwd_sm90)[(n_mb * B * Hq,)](
+        *descs, *o_args, lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
+        Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb, head_group,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
         WRITE_LSE=lse is not None, num_warps=warps,
-        # eight warps: at most 128 registers a thread, so that two CTAs share an SM (ptxas may take more)
-        **({"maxnreg": 128} if warps == 8 else {}),
+        # eight warps (fp16/bf16): at most 128 registers a thread, so that two CTAs share an SM (ptxas may take
+        # more); the fp32 kernel needs up to 196 and runs one CTA of eight warps an SM
+        **({"maxnreg": 128} if warps == 8 and not fp32 else {}),
     )
     return out, lse

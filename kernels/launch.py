@@ -301,10 +301,10 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     split = dot in occ.SPLIT_DOTS
     if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
-        if dot == occ.DOT_LOWP and parts == 1 and n_mblocks and BH:
+        if dot in (occ.DOT_LOWP, occ.DOT_IEEE) and parts == 1 and n_mblocks and BH:
             why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
                                       varlen=varlen, state=state, is_causal=bool(is_causal), scale=scale,
-                                      how=hopper_mode)
+                                      precision=precision, how=hopper_mode)
             if why_not is None:
                 hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal)
                 return out, lse, state
@@ -340,6 +340,11 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         hq = q_.shape[1]
         kl, ki, vl, vi = split_ if split_ is not None else (dummy,) * 4
         si = (ki.stride(0), ki.stride(1), vi.stride(0), vi.stride(1)) if split_ is not None else (0,) * 4
+        # causal: heads whose row blocks run heaviest first together, as many as their keys of this launch fit
+        # in L2 (occupancy.causal_head_group)
+        head_group = (occ.causal_head_group(q.device, n_k=min(klim, Nk - koff), kv_bytes_per_key=q.element_size()
+                                            * (D + Dv), groups=groups, bh=B * hq, m_blocks=n_mblocks)
+                      if is_causal else 1)
         scan.elsa_fwd[(n_mblocks * B * hq, parts)](
             q_, k_, v_, mask_t if mask_t is not None else dummy,
             q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
@@ -347,6 +352,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
             out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
             kl, ki, vl, vi,
             float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, Nq, B * hq, period, koff, klim,
+            head_group,
             *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *si, *sm,
             *so, *sl,
             D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -359,6 +359,41 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0)) or CPU_L2_BYTES
+
+
+# Causal grids run their row blocks heaviest first (most keys) across a group of heads at a time, not within
+# each head: within each head, the heavy blocks of the last heads started last and ran alone at the end (N=4K
+# H=8 D=64 causal on an H100: strict 24.7 -> 37.6 TFLOP/s, bf16 1.14 -> 1.37x cuDNN, graph-replayed, session
+# 11). Across every head the K/V of all heads stream through L2 at once, which cost as much where they do not
+# fit (bf16 N=65K H=32 D=128: 0.95 -> 0.82x cuDNN; turbo N=16K H=32 D=128: 4.44 -> 4.06x ME-SDPA). So a group
+# holds the heads whose K/V fit in this share of L2, and at least enough heads that the heaviest row block of
+# the last group is short next to the group's work per resident program (the tail): group >= 2 x (resident
+# programs, ~2 a SM) / row blocks a head, i.e. CAUSAL_BALANCE_PROGRAMS_PER_SM x SMs / row blocks.
+CAUSAL_L2_SHARE = 0.5
+CAUSAL_BALANCE_PROGRAMS_PER_SM = 4
+CPU_L2_BYTES = 50 * 2**20  # the CPU interpreter: an H100's L2, so that CPU tests take the same groups
+ENV_HEAD_GROUP = "ELSA_CAUSAL_HEAD_GROUP"  # force the group (tests, measurements)
+
+
+def causal_head_group(device: torch.device, *, n_k: int, kv_bytes_per_key: int, groups: int, bh: int,
+                      m_blocks: int) -> int:
+    """Query heads (of the ``bh`` = batch x heads of a launch, ``m_blocks`` row blocks each) whose causal row blocks
+    are ordered heaviest first together (see CAUSAL_L2_SHARE); ``groups`` query heads share one K/V head."""
+    forced = os.environ.get(ENV_HEAD_GROUP, "").strip()
+    if forced:
+        if not forced.isdecimal() or int(forced) < 1:
+            raise ValueError(f"{ENV_HEAD_GROUP} must be an integer >= 1, got {forced!r}")
+        return max(1, min(bh, int(forced)))
+    l2 = CPU_L2_BYTES if device.type != "cuda" else _l2_bytes(
+        device.index if device.index is not None else torch.cuda.current_device())
+    kv_heads = int(l2 * CAUSAL_L2_SHARE) // max(1, n_k * kv_bytes_per_key)
+    balance = CAUSAL_BALANCE_PROGRAMS_PER_SM * _sms(device) // max(1, m_blocks)
+    return max(1, min(bh, max(kv_heads * groups, balance)))
+
+
 _ETA_RANGE = "a finite number >= 0 (partition-state bytes per output byte; 0 = one partition)"
 
 

@@ -46,7 +46,8 @@ LN2 = 0.6931471805599453
 # The lowest finite additive-mask value the kernels keep: times log2(e) it is still finite in fp32 (3.32e38).
 MASK_FLOOR: tl.constexpr = tl.constexpr(-2.3e38)
 
-_RUNTIME_SIZES = ["Nq", "Nk", "n_mblocks", "part_len", "n_rows_buf", "BH", "mask_period", "koff", "klim"]
+_RUNTIME_SIZES = ["Nq", "Nk", "n_mblocks", "part_len", "n_rows_buf", "BH", "mask_period", "koff", "klim",
+                  "head_group"]
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def _fold_block(
 def elsa_fwd(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
     OUT, LSE, PM, PS, PW, KL, KI, VL, VI,
-    qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period, koff, klim,
+    qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period, koff, klim, head_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -185,10 +186,16 @@ def elsa_fwd(
     """
     pid = tl.program_id(0)
     pid_p = tl.program_id(1)
-    pid_m = pid % n_mblocks
-    pid_bh = pid // n_mblocks
-    if IS_CAUSAL:
-        pid_m = n_mblocks - 1 - pid_m  # the longest rows first: better load balance
+    if IS_CAUSAL:  # the longest rows first across each group of head_group heads (occupancy.causal_head_group)
+        per_group = n_mblocks * head_group
+        g = pid // per_group
+        gh = tl.minimum(head_group, BH - g * head_group)  # the last group may be smaller
+        r = pid - g * per_group
+        pid_m = n_mblocks - 1 - r // gh
+        pid_bh = g * head_group + r % gh
+    else:
+        pid_m = pid % n_mblocks
+        pid_bh = pid // n_mblocks
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUPS

@@ -872,10 +872,10 @@ def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
         assert torch.equal(q, before)
     monkeypatch.setenv("ELSA_HOPPER", "0")
     assert hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False,
-                           state=None, scale=0.125) == "ELSA_HOPPER=0"
+                           state=None, scale=0.125, precision=None) == "ELSA_HOPPER=0"
     monkeypatch.setenv("ELSA_HOPPER", "force")
     reason = hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False, state=None,
-                             scale=0.125)
+                             scale=0.125, precision=None)
     assert reason == (hopper._IMPORT_ERROR or "not a CUDA device")
     out = elsa_surgery.attention(q, q, q, backend="elsa")  # the portable kernel, under the interpreter
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
@@ -890,9 +890,71 @@ def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
     assert hopper.tiles(32, 64, True, tiles_128=4096) == (64, 128, 2, 4)  # causal, narrow heads: every size
     assert hopper.tiles(64, 128, True, tiles_128=4096) == (128, 64, 2, 8)  # Dv decides too
     assert hopper.eligible(q, q, q, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False, state=None,
-                           scale=-0.125, how="force") == (hopper._IMPORT_ERROR or "not a CUDA device")
+                           scale=-0.125, precision="strict", how="force") == (hopper._IMPORT_ERROR or "not a CUDA device")
+    # the fp32 (strict) kernel's tiles: 64 x 64 for narrow heads, 32-key tiles for wide ones, 128 rows on big grids
+    assert hopper.fma_tiles(64, 64, False, tiles_128=64) == (64, 64, 2, 4)
+    assert hopper.fma_tiles(32, 16, True, tiles_128=8192) == (64, 64, 2, 4)
+    assert hopper.fma_tiles(128, 128, True, tiles_128=1024) == (128, 32, 2, 8)
+    assert hopper.fma_tiles(64, 128, False, tiles_128=256) == (64, 32, 2, 4)
     monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32,3,4")
     assert hopper.tiles(128, 128, False) == (64, 32, 3, 4)
+    assert hopper.fma_tiles(128, 128, False) == (64, 32, 3, 4)
     monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32")
     with pytest.raises(ValueError, match="ELSA_HOPPER_TILES"):
         hopper.tiles(128, 128, False)
+
+
+@pytest.mark.parametrize("group", ["1", "3", "8", "auto"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_causal_row_blocks_ordered_by_head_group(group, varlen, monkeypatch):
+    """Causal grids run their row blocks heaviest first across groups of heads (occupancy.causal_head_group):
+    one head at a time, groups of 3 over 8 batch-heads (the last group of 2), every head, and the L2 rule. Every
+    program maps to a distinct (head, row block): outputs poisoned first, GQA, ragged rows, against the oracle."""
+    from elsa_surgery.kernels import occupancy
+
+    if group == "auto":
+        monkeypatch.delenv(occupancy.ENV_HEAD_GROUP, raising=False)
+    else:
+        monkeypatch.setenv(occupancy.ENV_HEAD_GROUP, group)
+    q, k, v = rand(2, 4, 150, 16), rand(2, 2, 170, 16), rand(2, 2, 170, 8)
+    if not varlen:
+        out, lse = poisoned_run(q, k, v, is_causal=True)
+        check(out, lse, *oracle(q, k, v, is_causal=True), TOL["strict"])
+        return
+    lens_q, lens_k = [150, 61], [170, 90]
+    qp = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(lens_q)])
+    kp = torch.cat([k[b, :, :n].transpose(0, 1) for b, n in enumerate(lens_k)])
+    vp = torch.cat([v[b, :, :n].transpose(0, 1) for b, n in enumerate(lens_k)])
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
+    out = elsa_surgery.attention_varlen(qp, kp, vp, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                        is_causal=True, backend="elsa", precision="strict")
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        ref, _ = oracle(q[b:b + 1, :, :nq], k[b:b + 1, :, :nk], v[b:b + 1, :, :nk], is_causal=True)
+        got = out[sum(lens_q[:b]):sum(lens_q[:b + 1])].transpose(0, 1)
+        assert rel(got, ref[0]) <= TOL["strict"]
+
+
+def test_causal_head_group_rule_and_knob(monkeypatch):
+    """The group is the number of query heads whose K/V (of this launch's keys) fit in CAUSAL_L2_SHARE of L2, or,
+    when more, enough heads to balance the grid's tail (CAUSAL_BALANCE_PROGRAMS_PER_SM x SMs / row blocks); at
+    least one and at most the launch's batch-heads. ELSA_CAUSAL_HEAD_GROUP forces it and is validated."""
+    from elsa_surgery.kernels import occupancy
+
+    monkeypatch.delenv(occupancy.ENV_HEAD_GROUP, raising=False)
+    cpu = torch.device("cpu")  # one "SM" (occupancy._sms): the L2 rule decides
+    share = int(occupancy.CPU_L2_BYTES * occupancy.CAUSAL_L2_SHARE)
+    per = 4096 * 2 * (128 + 128)  # bf16 K and V of one head, N = 4K
+    kw = dict(kv_bytes_per_key=512, m_blocks=32)
+    assert occupancy.causal_head_group(cpu, n_k=4096, groups=1, bh=32, **kw) == share // per
+    assert occupancy.causal_head_group(cpu, n_k=4096, groups=4, bh=32, **kw) == 32  # GQA: 4 heads per K/V head
+    assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, **kw) == 1
+    assert occupancy.causal_head_group(cpu, n_k=128, groups=1, bh=6, **kw) == 6
+    monkeypatch.setattr(occupancy, "_sms", lambda device: 132)  # an H100's balance term
+    assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, kv_bytes_per_key=512, m_blocks=32) == 16
+    assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, kv_bytes_per_key=512, m_blocks=512) == 1
+    monkeypatch.setenv(occupancy.ENV_HEAD_GROUP, "5")
+    assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, **kw) == 5
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(occupancy.ENV_HEAD_GROUP, bad)
+        with pytest.raises(ValueError, match=occupancy.ENV_HEAD_GROUP):
+            occupancy.causal_head_group(cpu, n_k=1, kv_bytes_per_key=1, groups=1, bh=1, m_blocks=1)
