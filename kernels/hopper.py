@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .occupancy import _sms, causal_head_group
+from .occupancy import _cuda_index, _sms, causal_head_group
 
 LOG2E = 1.4426950408889634
 
@@ -231,7 +231,6 @@ if gluon is not None:
             _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq)
         tma.store_wait(pendings=0)
 
-
     @gluon.jit
     def _elsa_fwd_sm90_fma(q_desc, k_desc, v_desc, o_ptr, s_ob, s_oh, s_on, lse_ptr, s_lb, s_lh, s_ln, Nq, Nk,
                            Hq, G, qk_scale, n_mblocks, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -239,7 +238,7 @@ if gluon is not None:
                            IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
         """``strict`` fp32: the same fold with both products as IEEE FMAs (no tensor cores), blocked in registers.
 
-        Each thread owns a 1-strided set of rows and key columns (rows ``r + 32·i``, keys ``c + 8·j``), so that
+        Each thread owns strided rows and key columns (rows ``r + 32·i``, keys ``c + 8·j``), so that
         the eight threads of a warp reading a K tile touch eight consecutive keys: with the 128-byte swizzle of
         the TMA tiles their 16-byte loads fall in distinct banks (a thread owning 8 consecutive keys made every
         load an 8-way bank conflict: 12 instead of 38 TFLOP/s on an H100). Q and K are read 16 columns of D at
@@ -340,7 +339,7 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
         return _IMPORT_ERROR
     if q.device.type != "cuda":
         return "not a CUDA device"
-    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())[0] != 9:
+    if _capability(_cuda_index(q.device))[0] != 9:
         return "not a Hopper (sm_90) device"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}"

@@ -227,10 +227,14 @@ def split_forced() -> bool:
     return _precise_split_env() in ("f16", "f16k")
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the CPU interpreter: plans follow the memory budget alone
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(_cuda_index(device))
 
 
 def _forced_stage_plan() -> Optional[Tuple[str, int]]:
@@ -361,7 +365,7 @@ def sm_count(device_index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _l2_bytes(device_index: int) -> int:
-    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0)) or CPU_L2_BYTES
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0)) or DEFAULT_L2_BYTES
 
 
 # Causal grids run their row blocks heaviest first (most keys) across a group of heads at a time, not within
@@ -374,7 +378,8 @@ def _l2_bytes(device_index: int) -> int:
 # programs, ~2 a SM) / row blocks a head, i.e. CAUSAL_BALANCE_PROGRAMS_PER_SM x SMs / row blocks.
 CAUSAL_L2_SHARE = 0.5
 CAUSAL_BALANCE_PROGRAMS_PER_SM = 4
-CPU_L2_BYTES = 50 * 2**20  # the CPU interpreter: an H100's L2, so that CPU tests take the same groups
+# the CPU interpreter (and a torch without ``L2_cache_size``): an H100's L2, so that CPU tests take the same groups
+DEFAULT_L2_BYTES = 50 * 2**20
 ENV_HEAD_GROUP = "ELSA_CAUSAL_HEAD_GROUP"  # force the group (tests, measurements)
 
 
@@ -387,8 +392,7 @@ def causal_head_group(device: torch.device, *, n_k: int, kv_bytes_per_key: int, 
         if not forced.isdecimal() or int(forced) < 1:
             raise ValueError(f"{ENV_HEAD_GROUP} must be an integer >= 1, got {forced!r}")
         return max(1, min(bh, int(forced)))
-    l2 = CPU_L2_BYTES if device.type != "cuda" else _l2_bytes(
-        device.index if device.index is not None else torch.cuda.current_device())
+    l2 = DEFAULT_L2_BYTES if device.type != "cuda" else _l2_bytes(_cuda_index(device))
     kv_heads = int(l2 * CAUSAL_L2_SHARE) // max(1, n_k * kv_bytes_per_key)
     balance = CAUSAL_BALANCE_PROGRAMS_PER_SM * _sms(device) // max(1, m_blocks)
     return max(1, min(bh, max(kv_heads * groups, balance)))
@@ -450,7 +454,7 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
         return max(1, min(int(forced), max_by_keys))
     if device.type != "cuda":
         return 1
-    n_sm = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    n_sm = sm_count(_cuda_index(device))
     if tiles >= n_sm * FILL_PROGRAMS_PER_SM:
         return 1
     target = n_sm * TARGET_PROGRAMS_PER_SM

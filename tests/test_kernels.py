@@ -942,7 +942,7 @@ def test_causal_head_group_rule_and_knob(monkeypatch):
 
     monkeypatch.delenv(occupancy.ENV_HEAD_GROUP, raising=False)
     cpu = torch.device("cpu")  # one "SM" (occupancy._sms): the L2 rule decides
-    share = int(occupancy.CPU_L2_BYTES * occupancy.CAUSAL_L2_SHARE)
+    share = int(occupancy.DEFAULT_L2_BYTES * occupancy.CAUSAL_L2_SHARE)
     per = 4096 * 2 * (128 + 128)  # bf16 K and V of one head, N = 4K
     kw = dict(kv_bytes_per_key=512, m_blocks=32)
     assert occupancy.causal_head_group(cpu, n_k=4096, groups=1, bh=32, **kw) == share // per
