@@ -1,9 +1,11 @@
 """The ELSA scan on Hopper (sm_90), written in Gluon: two kernels, one partition each.
 
-* fp16/bf16 (``_elsa_fwd_sm90``): asynchronous wgmma, TMA loads of K/V tiles into a ring of shared-memory
-  stages completing on mbarriers, and two or three CTAs per SM so one CTA's softmax overlaps another's
-  tensor-core products. Triton's own code generation stops at 0.71-0.76x SDPA cuDNN for this loop at D=128
-  (docs/PERF.md, v9); the explicit schedule here is what moves it.
+* fp16/bf16 and fp32 ``turbo`` (``_elsa_fwd_sm90``): asynchronous wgmma, TMA loads of K/V tiles into a ring of
+  shared-memory stages completing on mbarriers, and (fp16/bf16) two or three CTAs per SM so one CTA's softmax
+  overlaps another's tensor-core products. Triton's own code generation stops at 0.71-0.76x SDPA cuDNN for this
+  loop at D=128 (docs/PERF.md, v9); the explicit schedule here is what moves it. For ``turbo`` (TF32 products)
+  each V tile is transposed in shared memory, as a TF32 wgmma reads K-major operands only: the portable kernel
+  had to stage V transposed in memory for that (v5), and reached 4.0-4.4x ME-SDPA at D=128 16K causal vs 5.2x.
 * fp32 ``strict`` (``_elsa_fwd_sm90_fma``): both products as IEEE FMAs, register-blocked with layouts chosen so
   that the shared-memory reads of the TMA tiles are free of bank conflicts; 37-40 TFLOP/s on an H100 at N >= 4K
   where Triton's FMA dot reached 12-19.5 (docs/PERF.md, v8 and v12).
@@ -12,9 +14,9 @@ Each program folds the key tiles of its row block into per-row ``(m, S, W)`` on 
 ``scan.elsa_fwd`` does with one partition.
 
 Scope (``eligible`` says why a call is not taken, and the launcher then runs ``scan.elsa_fwd``):
-fp16/bf16, or fp32 in ``strict`` mode, on a CUDA device of compute capability 9.x with Gluon available (Triton
->= 3.6); dense calls without a mask, ``q_lengths``/``kv_lengths`` or state output; for fp16/bf16 a positive
-scale (it is applied after the row max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv
+fp16/bf16, or fp32 in ``strict`` or ``turbo`` mode (``precise`` stays on the portable kernel), on a CUDA device of
+compute capability 9.x with Gluon available (Triton >= 3.6); dense calls without a mask, ``q_lengths``/
+``kv_lengths`` or state output; for the wgmma kernel a positive scale (it is applied after the row max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv
 in {16, 32, 64, 128} (Gluon tiles are powers of two; 256 does not fit), other head dims on the portable kernel;
 any Nq, Nk (TMA zero-fills past the end and the last tiles are masked); any strides whose inner dim is
 contiguous and whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path
@@ -63,6 +65,10 @@ MIN_WORK = 1e10
 # H100 (session 11, medians of 3 rounds of 200): work 1.1e9 (1x32x512x128) portable 376 us vs Gluon 226 us;
 # 5.4e8: 310 vs 239 us (8x16x257x64) but 203 vs 236 us (1x8x1024x64); 2.4e8-2.7e8: 181-187 vs 217-226 us
 MIN_WORK_FP32 = 5e8
+# The same for the TF32 (turbo) kernel, whose kernel saves less than strict's: eager public calls on an H100
+# (session 12, medians of 3 rounds of 200): work 5.4e8 297 vs 291 us (1x8x1024x64) but 165 vs 208 us
+# (8x16x257x64); 1.1e9 (1x32x512x128) 134 vs 173 us; 2.0e9-4.3e9: Gluon 1-5% faster (8x12x577x64, 1x32x1024x128)
+MIN_WORK_TF32 = 2e9
 
 if gluon is not None:
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -180,22 +186,34 @@ if gluon is not None:
     def _elsa_fwd_sm90(q_desc, k_desc, v_desc, o_desc, lse_ptr, s_lb, s_lh, s_ln, Nq, Nk, Hq, G, qk_scale,
                        n_mblocks, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
+                       WRITE_LSE: gl.constexpr, TF32: gl.constexpr, num_warps: gl.constexpr):
+        """fp16/bf16, or fp32 with TF32 products (``turbo``; ``TF32``). A TF32 wgmma reads both shared operands
+        K-major, which V's tile (keys x Dv, Dv contiguous) is not for P·V: each V tile is transposed through
+        registers into a keys-contiguous buffer once Q·Kᵀ has landed (issued while the wgmma was in flight, the
+        transpose crashed ptxas 12.8 and 12.9 with a segmentation fault)."""
         b, h, hk, m0 = _program_block(n_mblocks, Hq, G, head_group, BLOCK_M, IS_CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
 
+        KI: gl.constexpr = 8 if TF32 else 16  # K of one wgmma instruction: 32 bytes of operand
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
+                                                           instr_shape=[16, BLOCK_N, KI])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DV, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                           instr_shape=[16, HEAD_DV, KI])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=1 if TF32 else 2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # the V transpose: two rows x four columns a thread, 16 x 2 threads a warp; with the 128-byte swizzle of
+        # both tiles neither the loads nor the stores conflict on banks (gl.bank_conflicts at 64 x 128: 0 and 0)
+        vt_rows: gl.constexpr = 1 if BLOCK_N < 64 else (BLOCK_N // 32 if BLOCK_N // 32 < num_warps else num_warps)
+        vt_layout: gl.constexpr = gl.BlockedLayout([2, 4], [16, 2], [vt_rows, num_warps // vt_rows], [1, 0])
 
         off = Nk - Nq
         q_smem, k_ring, v_ring, bars, q_bar, n_full, n_tiles = _start(
             q_desc, k_desc, v_desc, b, h, hk, m0, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)
+        if TF32:
+            vt_smem = gl.allocate_shared_memory(
+                dtype, [HEAD_DV, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEAD_DV, BLOCK_N], dtype))
         m_i, l_i, acc, rows, cols = _row_state(m0, BLOCK_M, BLOCK_N, HEAD_DV, row_s, col_s, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
@@ -204,6 +222,10 @@ if gluon is not None:
             st, k_smem, v_smem = _kv_tile(k_ring, v_ring, bars, j, STAGES)
             s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # raw Q·Kᵀ: the scale is applied below
+            if TF32:
+                vt_smem.permute((1, 0)).store(v_smem.load(vt_layout))
+                fence_async_shared()
+                v_smem = vt_smem.permute((1, 0))
             s = _visible_scores(s, n0, n_full, rows, cols, Nk, off, IS_CAUSAL)
             # qk_scale > 0 (``eligible``): the row max of the raw scores, scaled, is the max of the scaled
             # scores, and the scale folds into exp2's argument as one FMA per score (no separate multiply)
@@ -322,6 +344,14 @@ def _layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
 
 
+def _kind(dtype: torch.dtype, precision: Optional[str]) -> Optional[str]:
+    """Which Hopper kernel a dtype and fp32 mode run on: ``"lowp"`` (fp16/bf16 wgmma), ``"tf32"`` (``turbo``:
+    the same wgmma kernel on fp32 tiles), ``"fma"`` (``strict``), ``None`` (``precise``: none)."""
+    if dtype != torch.float32:
+        return "lowp"
+    return {"strict": "fma", "turbo": "tf32"}.get(precision or "strict")
+
+
 def _descriptor_ok(t: torch.Tensor) -> bool:
     es = t.element_size()
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
@@ -343,20 +373,21 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
         return "not a Hopper (sm_90) device"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}"
-    fp32 = q.dtype == torch.float32
-    if fp32 and (precision or "strict") != "strict":
-        return f"precision {precision!r} (the fp32 Gluon kernel is strict's: IEEE FMA products)"
+    kind = _kind(q.dtype, precision)
+    if kind is None:
+        return (f"precision {precision!r} (fp32 Gluon kernels: strict's IEEE FMA products and turbo's TF32; "
+                "precise's three products run on the portable kernel)")
     if varlen or state is not None or mask is not None or q_lengths is not None or kv_lengths is not None:
         return "masks, lengths, varlen and state output run on the portable kernel"
-    if not fp32 and not scale > 0:
-        return f"scale {scale} <= 0 (the kernel applies the scale after the row max)"
+    if kind != "fma" and not scale > 0:
+        return f"scale {scale} <= 0 (the wgmma kernel applies the scale after the row max)"
     D, Dv = q.shape[-1], v.shape[-1]
     if D not in HEAD_DIMS or Dv not in HEAD_DIMS:
         return f"head dims D={D}, Dv={Dv} (Gluon tiles need powers of two: one of {HEAD_DIMS})"
     if not all(_descriptor_ok(t) for t in (q, k, v, out)):
         return "strides not TMA-compatible (inner dim contiguous, others 16-byte multiples, 16-byte base)"
     work = float(q.shape[0] * q.shape[1]) * q.shape[2] * k.shape[2] * D * (0.5 if is_causal else 1.0)
-    least = MIN_WORK_FP32 if fp32 else MIN_WORK
+    least = {"lowp": MIN_WORK, "tf32": MIN_WORK_TF32, "fma": MIN_WORK_FP32}[kind]
     if how != "force" and work < least and not torch.cuda.is_current_stream_capturing():
         return f"small eager call (work {work:.2g} < {least:.0e}): the portable kernel's launch is cheaper"
     return None
@@ -415,31 +446,55 @@ def fma_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int 
     return (128, 32, 2, 8) if tiles_128 >= FMA_WIDE_GRID_PER_SM * sms else (64, 32, 2, 4)
 
 
+def tf32_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
+    """``(BLOCK_M, BLOCK_N, STAGES, num_warps)`` of the TF32 (``turbo``) kernel; ``ELSA_HOPPER_TILES`` forces them
+    as for :func:`tiles`. fp32 tiles take twice the shared memory of fp16 ones: 128 x 64 with eight warps (224 KB
+    at D = 128, one CTA an SM) was the fastest tile from 1K to 16K keys on an H100 (docs/PERF.md, v13), except on
+    grids too small to fill the SMs (64 rows) and narrow-head causal grids under 4 programs an SM (64 x 64)."""
+    forced = _forced_tiles()
+    if forced:
+        return forced
+    wide = max(d, dv) > 64
+    if tiles_128 < SMALL_GRID_PER_SM * sms:
+        return (64, 32, 2, 4) if wide else (64, 128, 2, 4)
+    if is_causal and not wide and tiles_128 < CAUSAL_SMALL_GRID_PER_SM * sms:
+        return 64, 64, 2, 4
+    return 128, 64, 2, 8
+
+
 def _desc(t: torch.Tensor, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(tuple(block), t.dtype))
 
 
-def forward(q, k, v, out, lse, *, scale: float, is_causal: bool):
-    """``out [B, Hq, Nq, Dv]`` (any TMA-compatible strides) and optionally ``lse [B, Hq, Nq]`` fp32: the FMA kernel
-    for fp32, the wgmma kernel for fp16/bf16."""
+def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Optional[str] = None):
+    """``out [B, Hq, Nq, Dv]`` (any TMA-compatible strides) and optionally ``lse [B, Hq, Nq]`` fp32: the wgmma kernel
+    for fp16/bf16 and for fp32 ``turbo`` (TF32), the FMA kernel for fp32 ``strict`` (``precision``)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    fp32 = q.dtype == torch.float32
-    bm, bn, stages, warps = (fma_tiles if fp32 else tiles)(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq,
-                                                            sms=_sms(q.device))
+    kind = _kind(q.dtype, precision)
+    if kind is None:
+        raise ValueError(f"precision {precision!r} has no Hopper kernel (see eligible)")
+    fma = kind == "fma"
+    pick = {"lowp": tiles, "tf32": tf32_tiles, "fma": fma_tiles}[kind]
+    bm, bn, stages, warps = pick(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq, sms=_sms(q.device))
     n_mb = -(-Nq // bm)
     head_group = (causal_head_group(q.device, n_k=Nk, kv_bytes_per_key=q.element_size() * (D + Dv),
                                     groups=Hq // Hkv, bh=B * Hq, m_blocks=n_mb) if is_causal else 1)
     descs = _desc(q, [1, 1, bm, D]), _desc(k, [1, 1, bn, D]), _desc(v, [1, 1, bn, Dv])
-    # fp32: the output is stored from registers (through its strides); fp16/bf16: through a TMA descriptor
-    o_args = (out, *out.stride()[:3]) if fp32 else (_desc(out, [1, 1, bm, Dv]),)
-    (_elsa_fwd_sm90_fma if fp32 else _elsa_fwd_sm90)[(n_mb * B * Hq,)](
-        *descs, *o_args, lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)),
-        Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb, head_group,
-        BLOCK_M=bm, BLOCK_N=bn, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
-        WRITE_LSE=lse is not None, num_warps=warps,
-        # eight warps (fp16/bf16): at most 128 registers a thread, so that two CTAs share an SM (ptxas may take
-        # more); the fp32 kernel needs up to 196 and runs one CTA of eight warps an SM
-        **({"maxnreg": 128} if warps == 8 and not fp32 else {}),
-    )
+    # fma: the output is stored from registers (through its strides); the wgmma kernel: through a TMA descriptor
+    o_args = (out, *out.stride()[:3]) if fma else (_desc(out, [1, 1, bm, Dv]),)
+    lse_args = (lse if lse is not None else out, *(lse.stride() if lse is not None else (0, 0, 0)))
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
+                  WRITE_LSE=lse is not None, num_warps=warps)
+    if fma:
+        kernel = _elsa_fwd_sm90_fma
+    else:
+        kernel = _elsa_fwd_sm90
+        consts["TF32"] = kind == "tf32"
+        if warps == 8 and kind == "lowp":
+            # at most 128 registers a thread, so that two CTAs of eight warps share an SM (ptxas may take more);
+            # the fp32 kernels run one CTA an SM (shared memory) and need up to 196
+            consts["maxnreg"] = 128
+    kernel[(n_mb * B * Hq,)](*descs, *o_args, *lse_args, Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb,
+                             head_group, **consts)
     return out, lse

@@ -301,12 +301,13 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     split = dot in occ.SPLIT_DOTS
     if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
-        if dot in (occ.DOT_LOWP, occ.DOT_IEEE) and parts == 1 and n_mblocks and BH:
+        if dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32) and parts == 1 and n_mblocks and BH:
             why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
                                       varlen=varlen, state=state, is_causal=bool(is_causal), scale=scale,
                                       precision=precision, how=hopper_mode)
             if why_not is None:
-                hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal)
+                hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal,
+                               precision=precision)
                 return out, lse, state
         stage, plan = staging(dot, cfg, n_mblocks, parts)
     if n_mblocks == 0 or BH == 0:

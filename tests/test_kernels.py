@@ -896,9 +896,18 @@ def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
     assert hopper.fma_tiles(32, 16, True, tiles_128=8192) == (64, 64, 2, 4)
     assert hopper.fma_tiles(128, 128, True, tiles_128=1024) == (128, 32, 2, 8)
     assert hopper.fma_tiles(64, 128, False, tiles_128=256) == (64, 32, 2, 4)
+    # the TF32 (turbo) kernel's: 128 x 64 (one CTA an SM), 64-row tiles on grids under one program an SM, 64 x 64
+    # for narrow-head causal grids under four
+    assert hopper.tf32_tiles(128, 128, True, tiles_128=1024) == (128, 64, 2, 8)
+    assert hopper.tf32_tiles(64, 64, False, tiles_128=256) == (128, 64, 2, 8)
+    assert hopper.tf32_tiles(64, 64, True, tiles_128=256) == (64, 64, 2, 4)
+    assert hopper.tf32_tiles(64, 64, True, tiles_128=1024) == (128, 64, 2, 8)
+    assert hopper.tf32_tiles(64, 32, False, tiles_128=64) == (64, 128, 2, 4)
+    assert hopper.tf32_tiles(64, 128, True, tiles_128=64) == (64, 32, 2, 4)
     monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32,3,4")
     assert hopper.tiles(128, 128, False) == (64, 32, 3, 4)
     assert hopper.fma_tiles(128, 128, False) == (64, 32, 3, 4)
+    assert hopper.tf32_tiles(128, 128, False) == (64, 32, 3, 4)
     monkeypatch.setenv("ELSA_HOPPER_TILES", "64,32")
     with pytest.raises(ValueError, match="ELSA_HOPPER_TILES"):
         hopper.tiles(128, 128, False)

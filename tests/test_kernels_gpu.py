@@ -15,14 +15,22 @@ pytestmark = pytest.mark.gpu
 TOL = {"strict": 2e-6, "precise": 2e-6, "turbo": 2e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def _precision(dtype):
-    """The fp32 tests of the Gluon kernels ask for ``strict`` (the CUDA default is ``precise``)."""
-    return "strict" if dtype == torch.float32 else None
+def _dtype(kind):
+    """The tests of the Gluon kernels run on a ``kind``: a dtype (fp16/bf16) or an fp32 mode ("strict", "turbo")."""
+    return kind if isinstance(kind, torch.dtype) else torch.float32
 
 
-def _mode(dtype):
-    """TOL's key for a dtype (fp32: ``strict``, see _precision)."""
-    return _precision(dtype) or dtype
+def _precision(kind):
+    """The fp32 mode of a kind (the CUDA default is ``precise``, which no Gluon kernel runs); ``torch.float32``
+    means ``strict``."""
+    if kind == torch.float32:
+        return "strict"
+    return None if isinstance(kind, torch.dtype) else kind
+
+
+def _mode(kind):
+    """TOL's key for a kind (see _precision)."""
+    return _precision(kind) or kind
 
 
 def rel(x, ref):
@@ -136,34 +144,34 @@ def test_masks_gpu():
     assert rel(out, ro) <= 5e-3
 
 
-def _compile_across_lengths(dtype=torch.bfloat16):
+def _compile_across_lengths(kind=torch.bfloat16):
     """A causal call under torch.compile(fullgraph=True) over four lengths: accurate, and at most one static
     compile plus one dynamic-shape recompile."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    prec = _precision(dtype)
+    prec, dtype = _precision(kind), _dtype(kind)
     cf = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa",
                                                               precision=prec) * 2, fullgraph=True)
     counters.clear()
     for n in (1000, 1500, 2100, 3000):
         q, k, v = (rand(1, 4, n, 64, dtype=dtype) for _ in range(3))
-        assert rel(cf(q, k, v), oracle(q, k, v, is_causal=True)[0] * 2) <= TOL[_mode(dtype)]
+        assert rel(cf(q, k, v), oracle(q, k, v, is_causal=True)[0] * 2) <= TOL[_mode(kind)]
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
-def _cuda_graph_replay(d: int, dtype=torch.float16):
+def _cuda_graph_replay(d: int, kind=torch.float16):
     """A causal call captured in a CUDA graph, replayed on new inputs written into the captured ones."""
-    q, k, v = (rand(2, 4, 777, d, dtype=dtype) for _ in range(3))
-    prec = _precision(dtype)
+    q, k, v = (rand(2, 4, 777, d, dtype=_dtype(kind)) for _ in range(3))
+    prec = _precision(kind)
     replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa",
                                                                  precision=prec))
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
     out = replay()
     torch.cuda.synchronize()
-    assert rel(out, oracle(q, k, v, is_causal=True)[0]) <= TOL[_mode(dtype)]
+    assert rel(out, oracle(q, k, v, is_causal=True)[0]) <= TOL[_mode(kind)]
 
 
 def test_torch_compile_fullgraph_no_recompile_storm():
@@ -356,7 +364,7 @@ def _layout(t, layout):
 
 
 @hopper_only
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", [torch.float16, torch.bfloat16, "strict", "turbo"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,Dv,layout", [
     (2, 4, 4, 1041, 1041, 64, 64, "bhnd"),
@@ -365,30 +373,32 @@ def _layout(t, layout):
     (1, 3, 3, 4096, 4096, 128, 128, "bnhd"),
     (3, 2, 2, 200, 333, 32, 16, "bhnd"),
 ])
-def test_hopper_kernel_matches_the_oracle(dtype, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch):
-    """The Gluon kernels (kernels/hopper.py: wgmma for fp16/bf16, FMA for fp32 ``strict``) on ragged lengths,
-    Nq != Nk both ways, GQA/MQA, Dv != D, both memory layouts: outputs and lse against the float64 oracle, every
-    element written (poisoned first), rows with no key zeros with lse -inf, and the Gluon kernel really ran
-    (``ELSA_HOPPER=force``: small calls too)."""
+def test_hopper_kernel_matches_the_oracle(kind, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch):
+    """The Gluon kernels (kernels/hopper.py: wgmma for fp16/bf16 and fp32 ``turbo``, FMA for fp32 ``strict``) on
+    ragged lengths, Nq != Nk both ways, GQA/MQA, Dv != D, both memory layouts: outputs and lse against the float64
+    oracle, every element written (poisoned first), rows with no key zeros with lse -inf, and the Gluon kernel
+    really ran (``ELSA_HOPPER=force``: small calls too)."""
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
     monkeypatch.setenv("ELSA_HOPPER", "force")
     runs = _count_hopper_runs(monkeypatch)
+    dtype = _dtype(kind)
     q = _layout(rand(B, Hq, Nq, D, dtype=dtype), layout)
     k = _layout(rand(B, Hkv, Nk, D, dtype=dtype), layout)
     v = _layout(rand(B, Hkv, Nk, Dv, dtype=dtype), layout)
-    out, lse = poisoned(q, k, v, None, is_causal=causal)
+    out, lse = poisoned(q, k, v, _precision(kind), is_causal=causal)
     assert len(runs) == 1, runs
     ro, rl = oracle(q, k, v, is_causal=causal)
     assert not out.isnan().any() and not lse.isnan().any()
-    tol = TOL[_mode(dtype)]
+    tol = TOL[_mode(kind)]
     assert rel(out, ro) <= tol, rel(out, ro)
     none = torch.isinf(rl)
     assert torch.equal(torch.isinf(lse), none) and (lse[none] < 0).all()
     assert (out[none] == 0).all()
-    assert rel(lse[~none], rl[~none]) <= (2e-6 if dtype == torch.float32 else 1e-5)
+    lse_tol = {"strict": 2e-6, "turbo": TOL["turbo"]}.get(_mode(kind), 1e-5)
+    assert rel(lse[~none], rl[~none]) <= lse_tol, rel(lse[~none], rl[~none])
     # the public call (its own [B, N, H, Dv] output) takes the same kernel
     got = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", enable_gqa=True,
-                                 precision=_precision(dtype))
+                                 precision=_precision(kind))
     assert len(runs) == 2 and rel(got, ro) <= tol
 
 
@@ -408,7 +418,8 @@ def test_hopper_kernel_every_tile_config(tiles, causal, dtype, B, Hq, Hkv, Nq, N
 
 
 @hopper_only
-@pytest.mark.parametrize("tiles", ["64,64,2,4", "64,32,2,4", "128,32,2,8"])
+@pytest.mark.parametrize("kind,tiles", [("strict", t) for t in ("64,64,2,4", "64,32,2,4", "128,32,2,8")]
+                         + [("turbo", t) for t in ("128,64,2,8", "64,64,2,4", "64,128,2,4", "64,32,2,4")])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,Dv,layout", [
     (2, 4, 4, 1041, 1041, 64, 64, "bhnd"),
@@ -416,15 +427,18 @@ def test_hopper_kernel_every_tile_config(tiles, causal, dtype, B, Hq, Hkv, Nq, N
     (2, 2, 1, 77, 1374, 32, 16, "bhnd"),
     (1, 2, 2, 300, 500, 16, 128, "bhnd"),
 ])
-def test_hopper_fp32_kernel_every_tile_config(tiles, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch):
-    """The same for the fp32 (``strict``) kernel's tiles (``hopper.fma_tiles``)."""
+def test_hopper_fp32_kernels_every_tile_config(kind, tiles, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch):
+    """The same for the fp32 kernels' tiles: ``strict`` (FMA, ``hopper.fma_tiles``) and ``turbo`` (TF32 wgmma,
+    ``hopper.tf32_tiles``; its 64 x 128 tile fits narrow heads only)."""
+    if kind == "turbo" and tiles == "64,128,2,4" and max(D, Dv) > 64:
+        pytest.skip("64 x 128 fp32 tiles at D = 128 exceed shared memory")
     monkeypatch.setenv("ELSA_HOPPER_TILES", tiles)
-    test_hopper_kernel_matches_the_oracle(torch.float32, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch)
+    test_hopper_kernel_matches_the_oracle(kind, causal, B, Hq, Hkv, Nq, Nk, D, Dv, layout, monkeypatch)
 
 
 @hopper_only
-@pytest.mark.parametrize("case", ["mask", "head dim 80", "ELSA_HOPPER=0", "float32 precise", "float32 turbo",
-                                  "negative scale"])
+@pytest.mark.parametrize("case", ["mask", "head dim 80", "ELSA_HOPPER=0", "float32 precise", "negative scale",
+                                  "float32 turbo negative scale"])
 def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
     """Calls outside the Gluon kernel's scope run the portable kernel, correctly."""
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
@@ -435,7 +449,7 @@ def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
     d = 80 if case == "head dim 80" else 64
     q, k, v = (rand(2, 4, 1000, d, dtype=dtype) for _ in range(3))
     mask = torch.rand(2, 1, 1000, 1000, device="cuda") > 0.2 if case == "mask" else None
-    scale = -0.125 if case == "negative scale" else None
+    scale = -0.125 if case.endswith("negative scale") else None
     out = elsa_surgery.attention(q, k, v, mask, backend="elsa", scale=scale, precision=precision)
     assert runs == []
     ro = elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference", scale=scale)
@@ -458,45 +472,47 @@ def test_hopper_fp32_kernel_takes_any_scale(monkeypatch):
 
 
 @hopper_only
-@pytest.mark.parametrize("dtype,big,small", [(torch.bfloat16, (8, 4096, 128), (8, 1024, 64)),
-                                             (torch.float32, (8, 2048, 64), (2, 256, 64))])
-def test_hopper_kernel_taken_by_size_under_auto(dtype, big, small, monkeypatch):
-    """Unforced, the Gluon kernel takes calls of at least ``hopper.MIN_WORK`` (``MIN_WORK_FP32`` for fp32) and
-    leaves smaller eager ones (whose launch it would make slower) to the portable kernel, but takes them too
-    when they are captured in a graph."""
+@pytest.mark.parametrize("kind,big,small", [(torch.bfloat16, (8, 4096, 128), (8, 1024, 64)),
+                                            ("strict", (8, 2048, 64), (2, 256, 64)),
+                                            ("turbo", (8, 4096, 64), (8, 1024, 64))])
+def test_hopper_kernel_taken_by_size_under_auto(kind, big, small, monkeypatch):
+    """Unforced, the Gluon kernels take calls of at least ``hopper.MIN_WORK`` (``MIN_WORK_FP32`` for strict,
+    ``MIN_WORK_TF32`` for turbo) and leave smaller eager ones (whose launch they would make slower) to the
+    portable kernel, but take them too when they are captured in a graph."""
     from elsa_surgery.kernels import hopper
 
-    least = hopper.MIN_WORK_FP32 if dtype == torch.float32 else hopper.MIN_WORK
+    least = {"strict": hopper.MIN_WORK_FP32, "turbo": hopper.MIN_WORK_TF32}.get(kind, hopper.MIN_WORK)
+    dtype = _dtype(kind)
     monkeypatch.delenv("ELSA_HOPPER", raising=False)
     runs = _count_hopper_runs(monkeypatch)
     h, n, d = big
     q, k, v = (rand(1, h, n, d, dtype=dtype) for _ in range(3))
     assert h * n * n * d >= least
-    out = elsa_surgery.attention(q, k, v, backend="elsa", precision=_precision(dtype))
+    out = elsa_surgery.attention(q, k, v, backend="elsa", precision=_precision(kind))
     assert len(runs) == 1
-    assert rel(out[:, :2], oracle(q[:, :2], k[:, :2], v[:, :2])[0]) <= TOL[_mode(dtype)]  # two heads: quick
+    assert rel(out[:, :2], oracle(q[:, :2], k[:, :2], v[:, :2])[0]) <= TOL[_mode(kind)]  # two heads: quick
     h, n, d = small
     q, k, v = (rand(1, h, n, d, dtype=dtype) for _ in range(3))
     assert h * n * n * d < least
-    eager = elsa_surgery.attention(q, k, v, backend="elsa", precision=_precision(dtype))
+    eager = elsa_surgery.attention(q, k, v, backend="elsa", precision=_precision(kind))
     assert len(runs) == 1
     # captured in a CUDA graph, the same small call takes the Gluon kernel (host time is paid once)
     replay = benchmark.cuda_graph(lambda: elsa_surgery.attention(q, k, v, backend="elsa",
-                                                                 precision=_precision(dtype)))
+                                                                 precision=_precision(kind)))
     assert len(runs) == 2
-    assert rel(replay(), eager) <= 2 * TOL[_mode(dtype)]
+    assert rel(replay(), eager) <= 2 * TOL[_mode(kind)]
 
 
 @hopper_only
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_hopper_kernel_in_cuda_graphs_and_compile(dtype, monkeypatch):
+@pytest.mark.parametrize("kind", [torch.float16, "strict", "turbo"])
+def test_hopper_kernel_in_cuda_graphs_and_compile(kind, monkeypatch):
     """The Gluon kernels capture in a CUDA graph (descriptors are launch parameters) and run inside
     torch.compile(fullgraph=True) across lengths without a recompile per length."""
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
     monkeypatch.setenv("ELSA_HOPPER", "force")
     runs = _count_hopper_runs(monkeypatch)
-    _cuda_graph_replay(128, dtype)
+    _cuda_graph_replay(128, kind)
     assert runs
     runs.clear()
-    _compile_across_lengths(torch.bfloat16 if dtype == torch.float16 else dtype)
+    _compile_across_lengths(torch.bfloat16 if kind == torch.float16 else kind)
     assert len(runs) == 4
