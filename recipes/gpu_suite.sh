@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash recipes/gpu_suite.sh PART [OUTDIR]
-#   PART: tests | models | llama | vision | exec (then: OUTDIR COMMAND..., run with the package mapped)
+#   PART: tests | tests-kernels | tests-rest | models | llama | vision | exec (then: OUTDIR COMMAND..., run with
+#   the package mapped). tests = tests-kernels (tests/test_kernels_gpu.py) then tests-rest (every other GPU test):
+#   each half fits one call, the whole suite no longer does.
 # Works from a plain checkout: the package is mapped onto PYTHONPATH (kernels/ -> elsa_surgery.kernels,
 # adapters/ -> elsa_surgery.adapters) when it is not installed. open_clip wheels, if carried in .whl/,
 # are installed into /tmp/site first.
@@ -26,10 +28,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu_$part.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu_$part.txt"
+gpu_tests() {  # $1: log name, then pytest selection; run from outside the checkout so that the repo's unmapped
+  # elsa_surgery/ is not imported first
+  local log=$1; shift
+  (cd /tmp && timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
+     --rootdir "$repo" --tb=short "$@" 2>&1 | tee "$out/$log" | tail -60)
+}
 case "$part" in
-  tests)  # from outside the checkout so that the repo's unmapped elsa_surgery/ is not imported first
-    (cd /tmp && timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
-       --rootdir "$repo" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.log" | tail -60) ;;
+  tests-kernels) gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" ;;
+  tests-rest) gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" ;;
+  tests)
+    gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py"
+    gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" ;;
   models)
     timeout 560 python3 recipes/bench_models.py --models vit_b16,vit_l14_clip,swin_t --dtypes fp32,bf16 \
       --modes cudagraph --iters 10 --no-verify --out "$out/models.json" 2>&1 | tee "$out/models.log" | tail -60 ;;
