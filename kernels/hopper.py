@@ -495,6 +495,16 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
             # at most 128 registers a thread, so that two CTAs of eight warps share an SM (ptxas may take more);
             # the fp32 kernels run one CTA an SM (shared memory) and need up to 196
             consts["maxnreg"] = 128
-    kernel[(n_mb * B * Hq,)](*descs, *o_args, *lse_args, Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb,
-                             head_group, **consts)
+    try:
+        kernel[(n_mb * B * Hq,)](*descs, *o_args, *lse_args, Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb,
+                                 head_group, **consts)
+    except Exception as e:
+        from triton.runtime.errors import OutOfResources
+
+        if isinstance(e, OutOfResources) and _forced_tiles():
+            # nothing was launched: the caller's tensors are as they were
+            raise ValueError(f"{ENV_TILES}={os.environ[ENV_TILES]!r} does not fit this GPU's {e.name} for "
+                             f"{q.dtype} ({kind}) at D={D}, Dv={Dv}: {e.required} needed, {e.limit} available; "
+                             "use smaller tiles or unset it") from e
+        raise
     return out, lse

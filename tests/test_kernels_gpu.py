@@ -465,6 +465,19 @@ def test_hopper_kernel_not_taken_outside_its_scope(case, monkeypatch):
 
 
 @hopper_only
+def test_hopper_forced_tiles_that_do_not_fit_name_the_variable(monkeypatch):
+    """``ELSA_HOPPER_TILES`` forcing tiles whose shared memory exceeds the SM's (fp32 64 x 128 at D = 128) raises
+    a ValueError naming the variable, not Triton's out-of-resources error, and writes nothing."""
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    monkeypatch.setenv("ELSA_HOPPER_TILES", "64,128,2,4")
+    q, k, v = (rand(1, 2, 300, 128) for _ in range(3))
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="ELSA_HOPPER_TILES='64,128,2,4' does not fit"):
+        launch.attention(q, k, v, scale=0.125, precision="turbo", out=out)
+    assert (out == 7.0).all()
+
+
+@hopper_only
 def test_hopper_fp32_kernel_takes_any_scale(monkeypatch):
     """The fp32 kernel scales the scores before the row max (as the portable kernel), so a negative or zero
     scale runs on it too."""
