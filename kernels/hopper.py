@@ -16,10 +16,10 @@ Each program folds the key tiles of its row block into per-row ``(m, S, W)`` on 
 Scope (``eligible`` says why a call is not taken, and the launcher then runs ``scan.elsa_fwd``):
 fp16/bf16, or fp32 in ``strict`` or ``turbo`` mode (``precise`` stays on the portable kernel), on a CUDA device of
 compute capability 9.x with Gluon available (Triton >= 3.6); dense calls without a mask, ``q_lengths``/
-``kv_lengths`` or state output; for the wgmma kernel a positive scale (it is applied after the row max); causal (bottom-right) or not; GQA/MQA by head index; head dims D, Dv
-in {16, 32, 64, 128} (Gluon tiles are powers of two; 256 does not fit), other head dims on the portable kernel;
-any Nq, Nk (TMA zero-fills past the end and the last tiles are masked); any strides whose inner dim is
-contiguous and whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path
+``kv_lengths`` or state output; for the wgmma kernel a positive scale (it is applied after the row max); causal
+(bottom-right) or not; GQA/MQA by head index; head dims D, Dv in {16, 32, 64, 128} (Gluon tiles are powers of
+two; 256 does not fit), other head dims on the portable kernel; any Nq, Nk (TMA zero-fills past the end and the
+last tiles are masked); any strides whose inner dim is contiguous and whose other strides are 16-byte multiples. The Triton interpreter cannot run Gluon, so this path
 is tested on the GPU only (tests/test_kernels_gpu.py); every CPU test runs ``scan.elsa_fwd``.
 """
 
