@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from .occupancy import _cuda_index, _sms, causal_head_group
+from . import replay
+from .occupancy import _cuda_index, _sms, capability, causal_head_group
 
 LOG2E = 1.4426950408889634
 
@@ -328,15 +329,10 @@ HEAD_DIMS = (16, 32, 64, 128)  # D = 256 would not fit the registers at these ti
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "1").strip().lower() or "1"
+    value = replay.env(ENV).strip().lower() or "1"
     if value not in _ENV_VALUES:
         raise ValueError(f"{ENV} must be one of {_ENV_VALUES} (off, by size, whenever in scope), got {value!r}")
     return value
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int):
-    return torch.cuda.get_device_capability(index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -369,7 +365,7 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
         return _IMPORT_ERROR
     if q.device.type != "cuda":
         return "not a CUDA device"
-    if _capability(_cuda_index(q.device))[0] != 9:
+    if capability(_cuda_index(q.device))[0] != 9:
         return "not a Hopper (sm_90) device"
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype}"
@@ -408,7 +404,7 @@ FMA_WIDE_GRID_PER_SM = 4
 
 
 def _forced_tiles():
-    forced = os.environ.get(ENV_TILES, "").strip()
+    forced = replay.env(ENV_TILES).strip()
     if not forced:
         return None
     parts = forced.split(",")
@@ -496,8 +492,8 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
             # the fp32 kernels run one CTA an SM (shared memory) and need up to 196
             consts["maxnreg"] = 128
     try:
-        kernel[(n_mb * B * Hq,)](*descs, *o_args, *lse_args, Nq, Nk, Hq, Hq // Hkv, float(scale) * LOG2E, n_mb,
-                                 head_group, **consts)
+        replay.launch(kernel, (n_mb * B * Hq,), *descs, *o_args, *lse_args, Nq, Nk, Hq, Hq // Hkv,
+                      float(scale) * LOG2E, n_mb, head_group, **consts)
     except Exception as e:
         from triton.runtime.errors import OutOfResources
 

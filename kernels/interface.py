@@ -7,7 +7,8 @@
 * :func:`attention_varlen` — packed sequences, ``(out, lse [Hq, total_q] or None)``.
 
 Files: ``scan.py`` the Triton kernels, ``launch.py`` the launchers, ``occupancy.py`` tile table and
-partition model (ELSA-Lean knob ``ELSA_LEAN_ETA``), ``ops.py`` the ``torch.library`` custom ops.
+partition model (ELSA-Lean knob ``ELSA_LEAN_ETA``), ``replay.py`` launch plans (a call's launches recorded once per
+signature and replayed), ``ops.py`` the ``torch.library`` custom ops.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
         why = _dim_reason(name, d)
         if why:
             return why
-    if dev.type == "cuda" and q.dtype == torch.bfloat16 and torch.cuda.get_device_capability(dev)[0] < 8:
+    if dev.type == "cuda" and q.dtype == torch.bfloat16 and occupancy.capability(occupancy._cuda_index(dev))[0] < 8:
         return "bfloat16 needs a GPU of compute capability 8.0 or newer"
     if mask is not None:
         if mask.dim() != 4:

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import occupancy as occ
+from . import replay
 
 LOG2E = 1.4426950408889634
 
@@ -182,8 +183,8 @@ class _SplitKV:
         rk = max(1, 4096 // bd)  # K's rows per program (a scale per row); V's: the attention kernel's key block
         n_rblocks = max(-(-N // rk), -(-N // self.block_n) if self.split_v else 0)
         grid = (n_rblocks * B * H, 2 if self.split_v else 1)
-        scan.split_f16[grid](
-            k, kh, kl, ki, v, vh, vl, vi, N, H, n_rblocks,
+        replay.launch(
+            scan.split_f16, grid, k, kh, kl, ki, v, vh, vl, vi, N, H, n_rblocks,
             *k.stride(), kh.stride(0), kh.stride(1), ki.stride(0), ki.stride(1),
             *v.stride(), vh.stride(0), vh.stride(1), vi.stride(0), vi.stride(1),
             D=self.d, DV=self.dv, BLOCK_RK=rk, BLOCK_D=bd, BLOCK_RV=self.block_n, BLOCK_DV=bdv, num_warps=4)
@@ -213,10 +214,46 @@ def _partition_len(n_k: int, parts: int, block_n: int) -> int:
     return -(-per // block_n) * block_n
 
 
+# Inputs that are often one tensor (self-attention on one projection, one cu_seqlens for queries and keys):
+# the key holds whether they are, so that their plans replay
+_ALIASES = (("q", "k"), ("k", "v"), ("q", "v"), ("cu_q", "cu_k"), ("q_lengths", "kv_lengths"))
+
+
+def _geometry(t):
+    """What a launch plan's key holds of a tensor: everything the planner and Triton's specialisation read."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+
+
 def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
          is_causal=False, varlen_dims=None, out=None, lse=None, state=None, want_lse=True,
          num_partitions=None, eta=None):
-    """Shared launcher. Dense: q [B,Hq,Nq,D]. Varlen: q [total,Hq,D] with varlen_dims=(B, max_q, max_k)."""
+    """Shared launcher. Dense: q [B,Hq,Nq,D]. Varlen: q [total,Hq,D] with varlen_dims=(B, max_q, max_k).
+    Through a launch plan (kernels/replay.py) keyed by the call's signature: planned and recorded once, replayed
+    after (``ELSA_LAUNCH_PLANS``)."""
+    def plan_and_run():
+        return _plan_run(q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=q_lengths,
+                         kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, is_causal=is_causal, varlen_dims=varlen_dims,
+                         out=out, lse=lse, state=state, want_lse=want_lse, num_partitions=num_partitions, eta=eta)
+
+    if not replay.wanted(q):
+        return plan_and_run()
+    slots = dict(q=q, k=k, v=v, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k,
+                 out=out, lse=lse)
+    if state is not None:
+        slots.update(state_m=state[0], state_s=state[1], state_w=state[2])
+    cuda = q.is_cuda
+    key = (tuple(slots[a] is slots[b] for a, b in _ALIASES), q.device, torch.cuda.current_device() if cuda else None,
+           cuda and torch.cuda.is_current_stream_capturing(), float(scale), precision, bool(is_causal), varlen_dims,
+           bool(want_lse), num_partitions, eta, _geometry(q), _geometry(k), _geometry(v), _geometry(mask),
+           _geometry(q_lengths), _geometry(kv_lengths), _geometry(cu_q), _geometry(cu_k), _geometry(out),
+           _geometry(lse), None if state is None else tuple(map(_geometry, state)))
+    return replay.run(key, slots, plan_and_run, _ALIASES)
+
+
+def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
+              is_causal=False, varlen_dims=None, out=None, lse=None, state=None, want_lse=True,
+              num_partitions=None, eta=None):
+    """Plans a call and runs it (see :func:`_run`)."""
     scan = _scan()
     from . import hopper  # after _scan(): Triton is imported only when kernels run
 
@@ -249,8 +286,10 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     if state is None:
         if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
             out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else _new_out(q, B, Hq, Nq, Dv)
+            replay.allocated("out", out)
         if want_lse and lse is None:
             lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
+            replay.allocated("lse", lse)
 
     def staging(dot_, cfg_, n_mb, parts_):
         """(stage?, plan): whether K/V are staged and in which pieces (occupancy.stage_plan); causal key
@@ -327,6 +366,8 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         pm = torch.empty((parts, BH, Nq), **f32)
         ps = torch.empty((parts, BH, Nq), **f32)
         pw = torch.empty((parts, BH, Nq, Dv), **f32)
+        for name, t in (("part_m", pm), ("part_s", ps), ("part_w", pw)):
+            replay.allocated(name, t)
     elif state is not None:
         pm, ps, pw = state
     else:
@@ -346,8 +387,8 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
         head_group = (occ.causal_head_group(q.device, n_k=min(klim, Nk - koff), kv_bytes_per_key=q.element_size()
                                             * (D + Dv), groups=groups, bh=B * hq, m_blocks=n_mblocks)
                       if is_causal else 1)
-        scan.elsa_fwd[(n_mblocks * B * hq, parts)](
-            q_, k_, v_, mask_t if mask_t is not None else dummy,
+        replay.launch(
+            scan.elsa_fwd, (n_mblocks * B * hq, parts), q_, k_, v_, mask_t if mask_t is not None else dummy,
             q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
@@ -378,14 +419,17 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     if split:
         k, v, split_args = _stage(stager, _Region.buffer(q, B, _specs_bytes(stager.specs(Hkv, Nk))), k, v)
     elif stage:
-        v = _stage_v(v, varlen)
+        staged = _stage_v(v, varlen)
+        if staged is not v:
+            replay.derived("v_staged", staged, lambda slots: _stage_v(slots["v"], varlen))
+        v = staged
     fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args)
     if parts > 1:
         merge_m = 64 if BDV <= 128 else 32
         nmb = -(-Nq // merge_m)
         fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
-        scan.elsa_merge[(nmb * BH,)](
-            pm, ps, pw, cu_q if cu_q is not None else dummy,
+        replay.launch(
+            scan.elsa_merge, (nmb * BH,), pm, ps, pw, cu_q if cu_q is not None else dummy,
             out if out is not None else dummy, lse if want_lse and lse is not None else dummy, fm, fs, fw,
             Nq, Hq, nmb, Nq, BH, parts, *so, *sl,
             DV=Dv, BLOCK_DV=BDV, BLOCK_M=merge_m, VARLEN=varlen, WRITE_STATE=state is not None,

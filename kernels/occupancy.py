@@ -10,11 +10,12 @@ import functools
 import math
 import numbers
 import operator
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+
+from . import replay
 
 # Dot-product kinds understood by the kernels (see scan.py).
 DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3, DOT_F16X3V = 0, 1, 2, 3, 4, 5, 6
@@ -88,7 +89,7 @@ def block_dim(d: int) -> int:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    return replay.env("TRITON_INTERPRET") not in ("", "0")
 
 
 # Tuned on an H100 at N >= 4K and on an H200 at model shapes (docs/perf/kernels.md, "Tiles by length").
@@ -176,7 +177,7 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
     """
     if dot not in (DOT_TF32, DOT_TF32X3):
         return False
-    if os.environ.get(ENV_STAGE, "").strip() == "0":
+    if replay.env(ENV_STAGE).strip() == "0":
         return False
     return rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE
 
@@ -216,7 +217,7 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
 
 
 def _precise_split_env() -> str:
-    env = os.environ.get(ENV_PRECISE_SPLIT, "").strip()
+    env = replay.env(ENV_PRECISE_SPLIT).strip()
     if env not in ("", "f16", "f16k", "tf32"):
         raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16', 'f16k' or 'tf32', got {env!r}")
     return env
@@ -240,7 +241,7 @@ def _sms(device: torch.device) -> int:
 def _forced_stage_plan() -> Optional[Tuple[str, int]]:
     """``ELSA_STAGE_PLAN`` parsed: ``None`` when unset, else ``(kind, N)`` with kind ``whole`` (N 0), ``heads``,
     ``keys`` or ``rkeys`` (N > 0)."""
-    env = os.environ.get(ENV_STAGE_PLAN, "").strip()
+    env = replay.env(ENV_STAGE_PLAN).strip()
     if not env:
         return None
     kind, _, num = env.partition(":")
@@ -358,6 +359,19 @@ def _even_chunks(n_k: int, keys: int, block_n: int) -> int:
     return -(-(-(-n_k // chunks)) // block_n) * block_n
 
 
+def capability(device_index: int) -> Tuple[int, int]:
+    """The CUDA compute capability of a device (cached: the query costs microseconds on every call; under
+    torch.compile tracing the query itself, which dynamo traces without warning about a cache)."""
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_capability(device_index)
+    return _capability(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -387,7 +401,7 @@ def causal_head_group(device: torch.device, *, n_k: int, kv_bytes_per_key: int, 
                       m_blocks: int) -> int:
     """Query heads (of the ``bh`` = batch x heads of a launch, ``m_blocks`` row blocks each) whose causal row blocks
     are ordered heaviest first together (see CAUSAL_L2_SHARE); ``groups`` query heads share one K/V head."""
-    forced = os.environ.get(ENV_HEAD_GROUP, "").strip()
+    forced = replay.env(ENV_HEAD_GROUP).strip()
     if forced:
         if not forced.isdecimal() or int(forced) < 1:
             raise ValueError(f"{ENV_HEAD_GROUP} must be an integer >= 1, got {forced!r}")
@@ -410,7 +424,7 @@ def check_eta(eta, name: str = "eta") -> float:
 
 
 def lean_eta() -> Optional[float]:
-    raw = os.environ.get(ENV_LEAN_ETA, "").strip()
+    raw = replay.env(ENV_LEAN_ETA).strip()
     if not raw:
         return None
     try:
@@ -420,7 +434,7 @@ def lean_eta() -> Optional[float]:
 
 
 def forced_partitions() -> Optional[int]:
-    raw = os.environ.get(ENV_PARTITIONS, "").strip()
+    raw = replay.env(ENV_PARTITIONS).strip()
     if not raw:
         return None
     if not raw.isdecimal() or int(raw) < 1:

@@ -31,6 +31,17 @@ def _seeded():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Every test starts without launch plans (kernels/replay.py), so that a test which patches the planner's
+    module constants gets them planned on its first call."""
+    from elsa_surgery.kernels import replay
+
+    replay.clear()
+    yield
+    replay.clear()
+
+
 @pytest.fixture
 def load_recipe():
     """``load_recipe(name)``: ``recipes/<name>.py`` imported as a module (recipes/ is not a package)."""

@@ -64,3 +64,19 @@ def fp32_tolerance(q, k, scale=None, base=2e-6):
     kd = k.double().reshape(-1, k.shape[-1])
     smax = float((qd @ kd.T).abs().max()) * abs(sc)  # over all pairs: an upper bound of the real max
     return base * max(1.0, smax / 10.0)
+
+
+def decoy(t):
+    """A new tensor with ``t``'s geometry (shape, strides, storage offset, hence the same 16-byte alignment) and
+    other values: a call on decoys records the launch plan that the same call on the real tensors replays
+    (kernels/replay.py), so a replay that kept a tensor of the first call fails the oracle."""
+    if t is None:
+        return None
+    base = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=t.device)
+    if t.dtype == torch.bool:
+        base.copy_(torch.rand(base.shape, device=t.device) > 0.5)
+    elif t.dtype.is_floating_point:
+        base.normal_()
+    else:
+        base.fill_(t.flatten()[0] if t.numel() else 0)
+    return base.as_strided(t.shape, t.stride(), t.storage_offset())

@@ -3,12 +3,16 @@
 The float64 oracle is the package's reference backend (chunked, O(N) memory) run on the GPU.
 """
 
+import os
+
 import pytest
 import torch
 
 import elsa_surgery
 from elsa_surgery import benchmark
 from elsa_surgery.kernels import launch
+from elsa_surgery.kernels import replay as launch_plans
+from oracle import decoy
 
 pytestmark = pytest.mark.gpu
 
@@ -47,11 +51,20 @@ def oracle(q, k, v, **kw):
 
 
 def poisoned(q, k, v, precision, **kw):
+    """``launch.attention`` into NaN-filled outputs, run first on decoys of q, k, v (same geometry, other values)
+    when launch plans are on: the checked call replays the plan the decoys recorded (kernels/replay.py), as every
+    later call of a signature does."""
     B, Hq, Nq, _ = q.shape
-    out = torch.full((B, Hq, Nq, v.shape[-1]), float("nan"), device="cuda", dtype=q.dtype)
-    lse = torch.full((B, Hq, Nq), float("nan"), device="cuda")
-    launch.attention(q, k, v, scale=q.shape[-1] ** -0.5, precision=precision, out=out, lse=lse, **kw)
-    return out, lse
+
+    def run(q, k, v):
+        out = torch.full((B, Hq, Nq, v.shape[-1]), float("nan"), device="cuda", dtype=q.dtype)
+        lse = torch.full((B, Hq, Nq), float("nan"), device="cuda")
+        launch.attention(q, k, v, scale=q.shape[-1] ** -0.5, precision=precision, out=out, lse=lse, **kw)
+        return out, lse
+
+    if os.environ.get(launch_plans.ENV) != "0":
+        run(decoy(q), decoy(k), decoy(v))
+    return run(q, k, v)
 
 
 @pytest.mark.parametrize("mode", ["strict", "precise", "turbo", torch.float16, torch.bfloat16])
@@ -321,7 +334,8 @@ def test_precise_f16_split_more_batch_heads_than_grid_y(monkeypatch):
     monkeypatch.setattr(launch._SplitKV, "__call__", lambda self, k, v, views: splits.append(k.shape) or real(self, k, v, views))
     q, k, v = rand(1100, 64, 40, 16), rand(1100, 64, 72, 16), rand(1100, 64, 72, 16)
     out, lse = poisoned(q, k, v, "precise")
-    assert splits == [k.shape], splits  # the split really ran, on every batch row and head at once
+    # the split really ran, on every batch row and head at once (twice with launch plans: poisoned's decoy call)
+    assert splits and splits == [k.shape] * len(splits), splits
     sel = (slice(None, None, 97), slice(None))  # every 97th batch row, all heads
     ro, rl = oracle(q[sel], k[sel], v[sel])
     assert not torch.isnan(out).any()
@@ -358,8 +372,10 @@ hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the Gluon kernel runs
 
 
 def _count_hopper_runs(monkeypatch):
+    """Counts the planner's calls of the Gluon kernels; launch plans off, so that every call is planned."""
     from elsa_surgery.kernels import hopper
 
+    monkeypatch.setenv(launch_plans.ENV, "0")
     runs = []
     real = hopper.forward
     monkeypatch.setattr(hopper, "forward", lambda *a, **kw: runs.append(a[0].shape) or real(*a, **kw))
@@ -537,3 +553,75 @@ def test_hopper_kernel_in_cuda_graphs_and_compile(kind, monkeypatch):
     runs.clear()
     _compile_across_lengths(torch.bfloat16 if kind == torch.float16 else kind)
     assert len(runs) == 4
+
+
+def _plan_launches():
+    """The launches of the only launch plan recorded so far (tests start without plans: conftest.py)."""
+    (plan,) = launch_plans._plans.values()
+    return plan.launches
+
+
+@pytest.mark.parametrize("kind", [torch.bfloat16, torch.float16, "strict", "turbo"])
+@pytest.mark.parametrize("shape", ["1x8x1024x64", "1x32x4096x128", "decode"])
+def test_launch_plans_replay_straight_to_the_compiled_kernels(kind, shape):
+    """A call's second run replays its launch plan: every launch (the Gluon kernels on Hopper, the portable
+    kernel, phase 2's merge of a split decode step) goes straight to the kernel Triton compiled for the first
+    run, with the arguments rebuilt around the new tensors; outputs as accurate as the planned call's."""
+    dtype = _dtype(kind)
+    if shape == "decode":
+        q, k, v = rand(2, 8, 16, 128, dtype=dtype), rand(2, 2, 20000, 128, dtype=dtype), \
+            rand(2, 2, 20000, 128, dtype=dtype)
+    else:
+        B, H, N, D = map(int, shape.split("x"))
+        q, k, v = (rand(B, H, N, D, dtype=dtype) for _ in range(3))
+    before = dict(launch_plans.STATS)
+    out, lse = poisoned(q, k, v, _precision(kind), is_causal=True)
+    assert launch_plans.STATS["recorded"] == before["recorded"] + 1
+    assert launch_plans.STATS["replayed"] == before["replayed"] + 1
+    launches = _plan_launches()
+    assert launches and all(one.kernel is not None for one in launches), "a launch replayed through kernel[grid]"
+    if shape == "decode":
+        assert len(launches) == 2  # split keys: phase 1 and the merge
+    heads, kv_heads = slice(0, 2), slice(0, -(-2 // (q.shape[1] // k.shape[1])))  # two query heads, their K/V
+    ro, rl = oracle(q[:, heads], k[:, kv_heads], v[:, kv_heads], is_causal=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel(out[:, heads], ro) <= TOL[_mode(kind)], rel(out[:, heads], ro)
+    assert rel(lse[:, heads], rl) <= max(1e-5, TOL[_mode(kind)] if kind == "turbo" else 0)
+
+
+def test_launch_plans_keyed_by_alignment_on_the_gpu():
+    """Triton specialises pointers on 16-byte alignment: a call whose q sits 2 bytes off the grid gets its own
+    plan (and kernel), and both calls are right."""
+    q, k, v = (rand(1, 8, 1024, 64, dtype=torch.float16) for _ in range(3))
+    ref, _ = oracle(q, k, v)
+    aligned = elsa_surgery.attention(q, k, v, backend="elsa")
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_off = buf[1:].view(q.shape).copy_(q)
+    before = dict(launch_plans.STATS)
+    off = elsa_surgery.attention(q_off, k, v, backend="elsa")
+    assert launch_plans.STATS["recorded"] == before["recorded"] + 1
+    again = elsa_surgery.attention(q_off, k, v, backend="elsa")
+    assert launch_plans.STATS["replayed"] == before["replayed"] + 1
+    for out in (aligned, off, again):
+        assert rel(out, ref) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize("kind", [torch.bfloat16, "turbo"])
+def test_launch_plans_under_cuda_graph_capture(kind):
+    """Capturing is in a plan's key (the Gluon kernels take small captured calls): a second capture replays
+    the plan the first one recorded, and both graphs compute the attention of what is in their inputs."""
+    dtype = _dtype(kind)
+    q, k, v = (rand(1, 8, 1024, 64, dtype=dtype) for _ in range(3))
+    call = lambda: elsa_surgery.attention(q, k, v, backend="elsa", is_causal=True, precision=_precision(kind))
+    call()
+    before = dict(launch_plans.STATS)
+    first = benchmark.cuda_graph(call)
+    second = benchmark.cuda_graph(call)
+    # the first capture records the captured plan; the warm-up calls (not captured) and the second capture replay
+    assert launch_plans.STATS["recorded"] == before["recorded"] + 1
+    assert launch_plans.STATS["replayed"] == before["replayed"] + 3
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    ro, _ = oracle(q, k, v, is_causal=True)
+    for graph in (first, second):
+        assert rel(graph(), ro) <= TOL[_mode(kind)]

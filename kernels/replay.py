@@ -1,0 +1,331 @@
+"""Launch plans: the kernel launches of one call, recorded, then replayed for later calls of the same signature.
+
+An eager call spends most of its host time before the GPU sees anything: planning it (dtype kind, tiles,
+partitions, staging, which kernel; ``launch._run``) and Triton's launch path (binding and specialising some 60
+arguments). On an H100 that was 150-220 µs per ``launch.attention`` call at N = 1K, against a 15-50 µs kernel
+(docs/PERF.md, version 14). Both depend only on the call's signature: shapes, strides, dtypes, 16-byte
+alignment of every pointer, scalars, flags, the environment knobs the planner reads, the current device and
+whether the stream is capturing. ``launch`` builds that key; on the first call with a key the planner runs as
+usual while this module records what it launches:
+
+* every tensor a kernel receives must be one of the call's *slots* (q, k, v, mask, lengths, provided outputs,
+  by identity, or a same-size dtype view of one, as the bool mask's ``uint8`` view) or a tensor the planner
+  registered with :func:`allocated` (outputs and partition states it creates) or :func:`derived` (V staged
+  transposed); host tensor descriptors (Gluon's TMA descriptors) over a slot are recorded as their fields;
+* every environment variable the planner reads goes through :func:`env` and is recorded with its value.
+
+A call that launches anything else (K/V pieces staged into carved buffers, head or key slices: the big staged
+fp32 calls, whose host cost is small beside their kernels) is marked not replayable and keeps the planner. Later calls with the
+key and the same environment values replay: the registered tensors are allocated with the recorded
+geometry, and each launch goes straight to the kernel Triton compiled for the first call, with the
+arguments rebuilt around the new tensors, exactly as Triton's own ``JITFunction.run`` calls it (checked
+against the installed Triton's source once; where it differs, the replay launches through ``kernel[grid]``,
+which still skips the planning). Sizes, strides and alignment are in the key, so the kernel Triton
+specialised for the first call is the one it would pick again.
+
+``ELSA_LAUNCH_PLANS``: unset = on for CUDA tensors, ``0`` = off, ``1`` = on everywhere (also under
+``TRITON_INTERPRET=1``, where the replay launches through ``kernel[grid]``: this is how CI tests it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import threading
+from typing import Callable, Dict, Optional
+
+import torch
+
+ENV = "ELSA_LAUNCH_PLANS"
+MAX_PLANS = 4096  # signatures kept (least recently recorded dropped first)
+
+_local = threading.local()
+_plans: Dict[tuple, "Plan"] = {}
+STATS = {"recorded": 0, "replayed": 0, "not_replayable": 0}
+
+
+# os.environ's own store (CPython: encoded names to encoded values, kept in step by os.environ's setters and
+# deleters): a replay checks its recorded variables there, ~20x faster than os.environ.get (decoding)
+_RAW = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+if not (isinstance(_RAW, dict) and callable(_ENCODE)):  # pragma: no cover - other Pythons
+    _RAW, _ENCODE = os.environ, lambda name: name
+_ENV_KEY = _ENCODE(ENV)
+
+
+def env(name: str) -> str:
+    """``os.environ.get(name, "")``, recorded in the plan being recorded: a later call replays only while
+    every variable its planning read still has the recorded value."""
+    value = os.environ.get(name, "")
+    rec = getattr(_local, "rec", None)
+    if rec is not None and name not in rec.env:
+        key = _ENCODE(name)
+        rec.env[name] = (key, _RAW.get(key))
+    return value
+
+
+def wanted(t: torch.Tensor) -> bool:
+    """Whether calls on ``t``'s device use plans (``ELSA_LAUNCH_PLANS``, see the module docstring)."""
+    raw = _RAW.get(_ENV_KEY)
+    if raw is None:
+        return t.is_cuda
+    value = os.environ.get(ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"environment variable {ENV} must be 0 or 1 (or unset: on for CUDA tensors), got {value!r}")
+    return value == "1" or (value == "" and t.is_cuda)
+
+
+def clear() -> None:
+    """Forget every plan (tests that patch the planner's module constants call this)."""
+    _plans.clear()
+
+
+def allocated(name: str, t: Optional[torch.Tensor]) -> None:
+    """Registers a tensor the planner allocated (output, lse, partition state) under ``name``: a replay
+    allocates one of the same geometry."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None and t is not None:
+        rec.allocate(name, t)
+
+
+def derived(name: str, t: torch.Tensor, make: Callable) -> None:
+    """Registers a tensor the planner derived from the call's tensors (V staged transposed): a replay derives it
+    again with ``make(slots)`` (``make`` must not hold tensors: plans outlive calls)."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.derive(name, t, make)
+
+
+def launch(fn, grid, *args, **kwargs):
+    """``fn[grid](*args, **kwargs)``, recorded when a plan is being recorded."""
+    kernel = fn[grid](*args, **kwargs)
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.add(fn, kernel, grid, args, kwargs)
+    return kernel
+
+
+def run(key: tuple, slots: Dict[str, Optional[torch.Tensor]], plan_and_run: Callable, aliases=()):
+    """The call ``plan_and_run()`` (returning ``(out, lse, state)``) through the plan of ``key``: replayed when
+    one is recorded for the current environment, else run and recorded. ``slots``: the call's tensors by name;
+    ``aliases``: pairs of slot names whose identity (``a is b``) the key holds (a recording where any other two
+    slots are one tensor is not replayable)."""
+    plan = _plans.get(key)
+    if plan is not None and plan.env_unchanged():
+        if plan.launches is None:
+            return plan_and_run()
+        STATS["replayed"] += 1
+        return plan.replay(slots)
+    rec = _Recorder(slots, aliases)
+    _local.rec = rec
+    try:
+        result = plan_and_run()
+    finally:
+        _local.rec = None
+    plan = rec.finish(result)
+    STATS["recorded" if plan.launches is not None else "not_replayable"] += 1
+    if len(_plans) >= MAX_PLANS and key not in _plans:
+        del _plans[next(iter(_plans))]
+    _plans[key] = plan
+    return result
+
+
+def why_not_replayable(key: tuple) -> Optional[str]:
+    """The reason the plan of ``key`` is not replayed (None: replayable or not recorded)."""
+    plan = _plans.get(key)
+    return None if plan is None else plan.why
+
+
+_PARAMS: Dict[int, tuple] = {}
+
+
+def _params(fn):
+    """``((name, default), ...)`` of a Triton kernel's parameters in order (cached per kernel)."""
+    got = _PARAMS.get(id(fn))
+    if got is None or got[0] is not fn:
+        sig = inspect.signature(fn.fn)
+        got = (fn, tuple((p.name, p.default) for p in sig.parameters.values()))
+        _PARAMS[id(fn)] = got
+    return got[1]
+
+
+# The launch statements of Triton's JITFunction.run (Triton 3.4 to 3.9 at least) that a direct replay repeats
+_RUN_SOURCE = ("launch_metadata = kernel.launch_metadata(grid, stream, *bound_args.values())",
+               "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,",
+               "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())")
+
+
+@functools.lru_cache(maxsize=None)
+def _launches_as_recorded(cls: type) -> bool:
+    """Whether ``cls.run`` (a Triton JIT function class) launches with the statements a direct replay repeats."""
+    try:
+        src = " ".join(inspect.getsource(cls.run).split())
+    except (AttributeError, OSError, TypeError):
+        return False
+    return all(s in src for s in _RUN_SOURCE)
+
+
+def _direct_ok(fn, kernel) -> bool:
+    """Whether a launch of ``fn`` that returned ``kernel`` can be replayed by calling ``kernel`` directly."""
+    return _launches_as_recorded(type(fn)) and all(
+        hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+
+
+class _Recorder:
+    def __init__(self, slots, aliases=()):
+        self.slots = {n: t for n, t in slots.items() if t is not None}
+        self.ids: Dict[int, str] = {}
+        self.why: Optional[str] = None
+        allowed = {frozenset(pair) for pair in aliases}
+        for name, t in self.slots.items():
+            first = self.ids.setdefault(id(t), name)  # an aliased tensor is replayed from its first slot
+            if first != name and frozenset((first, name)) not in allowed:
+                self.fail(f"{name} and {first} are the same tensor")
+        self.prep = []  # (name, geometry to allocate, or a function of the slots deriving it), in call order
+        self.launches = []
+        self.env: Dict[str, tuple] = {}  # name -> (encoded name, encoded value or None) as read
+
+    def fail(self, why: str):
+        if self.why is None:
+            self.why = why
+
+    def _new_slot(self, name: str, t: torch.Tensor) -> bool:
+        if name in self.slots:
+            self.fail(f"slot {name} registered twice")
+            return False
+        self.slots[name] = t
+        self.ids.setdefault(id(t), name)
+        return True
+
+    def allocate(self, name: str, t: torch.Tensor):
+        if self._new_slot(name, t):
+            self.prep.append((name, (tuple(t.shape), t.stride(), t.dtype, t.device)))
+
+    def derive(self, name: str, t: torch.Tensor, make: Callable):
+        if self._new_slot(name, t):
+            self.prep.append((name, make))
+
+    def _slot(self, t: torch.Tensor):
+        """``(slot name, view dtype or None)`` of a tensor argument, or None."""
+        name = self.ids.get(id(t))
+        if name is not None:
+            return name, None
+        for name, s in self.slots.items():  # a dtype view of a slot (the bool mask as uint8)
+            if (s.dtype != t.dtype and s.dtype.itemsize == t.dtype.itemsize and s.data_ptr() == t.data_ptr()
+                    and s.shape == t.shape and s.stride() == t.stride() and s.device == t.device):
+                return name, t.dtype
+        return None
+
+    def add(self, fn, kernel, grid, args, kwargs):
+        if self.why is not None:
+            return
+        try:
+            params = _params(fn)
+        except (AttributeError, TypeError, ValueError):
+            self.fail(f"kernel {fn!r}: no Python signature")
+            return
+        names = {n for n, _ in params}
+        vals, subs, descs = [], [], []
+        for i, (name, default) in enumerate(params):
+            val = args[i] if i < len(args) else kwargs.get(name, default)
+            if val is inspect.Parameter.empty:
+                self.fail(f"argument {name} of {fn!r} not given")
+                return
+            if isinstance(val, torch.Tensor):
+                slot = self._slot(val)
+                if slot is None:
+                    self.fail(f"argument {name} of {getattr(fn, '__name__', fn)} is not a tensor of the call "
+                              "(staged or sliced operands)")
+                    return
+                subs.append((i, *slot))
+                val = None
+            elif dataclasses.is_dataclass(val) and isinstance(getattr(val, "base", None), torch.Tensor):
+                slot = self._slot(val.base)
+                if slot is None or slot[1] is not None:
+                    self.fail(f"descriptor {name} is not over a tensor of the call")
+                    return
+                fields = {f.name: getattr(val, f.name) for f in dataclasses.fields(val) if f.init and f.name != "base"}
+                descs.append((i, slot[0], type(val), fields))
+                val = None
+            vals.append(val)
+        options = {n: v for n, v in kwargs.items() if n not in names}
+        direct = kernel is not None and _direct_ok(fn, kernel)
+        self.launches.append(_Launch(fn, kernel if direct else None, tuple(grid), vals, subs, descs, options))
+
+    def _name(self, t):
+        if t is None:
+            return None
+        name = self.ids.get(id(t))
+        if name is None:
+            self.fail("a returned tensor is not a tensor of the call")
+        return name
+
+    def finish(self, result) -> "Plan":
+        out, lse, state = result
+        names = (self._name(out), self._name(lse), None if state is None else tuple(self._name(t) for t in state))
+        return Plan(tuple(self.env.values()), None if self.why else tuple(self.prep),
+                    None if self.why else tuple(self.launches), names, self.why)
+
+
+_TRITON = []  # (get_current_device, get_current_stream, knobs.runtime) of the installed Triton, fetched once
+
+
+def _triton():
+    if not _TRITON:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _TRITON.append((driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime))
+    return _TRITON[0]
+
+
+class _Launch:
+    __slots__ = ("fn", "kernel", "grid", "grid3", "vals", "subs", "descs", "options")
+
+    def __init__(self, fn, kernel, grid, vals, subs, descs, options):
+        self.fn, self.kernel, self.grid, self.vals = fn, kernel, grid, vals
+        self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.subs, self.descs, self.options = tuple(subs), tuple(descs), options
+
+    def __call__(self, slots):
+        vals = self.vals.copy()
+        for i, name, view in self.subs:
+            vals[i] = slots[name] if view is None else slots[name].view(view)
+        for i, name, cls, fields in self.descs:
+            vals[i] = cls(slots[name], **fields)
+        kernel = self.kernel
+        if kernel is None:
+            self.fn[self.grid](*vals, **self.options)
+            return
+        device, stream, hooks = _triton()
+        stream = stream(device())
+        g0, g1, g2 = self.grid3
+        meta = kernel.launch_metadata(self.grid, stream, *vals)
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta,
+                   hooks.launch_enter_hook, hooks.launch_exit_hook, *vals)
+
+
+class Plan:
+    __slots__ = ("env", "prep", "launches", "result", "why")
+
+    def __init__(self, env, prep, launches, result, why):
+        self.env, self.prep, self.launches, self.result, self.why = env, prep, launches, result, why
+
+    def env_unchanged(self) -> bool:
+        return all(_RAW.get(key) == value for key, value in self.env)
+
+    def replay(self, slots):
+        slots = dict(slots)
+        for name, how in self.prep:
+            if callable(how):
+                slots[name] = how(slots)
+            else:
+                shape, stride, dtype, device = how
+                slots[name] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        for one in self.launches:
+            one(slots)
+        out, lse, state = self.result
+        return (slots[out] if out else None, slots[lse] if lse else None,
+                None if state is None else tuple(slots[n] for n in state))

@@ -1,0 +1,283 @@
+"""Launch plans (kernels/replay.py): a call's launches recorded once, replayed for later calls of its signature.
+
+On the CPU the kernels run in the Triton interpreter with ``ELSA_LAUNCH_PLANS=1`` (plans are on by default for
+CUDA tensors only); a replay there launches through ``kernel[grid]``. Every replay test first calls on *decoy*
+tensors of the same geometry, then on the real ones, and checks the real call against the float64 oracle
+through poisoned outputs: a replay that kept a tensor of the first call, dropped a launch or skipped an
+allocation fails.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import elsa_surgery
+from elsa_surgery.kernels import launch, occupancy as occ, replay
+from oracle import decoy
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def plans_on(monkeypatch):
+    monkeypatch.setenv(replay.ENV, "1")
+    replay.clear()
+    for k in replay.STATS:
+        monkeypatch.setitem(replay.STATS, k, 0)
+    yield
+    replay.clear()
+
+
+def rel(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm())
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).to(DEV)
+
+
+def poison(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def replayed(call):
+    """Runs ``call(decoy=True)`` then ``call(decoy=False)``; returns the second result and the stats' change."""
+    call(True)
+    before = dict(replay.STATS)
+    res = call(False)
+    return res, {k: replay.STATS[k] - before[k] for k in before}
+
+
+CASES = {
+    "fp32": dict(shape=(2, 2, 70, 32), dtype=torch.float32),
+    "fp16 causal Nq<Nk": dict(shape=(1, 2, 40, 16), nk=90, dtype=torch.float16, is_causal=True),
+    "bf16 gqa": dict(shape=(2, 4, 33, 24), hkv=1, dtype=torch.bfloat16),
+    "bool mask": dict(shape=(2, 2, 50, 16), mask="bool"),
+    "windowed additive mask": dict(shape=(4, 2, 49, 16), mask="window"),
+    "lengths": dict(shape=(3, 2, 60, 16), lengths=True),
+    "partitions": dict(shape=(1, 2, 8, 32), nk=600, parts=3),
+    "no lse, dv != d": dict(shape=(1, 2, 45, 16), dv=40, want_lse=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replay_matches_the_oracle(case):
+    c = CASES[case]
+    B, H, N, D = c["shape"]
+    dtype = c.get("dtype", torch.float32)
+    nk, hkv, dv = c.get("nk", N), c.get("hkv", H), c.get("dv", D)
+    q, k, v = rand(B, H, N, D, dtype=dtype), rand(B, hkv, nk, D, dtype=dtype), rand(B, hkv, nk, dv, dtype=dtype)
+    mask = None
+    if c.get("mask") == "bool":
+        mask = torch.rand(B, 1, N, nk, device=DEV) > 0.3
+    elif c.get("mask") == "window":
+        mask = torch.randn(2, H, N, nk, device=DEV).to(dtype)
+        mask[1, :, :, ::3] = float("-inf")
+    ql = kl = None
+    if c.get("lengths"):
+        ql = torch.tensor([60, 17, 0], device=DEV, dtype=torch.int32)  # canonical lengths (semantics.py)
+        kl = torch.tensor([5, 60, 30], device=DEV, dtype=torch.int32)
+    want_lse = c.get("want_lse", True)
+
+    def call(use_decoy):
+        t = decoy if use_decoy else (lambda x: x)
+        out = poison((B, H, N, dv), dtype)
+        lse = poison((B, H, N), torch.float32) if want_lse else None
+        launch.attention(t(q), t(k), t(v), scale=0.3, mask=t(mask), is_causal=c.get("is_causal", False),
+                         q_lengths=ql, kv_lengths=kl, precision="strict" if dtype == torch.float32 else None,
+                         return_lse=want_lse, out=out, lse=lse, num_partitions=c.get("parts"))
+        return out, lse
+
+    (out, lse), stats = replayed(call)
+    assert stats == {"recorded": 0, "replayed": 1, "not_replayable": 0}, stats
+    ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
+    if c.get("mask") == "window":
+        ref_mask = ref_mask.repeat(B // 2, 1, 1, 1)
+    ref, ref_lse = elsa_surgery.attention(q.double(), k.double(), v.double(), ref_mask, scale=0.3,
+                                          is_causal=c.get("is_causal", False), enable_gqa=True, return_lse=True,
+                                          q_lengths=ql, kv_lengths=kl, backend="reference")
+    assert not out.isnan().any()
+    assert rel(out, ref) <= TOL[dtype], rel(out, ref)
+    if want_lse:
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin) and rel(lse[fin], ref_lse[fin]) <= 1e-5
+
+
+def test_replay_allocates_outputs_and_partition_states():
+    """Outputs the planner allocated (out, lse, the partition states of a split call) come new from each replay."""
+    q, k, v = rand(1, 2, 8, 32), rand(1, 2, 600, 32), rand(1, 2, 600, 32)
+    first, _ = launch.attention(decoy(q), decoy(k), decoy(v), scale=0.2, precision="strict", num_partitions=3)
+    before = replay.STATS["replayed"]
+    out, lse = launch.attention(q, k, v, scale=0.2, precision="strict", num_partitions=3)
+    assert replay.STATS["replayed"] == before + 1
+    assert out.data_ptr() != first.data_ptr() and out.stride() == first.stride()
+    ref, ref_lse = elsa_surgery.attention(q.double(), k.double(), v.double(), scale=0.2, return_lse=True,
+                                          backend="reference")
+    assert rel(out, ref) <= 2e-6 and rel(lse, ref_lse) <= 1e-6
+    (plan,) = replay._plans.values()
+    assert {name for name, _ in plan.prep} == {"out", "lse", "part_m", "part_s", "part_w"}
+    assert [type(one.fn).__name__ for one in plan.launches] and len(plan.launches) == 2  # phase 1 and the merge
+
+
+def test_state_and_varlen_calls_replay():
+    q, k, v = rand(2, 2, 30, 16), rand(2, 2, 50, 16), rand(2, 2, 50, 16)
+    launch.attention_state(decoy(q), decoy(k), decoy(v), scale=0.25)
+    before = replay.STATS["replayed"]
+    m, S, W = launch.attention_state(q, k, v, scale=0.25)
+    out, _ = elsa_surgery.monoid.finalize(elsa_surgery.monoid.State(m, S, W))
+    ref = elsa_surgery.attention(q.double(), k.double(), v.double(), scale=0.25, backend="reference")
+    assert replay.STATS["replayed"] == before + 1 and rel(out, ref) <= 2e-6
+
+    lens = [17, 40, 3]
+    cu = torch.tensor([0, 17, 57, 60], device=DEV, dtype=torch.int32)
+    qp, kp, vp = rand(60, 2, 16), rand(60, 2, 16), rand(60, 2, 16)
+    launch.attention_varlen(decoy(qp), decoy(kp), decoy(vp), cu, cu, 40, 40, scale=0.25, is_causal=True)
+    before = replay.STATS["replayed"]
+    out, lse = launch.attention_varlen(qp, kp, vp, cu, cu, 40, 40, scale=0.25, is_causal=True)
+    assert replay.STATS["replayed"] == before + 1
+    s = 0
+    for n in lens:
+        sl = slice(s, s + n)
+        ref = elsa_surgery.attention(*(t[sl].transpose(0, 1).double() for t in (qp, kp, vp)), scale=0.25,
+                                     is_causal=True, backend="reference")
+        assert rel(out[sl].transpose(0, 1), ref) <= 2e-6
+        s += n
+
+
+def test_new_plan_for_other_alignment_environment_or_scale():
+    """Whatever the planner or Triton's specialisation reads is in the key or checked: a pointer off the 16-byte
+    grid, an environment knob the planner read, another scale: planned again, and right."""
+    q, k, v = rand(1, 2, 40, 16, dtype=torch.float16), rand(1, 2, 40, 16, dtype=torch.float16), \
+        rand(1, 2, 40, 16, dtype=torch.float16)
+    ref = elsa_surgery.attention(q.double(), k.double(), v.double(), scale=0.25, backend="reference")
+    launch.attention(q, k, v, scale=0.25)
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=DEV)
+    q_off = buf[1:].view(q.shape).copy_(q)  # 2 bytes off the 16-byte grid
+    assert q_off.data_ptr() % 16 != q.data_ptr() % 16
+    before = dict(replay.STATS)
+    out, _ = launch.attention(q_off, k, v, scale=0.25)
+    assert replay.STATS["recorded"] == before["recorded"] + 1 and rel(out, ref) <= 5e-3
+    out, _ = launch.attention(q, k, v, scale=0.5)
+    assert replay.STATS["recorded"] == before["recorded"] + 2
+    os.environ[occ.ENV_PARTITIONS] = "2"
+    try:
+        out, _ = launch.attention(q, k, v, scale=0.25)
+    finally:
+        del os.environ[occ.ENV_PARTITIONS]
+    assert replay.STATS["recorded"] == before["recorded"] + 3 and rel(out, ref) <= 5e-3
+    assert replay.STATS["replayed"] == before["replayed"]
+    for _ in range(2):  # the environment as before: planned again (a key keeps one plan), then replayed
+        out, _ = launch.attention(q, k, v, scale=0.25)
+        assert rel(out, ref) <= 5e-3
+    assert replay.STATS["recorded"] == before["recorded"] + 4
+    assert replay.STATS["replayed"] == before["replayed"] + 1
+
+
+def test_aliased_inputs_and_staged_calls(monkeypatch):
+    """One tensor as q, k and v replays (whether they are one tensor is in the key: the same geometry with three
+    tensors is another plan); V staged transposed replays; K/V staged in chunks never do (the reason is kept);
+    all right."""
+    x = rand(1, 2, 50, 16)
+    ref = elsa_surgery.attention(x.double(), x.double(), x.double(), scale=0.25, backend="reference")
+    out, _ = launch.attention(decoy(x), decoy(x), decoy(x), scale=0.25, precision="strict")  # three tensors
+    for _ in range(2):
+        y = decoy(x).copy_(x)
+        out, _ = launch.attention(y, y, y, scale=0.25, precision="strict")
+        assert rel(out, ref) <= 2e-6
+    assert replay.STATS == {"recorded": 2, "replayed": 1, "not_replayable": 0}, replay.STATS
+    three = [decoy(x) for _ in range(3)]
+    out, _ = launch.attention(*three, scale=0.25, precision="strict")
+    ref3 = elsa_surgery.attention(*(t.double() for t in three), scale=0.25, backend="reference")
+    assert replay.STATS["replayed"] == 2 and rel(out, ref3) <= 2e-6
+
+    # V staged transposed (the TF32 modes): the staged copy is derived again from each replay's V
+    monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 1)
+    q, k, v = rand(1, 2, 50, 16), rand(1, 2, 50, 16), rand(1, 2, 50, 16)
+    ref = elsa_surgery.attention(q.double(), k.double(), v.double(), scale=0.25, backend="reference")
+    replay.clear()
+    launch.attention(decoy(q), decoy(k), decoy(v), scale=0.25, precision="turbo")
+    out, _ = launch.attention(q, k, v, scale=0.25, precision="turbo")
+    (plan,) = replay._plans.values()
+    assert [name for name, _ in plan.prep] == ["out", "lse", "v_staged"] and rel(out, ref) <= 2e-3
+    # staged in key chunks (slices of K/V, pieces carved from a buffer): never replayed, the reason kept
+    monkeypatch.setenv(occ.ENV_STAGE_PLAN, "keys:16")
+    replay.clear()
+    for _ in range(2):
+        out, _ = launch.attention(q, k, v, scale=0.25, precision="turbo")
+        assert rel(out, ref) <= 2e-3
+    (key,) = replay._plans
+    assert "staged or sliced" in replay.why_not_replayable(key)
+
+
+def test_bad_switch_names_the_variable(monkeypatch):
+    monkeypatch.setenv(replay.ENV, "yes")
+    q = rand(1, 1, 8, 8)
+    with pytest.raises(ValueError, match=replay.ENV):
+        launch.attention(q, q.clone(), q.clone(), scale=1.0)
+
+
+def test_recorder_rebuilds_descriptors_and_options():
+    """Host tensor descriptors (Gluon's TMA descriptors) are rebuilt around the new tensor with their fields;
+    launch options and constexprs given by keyword reach the replayed launch."""
+
+    @dataclasses.dataclass
+    class Desc:
+        base: torch.Tensor
+        block_shape: list
+        layout: str = "swizzled"
+
+    calls = []
+
+    class Kernel:  # a JIT function's surface: .fn (its Python signature) and [grid]
+        @staticmethod
+        def fn(desc, x_ptr, n, BLOCK=16):
+            pass
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw))
+
+    fn = Kernel()
+    q, x = torch.zeros(4, 8), torch.ones(3)
+    rec = replay._Recorder({"q": q, "x": x})
+    replay._local.rec = rec
+    try:
+        replay.launch(fn, (5,), Desc(q, [2, 8]), x, 7, BLOCK=32, num_warps=8)
+    finally:
+        replay._local.rec = None
+    plan = rec.finish((q, None, None))
+    assert plan.why is None
+    q2, x2 = torch.zeros(4, 8), torch.ones(3)
+    calls.clear()
+    out, lse, state = plan.replay({"q": q2, "x": x2})
+    assert out is q2 and lse is None and state is None
+    (grid, args, kw), = calls
+    assert grid == (5,) and kw == {"num_warps": 8}
+    assert args[0] == Desc(q2, [2, 8]) and args[0].base is q2 and args[1] is x2 and args[2:] == (7, 32)
+
+
+def test_direct_launch_matches_the_installed_triton():
+    """The direct replay repeats the launch statement of Triton's JITFunction.run: the check accepts the
+    installed Triton (else plans would launch through kernel[grid], still correct, slower)."""
+    from triton.runtime.jit import JITFunction
+
+    class Compiled:
+        run = function = packed_metadata = launch_metadata = None
+
+    class Jit(JITFunction):
+        pass
+
+    assert replay._launches_as_recorded(Jit)
+    assert replay._direct_ok(Jit.__new__(Jit), Compiled())
+    assert not replay._direct_ok(Jit.__new__(Jit), object())  # not a compiled kernel
