@@ -64,8 +64,12 @@ _ENV_VALUES = ("0", "1", "force")
 MIN_WORK = 1e10
 # The same for the fp32 (strict) kernel, which saves more kernel time per unit of work: eager public calls on an
 # H100 (session 11, medians of 3 rounds of 200): work 1.1e9 (1x32x512x128) portable 376 us vs Gluon 226 us;
-# 5.4e8: 310 vs 239 us (8x16x257x64) but 203 vs 236 us (1x8x1024x64); 2.4e8-2.7e8: 181-187 vs 217-226 us
-MIN_WORK_FP32 = 5e8
+# 5.4e8: 310 vs 239 us (8x16x257x64) but 203 vs 236 us (1x8x1024x64); 2.4e8-2.7e8: 181-187 vs 217-226 us.
+# With launch plans (session 13, kernels/replay.py: both launches cost about the same host time), eager do_bench
+# medians of 2 rounds (docs/perf/thresholds_eager_h100_v14.jsonl): 2.7e8 1x4x1024x64 168-214 vs 116 us, 1x8x1024x64
+# causal 181 vs 110 us, but 1x2x1024x128 200 vs 221 us; 1.3e8 1x4x1024x64 causal 182 vs 105 us but 1x8x512x64 88 vs
+# 111-115 us: work alone does not separate them below ~2.5e8
+MIN_WORK_FP32 = 2.5e8
 # The same for the TF32 (turbo) kernel, whose kernel saves less than strict's: eager public calls on an H100
 # (session 12, medians of 3 rounds of 200): work 5.4e8 297 vs 291 us (1x8x1024x64) but 165 vs 208 us
 # (8x16x257x64); 1.1e9 (1x32x512x128) 134 vs 173 us; 2.0e9-4.3e9: Gluon 1-5% faster (8x12x577x64, 1x32x1024x128)
