@@ -3,8 +3,6 @@
 The float64 oracle is the package's reference backend (chunked, O(N) memory) run on the GPU.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -62,7 +60,7 @@ def poisoned(q, k, v, precision, **kw):
         launch.attention(q, k, v, scale=q.shape[-1] ** -0.5, precision=precision, out=out, lse=lse, **kw)
         return out, lse
 
-    if os.environ.get(launch_plans.ENV) != "0":
+    if launch_plans.wanted(q):
         run(decoy(q), decoy(k), decoy(v))
     return run(q, k, v)
 

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 import elsa_surgery
 from elsa_surgery.kernels import launch, occupancy as occ, replay
 from oracle import decoy
+from oracle import rel_err as rel
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
@@ -37,11 +38,6 @@ def plans_on(monkeypatch):
         monkeypatch.setitem(replay.STATS, k, 0)
     yield
     replay.clear()
-
-
-def rel(x, ref):
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm())
 
 
 def rand(*shape, dtype=torch.float32):
