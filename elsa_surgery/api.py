@@ -1,7 +1,8 @@
 """The functional API: an SDPA drop-in and its varlen / state-returning siblings.
 
 Semantics are stated once, in :mod:`elsa_surgery.semantics`; the backend is chosen once, in
-:func:`elsa_surgery.dispatch.decide`. This file only wires the two together.
+:func:`elsa_surgery.dispatch.decide`. This file only wires the two together (for :func:`attention` through
+:mod:`elsa_surgery.callcache`, which runs both once per call signature).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, monoid, reference_ops, sdpa
+from . import callcache, dispatch, monoid, reference_ops, sdpa
 from .semantics import Lengths, build_problem, build_varlen_problem
 
 
@@ -56,11 +57,10 @@ def attention(
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
         Rows with no visible key are zeros.
     """
-    p = build_problem(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      q_lengths=q_lengths, kv_lengths=kv_lengths, windowed_mask=windowed_mask)
-    d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=return_lse,
-                        dropout_p=p.dropout_p)
-    dispatch.announce(d)
+    # build_problem + dispatch.decide (+ announce), memoised per signature: see callcache.py
+    p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
+                             precision=precision, return_lse=return_lse, q_lengths=q_lengths,
+                             kv_lengths=kv_lengths, windowed_mask=windowed_mask)
     if d.backend == "elsa":
         out, lse = _kernels().attention(
             p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,

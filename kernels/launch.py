@@ -216,7 +216,7 @@ def _partition_len(n_k: int, parts: int, block_n: int) -> int:
 
 # Inputs that are often one tensor (self-attention on one projection, one cu_seqlens for queries and keys):
 # the key holds whether they are, so that their plans replay
-_ALIASES = (("q", "k"), ("k", "v"), ("q", "v"), ("cu_q", "cu_k"), ("q_lengths", "kv_lengths"))
+_ALIASES = (("q", "k"), ("k", "v"), ("q", "v"), ("cu_q", "cu_k"), ("q_lengths", "kv_lengths"))  # _run's key: in order
 
 
 def _geometry(t):
@@ -242,7 +242,7 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     if state is not None:
         slots.update(state_m=state[0], state_s=state[1], state_w=state[2])
     cuda = q.is_cuda
-    key = (tuple(slots[a] is slots[b] for a, b in _ALIASES), q.device, torch.cuda.current_device() if cuda else None,
+    key = ((q is k, k is v, q is v, cu_q is cu_k, q_lengths is kv_lengths), q.device, torch.cuda.current_device() if cuda else None,
            cuda and torch.cuda.is_current_stream_capturing(), float(scale), precision, bool(is_causal), varlen_dims,
            bool(want_lse), num_partitions, eta, _geometry(q), _geometry(k), _geometry(v), _geometry(mask),
            _geometry(q_lengths), _geometry(kv_lengths), _geometry(cu_q), _geometry(cu_k), _geometry(out),

@@ -111,7 +111,7 @@ def run(key: tuple, slots: Dict[str, Optional[torch.Tensor]], plan_and_run: Call
     """The call ``plan_and_run()`` (returning ``(out, lse, state)``) through the plan of ``key``: replayed when
     one is recorded for the current environment, else run and recorded. ``slots``: the call's tensors by name;
     ``aliases``: pairs of slot names whose identity (``a is b``) the key holds (a recording where any other two
-    slots are one tensor is not replayable)."""
+    slots are one tensor is not replayable). A replay adds the tensors it allocates to ``slots``."""
     plan = _plans.get(key)
     if plan is not None and plan.env_unchanged():
         if plan.launches is None:
@@ -165,6 +165,17 @@ def _launches_as_recorded(cls: type) -> bool:
     except (AttributeError, OSError, TypeError):
         return False
     return all(s in src for s in _RUN_SOURCE)
+
+
+@functools.lru_cache(maxsize=None)
+def _metadata_needs_hook(cls: type) -> bool:
+    """Whether ``cls.launch_metadata`` (Triton's CompiledKernel) returns None when no launch-enter hook is set, as
+    Triton 3.4 to 3.9 do: a replay then skips the call (and its ~70 arguments) when there is no hook."""
+    try:
+        src = " ".join(inspect.getsource(cls.launch_metadata).split())
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "if knobs.runtime.launch_enter_hook is None: return None" in src
 
 
 def _direct_ok(fn, kernel) -> bool:
@@ -302,9 +313,13 @@ class _Launch:
         device, stream, hooks = _triton()
         stream = stream(device())
         g0, g1, g2 = self.grid3
-        meta = kernel.launch_metadata(self.grid, stream, *vals)
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta,
-                   hooks.launch_enter_hook, hooks.launch_exit_hook, *vals)
+        enter = hooks.launch_enter_hook
+        if enter is None and _metadata_needs_hook(type(kernel)):
+            meta = None  # what launch_metadata returns without a hook
+        else:
+            meta = kernel.launch_metadata(self.grid, stream, *vals)
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter,
+                   hooks.launch_exit_hook, *vals)
 
 
 class Plan:
@@ -317,7 +332,7 @@ class Plan:
         return all(_RAW.get(key) == value for key, value in self.env)
 
     def replay(self, slots):
-        slots = dict(slots)
+        """Runs the plan on the call's ``slots`` (a dict this adds the allocated and derived tensors to)."""
         for name, how in self.prep:
             if callable(how):
                 slots[name] = how(slots)

@@ -33,13 +33,17 @@ def _seeded():
 
 @pytest.fixture(autouse=True)
 def _fresh_launch_plans():
-    """Every test starts without launch plans (kernels/replay.py), so that a test which patches the planner's
-    module constants gets them planned on its first call."""
+    """Every test starts without launch plans (kernels/replay.py) and without memoised dispatch decisions
+    (elsa_surgery/callcache.py), so that a test which patches the planner's module constants or the dispatch's
+    functions gets them run on its first call."""
+    from elsa_surgery import callcache
     from elsa_surgery.kernels import replay
 
     replay.clear()
+    callcache.clear()
     yield
     replay.clear()
+    callcache.clear()
 
 
 @pytest.fixture

@@ -1,0 +1,192 @@
+"""The per-signature memo of a public call's validation and dispatch (elsa_surgery/callcache.py): a hit gives what
+the full path gives (decision, output, errors, announcements), and every part of the signature makes its own entry."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import elsa_surgery
+from elsa_surgery import callcache, dispatch
+from oracle import decoy, naive_attention, rel_err
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _qkv(*shape, dtype=torch.float32):
+    return tuple(torch.randn(*shape, dtype=dtype, device=DEV) for _ in range(3))
+
+
+def _oracle(q, k, v, mask=None, **kw):
+    cpu = lambda t: None if t is None else t.cpu()
+    return naive_attention(cpu(q), cpu(k), cpu(v), cpu(mask), **kw)[0]
+
+
+def _counts():
+    return dict(callcache.STATS)
+
+
+def _delta(before):
+    return {k: callcache.STATS[k] - before[k] for k in before}
+
+
+def _kernels_on_cpu(monkeypatch):
+    """On the CPU, ``auto`` as it decides on a GPU: the kernels run in the Triton interpreter (on a GPU: as is)."""
+    if DEV == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(dispatch, "auto_runs_kernels_on", lambda device: True)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("three_d", [False, True])
+def test_a_hit_computes_the_call_on_its_own_tensors(monkeypatch, mask_kind, three_d):
+    """Decoys first (same signature, other values), then the real call: a hit that kept anything of the first call
+    (a tensor, a mask view) fails the oracle. On the ELSA kernels, in the interpreter."""
+    _kernels_on_cpu(monkeypatch)
+    shape = (2, 24, 16) if three_d else (2, 3, 24, 16)
+    q, k, v = _qkv(*shape)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, 24, 24, device=DEV) > 0.3
+    elif mask_kind == "additive":
+        mask = torch.randn(24, device=DEV) * 2  # broadcast over batch, heads and rows: the canonical view is rebuilt
+    kw = dict(attn_mask=mask, is_causal=mask_kind == "none", scale=0.3)
+    before = _counts()
+    with dispatch.record() as log:
+        elsa_surgery.attention(*(decoy(t) for t in (q, k, v)), **{**kw, "attn_mask": decoy(mask)})
+        out = elsa_surgery.attention(q, k, v, **kw)
+    assert _delta(before) == {"hits": 1, "misses": 1, "bypassed": 0}
+    assert [(d.backend, d.fallback) for d in log] == [("elsa", False)] * 2  # announced on the hit too
+    unsq = (lambda t: t.unsqueeze(1)) if three_d else (lambda t: t)
+    m4 = None if mask is None else (mask if mask.dim() == 4 else mask.view(1, 1, 1, 24))
+    ref = _oracle(unsq(q), unsq(k), unsq(v), m4, is_causal=kw["is_causal"], scale=0.3)
+    assert out.shape == (ref.squeeze(1) if three_d else ref).shape
+    assert rel_err(unsq(out).cpu(), ref) < 2e-6
+
+
+def test_every_part_of_the_signature_has_its_own_entry(monkeypatch):
+    _kernels_on_cpu(monkeypatch)
+    q, k, v = _qkv(1, 2, 16, 16)
+    variants = [
+        dict(), dict(scale=0.5), dict(scale=0.25), dict(is_causal=True), dict(is_causal=1),
+        dict(precision="turbo"), dict(backend="reference"), dict(return_lse=True), dict(dropout_p=0),
+        dict(attn_mask=torch.ones(16, 16, dtype=torch.bool, device=DEV)),
+        dict(attn_mask=torch.zeros(16, 16, device=DEV)), dict(attn_mask=torch.zeros(1, 16, device=DEV)),
+    ]
+    before = _counts()
+    for kw in variants:
+        elsa_surgery.attention(q, k, v, **kw)
+    assert _delta(before) == {"hits": 0, "misses": len(variants), "bypassed": 0}
+    for kw in variants:
+        elsa_surgery.attention(q, k, v, **kw)
+    assert _delta(before) == {"hits": len(variants), "misses": len(variants), "bypassed": 0}
+    # other shapes, dtypes, GQA
+    elsa_surgery.attention(*_qkv(1, 2, 17, 16))
+    elsa_surgery.attention(*_qkv(1, 2, 16, 16, dtype=torch.float16))
+    elsa_surgery.attention(q, k[:, :1], v[:, :1], enable_gqa=True)
+    assert _delta(before)["misses"] == len(variants) + 3
+
+
+def test_the_environment_is_part_of_the_signature(monkeypatch):
+    _kernels_on_cpu(monkeypatch)
+    q, k, v = _qkv(1, 2, 16, 16)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v)
+        monkeypatch.setenv("ELSA_BACKEND", "reference")
+        elsa_surgery.attention(q, k, v)
+        monkeypatch.delenv("ELSA_BACKEND")
+        monkeypatch.setenv("ELSA_FP32_PRECISION", "turbo")
+        elsa_surgery.attention(q, k, v)
+        monkeypatch.delenv("ELSA_FP32_PRECISION")
+        elsa_surgery.attention(q, k, v)
+    default = dispatch.default_precision(q.device)
+    assert [(d.backend, d.precision) for d in log] == [
+        ("elsa", default), ("reference", None), ("elsa", "turbo"), ("elsa", default)]
+    monkeypatch.setenv("ELSA_BACKEND", "fast")
+    with pytest.raises(ValueError, match="ELSA_BACKEND"):
+        elsa_surgery.attention(q, k, v)
+
+
+def test_errors_are_never_memoised():
+    q, k, v = _qkv(1, 2, 16, 16)
+    before = _counts()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            elsa_surgery.attention(q, k, v, scale=float("inf"))
+        with pytest.raises(ValueError, match="backend must be one of"):
+            elsa_surgery.attention(q, k, v, backend="fast")
+        with pytest.raises(ValueError, match="return_lse=True is not available with backend='sdpa'"):
+            elsa_surgery.attention(q, k, v, backend="sdpa", return_lse=True)
+        with pytest.raises(ValueError, match="attn_mask of shape"):
+            elsa_surgery.attention(q, k, v, attn_mask=torch.zeros(3, 16, device=DEV))
+        with pytest.raises(ValueError, match="must have the same head dim"):
+            elsa_surgery.attention(q, k[..., :8], v)
+    assert _delta(before) == {"hits": 0, "misses": 10, "bypassed": 0}
+    assert not callcache._entries
+
+
+def test_forced_elsa_that_cannot_run_raises_on_every_call(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _qkv(1, 2, 16, 264)
+    for _ in range(2):
+        with pytest.raises(elsa_surgery.BackendUnavailable, match="D=264"):
+            elsa_surgery.attention(q, k, v, backend="elsa")
+
+
+def test_fallbacks_are_announced_on_hits(monkeypatch, caplog):
+    _kernels_on_cpu(monkeypatch)
+    q, k, v = _qkv(1, 2, 16, 16, dtype=torch.float64)
+    dispatch._logged.clear()
+    with dispatch.record() as log, caplog.at_level(logging.WARNING, logger="elsa_surgery"):
+        for _ in range(3):
+            out = elsa_surgery.attention(q, k, v)
+    assert [(d.backend, d.fallback) for d in log] == [("reference", True)] * 3
+    assert caplog.text.count("dtype torch.float64") == 1  # logged once, recorded every time
+    assert rel_err(out.cpu(), _oracle(q, k, v)) < 1e-12
+
+
+def test_calls_it_does_not_memoise_are_validated_in_full(monkeypatch):
+    _kernels_on_cpu(monkeypatch)
+    q, k, v = _qkv(2, 2, 16, 16)
+    before = _counts()
+    lengths = torch.tensor([16, 9], device=DEV)
+    for _ in range(2):
+        out = elsa_surgery.attention(q, k, v, kv_lengths=lengths)
+        elsa_surgery.attention(q, k, v, scale=torch.tensor(0.25))
+        elsa_surgery.attention(q, k, v, scale=np.float64(0.25))
+        elsa_surgery.attention(q, k, v, is_causal=np.bool_(True))
+        elsa_surgery.attention(torch.nn.Parameter(q, requires_grad=False), k, v)
+    assert _delta(before) == {"hits": 0, "misses": 0, "bypassed": 10}
+    assert rel_err(out.cpu(), _oracle(q, k, v, kv_lengths=lengths.cpu())) < 2e-6
+    with pytest.raises(ValueError, match=r"kv_lengths values must lie in \[0, 16\]"):
+        elsa_surgery.attention(q, k, v, kv_lengths=torch.tensor([17, 3], device=DEV))
+
+
+def test_nothing_is_memoised_under_torch_compile(monkeypatch):
+    """Traced calls neither read nor write the memo or its counters: dynamo would guard on them and recompile on
+    every call (fullgraph compiles once here, for three calls)."""
+    q, k, v = _qkv(1, 2, 16, 16)
+    graphs = []
+
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda a, b, c: elsa_surgery.attention(a, b, c, backend="reference"), backend=count_graphs,
+                      fullgraph=True)
+    before = _counts()
+    for _ in range(3):
+        out = f(q, k, v)
+    assert len(graphs) == 1
+    assert _delta(before) == {"hits": 0, "misses": 0, "bypassed": 0} and not callcache._entries
+    assert rel_err(out.cpu(), _oracle(q, k, v)) < 2e-6
+
+
+def test_the_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(callcache, "MAX_ENTRIES", 3)
+    q, k, v = _qkv(1, 2, 16, 16)
+    for s in (0.1, 0.2, 0.3, 0.4, 0.5):
+        elsa_surgery.attention(q, k, v, scale=s)
+    assert len(callcache._entries) == 3
