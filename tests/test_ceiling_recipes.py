@@ -1,7 +1,8 @@
 """The ceiling recipes compute what they time: the plain Triton GEMM (``recipes/gemm_ceiling.py``), the IEEE
 attention variants (``recipes/strict_variants.py``) and the bare FlashAttention loop (``recipes/lowp_ceiling.py``,
 one or two row sub-tiles) match float64 under the CPU interpreter, in every cut of their dots, so the rates they
-report on the GPU are rates of correct kernels."""
+report on the GPU are rates of correct kernels; the Gluon warp-specialised prototype (``recipes/gluon_ws_ceiling.py``)
+on the GPU, as the interpreter cannot run Gluon."""
 
 import pytest
 import torch
@@ -37,3 +38,17 @@ def test_lowp_ceiling_loop_matches_float64(cfg, load_recipe):
     f.run(q, k, v, o, cfg)
     ref = torch.softmax((q.double() @ k.double().transpose(1, 2)) * 32 ** -0.5, -1) @ v.double()
     assert float((o.double() - ref).norm() / ref.norm()) <= 2e-6
+
+
+@pytest.mark.gpu
+def test_gluon_ws_ceiling_kernels_match_float64(load_recipe):
+    """The warp-specialised prototype whose timings docs/PERF.md (v15) reports computes the right thing: both
+    schedules, both key tiles, fp16/bf16, ragged N, Nq != Nk both ways, GQA, causal rows with no key (its own check
+    raises SystemExit on a wrong output, lse or NaN)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Gluon's Hopper kernels need an sm_90 GPU")
+    from elsa_surgery.kernels import hopper
+
+    if hopper._IMPORT_ERROR:
+        pytest.skip(hopper._IMPORT_ERROR)
+    load_recipe("gluon_ws_ceiling").check([0, 1])
