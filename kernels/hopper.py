@@ -53,14 +53,20 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
     gluon = None
     _IMPORT_ERROR = f"Gluon's Hopper API is not importable from this Triton ({type(e).__name__}: {e})"
 
-ENV = "ELSA_HOPPER"  # "0": off (the portable kernel runs); "1" or unset: by size; "force": whenever in scope
+# "0": off (the portable kernel runs); "1" or unset: by size (see MIN_WORK); "force": whenever in scope
+ENV = "ELSA_HOPPER"
 _ENV_VALUES = ("0", "1", "force")
-# Eager calls with less work than this (B·H·Nq·Nk·D, halved when causal; a kernel under ~100 µs on an H100) run
-# the portable kernel: they are host-bound, and the Gluon launch (four TMA descriptors, Gluon's binder) costs
-# ~30 µs more host time per public call (H100, session 10: 156-164 vs 125-132 µs), more than its kernel saves
-# there (1K H=32 D=128: 39.7 vs 51.1 µs). During CUDA-graph capture the host time is paid once, so captured calls
-# take the Gluon kernel at every size: it was the faster kernel in every cell measured, N = 1K included
-# (graph-replayed: H=8 D=64 1.17x cuDNN vs 1.00x for the portable kernel, H=32 D=128 0.95x vs 0.75x)
+# Eager calls with less work than these (B·H·Nq·Nk·D, halved when causal) run the portable kernel when their Gluon
+# launch costs more host time than the portable one's: without launch plans, or with a Triton whose descriptor
+# launch replay.encodes_descriptors does not reproduce. With launch plans replaying encoded TMA maps (version 16) the
+# Gluon launch costs no more (H100, launcher alone per call: 19-34 vs 23-47 µs), and eager calls take the Gluon
+# kernel at every size: it was faster in 100 of 106 cells timed eagerly (recipes/eager_thresholds.py, best of 2-3
+# rounds, docs/perf/eager_thresholds_h100_v16*.jsonl; 8e6 to 1.7e10 of work, N = 77 to 4K, bf16/fp16/strict/
+# turbo), slower at N = 197 D = 64 non-causal (bf16/fp16 13.5-14.2 vs 12.8-13.1 µs: ragged 128-row tiles) and
+# strict 1x2x1024x128 (220 vs 198-199 µs: 32 programs), even (within 1%) at fp16 N = 197 and strict N = 77 causal.
+# Without encoded maps, from session 10 (bf16: the Gluon launch ~30 µs more host time
+# per public call, more than its kernel saves below 1e10: 1K H=32 D=128 39.7 vs 51.1 µs); captured calls pay the
+# host time once and take the Gluon kernel at every size
 MIN_WORK = 1e10
 # The same for the fp32 (strict) kernel, which saves more kernel time per unit of work: eager public calls on an
 # H100 (session 11, medians of 3 rounds of 200): work 1.1e9 (1x32x512x128) portable 376 us vs Gluon 226 us;
@@ -388,8 +394,10 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
         return "strides not TMA-compatible (inner dim contiguous, others 16-byte multiples, 16-byte base)"
     work = float(q.shape[0] * q.shape[1]) * q.shape[2] * k.shape[2] * D * (0.5 if is_causal else 1.0)
     least = {"lowp": MIN_WORK, "tf32": MIN_WORK_TF32, "fma": MIN_WORK_FP32}[kind]
-    if how != "force" and work < least and not torch.cuda.is_current_stream_capturing():
-        return f"small eager call (work {work:.2g} < {least:.0e}): the portable kernel's launch is cheaper"
+    if (how != "force" and work < least and not torch.cuda.is_current_stream_capturing()
+            and not replay.encodes_descriptors(q)):
+        return (f"small eager call (work {work:.2g} < {least:.0e}) without encoded TMA maps (launch plans off, or "
+                "this Triton's descriptor launch differs): the portable kernel's launch is cheaper")
     return None
 
 

@@ -77,6 +77,17 @@ def wanted(t: torch.Tensor) -> bool:
     return value == "1" or (value == "" and t.is_cuda)
 
 
+def encodes_descriptors(t: torch.Tensor) -> bool:
+    """Whether replayed calls on ``t``'s device launch Gluon kernels with TMA maps encoded here (launch plans on,
+    and the installed Triton's launcher as ``_DESC_SOURCE`` expects): their host cost is then the portable kernel's,
+    and the Hopper kernels need no size threshold for eager calls (``kernels/hopper.py``)."""
+    if not wanted(t):
+        return False
+    from triton.runtime import driver
+
+    return _desc_module(driver.active.launcher_cls) is not None
+
+
 def clear() -> None:
     """Forget every plan (tests that patch the planner's module constants call this)."""
     _plans.clear()
@@ -170,12 +181,61 @@ def _launches_as_recorded(cls: type) -> bool:
 @functools.lru_cache(maxsize=None)
 def _metadata_needs_hook(cls: type) -> bool:
     """Whether ``cls.launch_metadata`` (Triton's CompiledKernel) returns None when no launch-enter hook is set, as
-    Triton 3.4 to 3.9 do: a replay then skips the call (and its ~70 arguments) when there is no hook."""
+    Triton 3.4 to 3.9 do: a launch with no hook to call (None, or Triton 3.6's empty hook chains, see
+    :func:`_idle`) then replays with None for the metadata and both hooks, the combination Triton itself passes
+    when no enter hook is set, and skips building the metadata (a dict over ~70 arguments) and calling the chains."""
     try:
         src = " ".join(inspect.getsource(cls.launch_metadata).split())
     except (AttributeError, OSError, TypeError):
         return False
     return "if knobs.runtime.launch_enter_hook is None: return None" in src
+
+
+# Gluon kernels take host TMA descriptors. Triton 3.6's launcher turns each into a CUtensorMap through Python on every
+# launch: TensorDescriptor's checks, wrap_handle_tensordesc's loop over every argument, make_tensordesc_arg. A
+# replay's key fixes each descriptor's shape, strides, block, dtype and 16-byte alignment, so a replay encodes the
+# maps itself (the same fill_tma_descriptor call) and calls the compiled C launcher with the arguments expanded as
+# make_tensordesc_arg expands them: the statements below, checked against the installed Triton's source once. Where
+# they differ (Triton 3.8 reorganised this code), a replay builds the descriptors and calls the kernel's launcher.
+_DESC_SOURCE = {
+    "make_tensordesc_arg": (
+        "cu_tensor_map=triton.runtime.driver.active.utils.fill_tma_descriptor(arg.base.data_ptr(),swizzle,elem_size,"
+        "TMA_DTYPE_DEVICE_TO_HOST[elem_type],block_size,shape,strides,padding,)",
+        "return[cu_tensor_map,*shape,*strides]", "padding=1ifarg.padding==\"nan\"else0"),
+    "wrap_handle_tensordesc": (
+        "final_args=list(args[:_BASE_ARGS_FORMAT_LEN])",
+        "final_args.extend(make_tensordesc_arg(arg,tensordesc_meta[tensordesc_idx]))",
+        "final_args.append(arg)", "returnlauncher(*final_args)"),
+    "CudaLauncher.__call__": (
+        "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,global_scratch,"
+        "profile_scratch,*args)",),
+}
+_DESC_UNEXPECTED = ("round_f32_to_tf32", "im2col")  # descriptor features the statements above do not reproduce
+_BASE_ARGS = 13  # gridX ... profile_scratch, packed metadata, launch metadata, both hooks
+
+
+@functools.lru_cache(maxsize=None)
+def _desc_module(cls: type):
+    """The driver module of ``cls`` (a compiled kernel's launcher class) when it expands host descriptors with the
+    statements of ``_DESC_SOURCE``, else None."""
+    module = inspect.getmodule(cls)
+    try:
+        parts = {"make_tensordesc_arg": module.make_tensordesc_arg, "wrap_handle_tensordesc":
+                 module.wrap_handle_tensordesc, "CudaLauncher.__call__": cls.__call__}
+        src = {name: "".join(inspect.getsource(f).split()) for name, f in parts.items()}
+        table, base = module.TMA_DTYPE_DEVICE_TO_HOST, module._BASE_ARGS_FORMAT_LEN
+    except (AttributeError, OSError, TypeError):
+        return None
+    if base != _BASE_ARGS or not isinstance(table, dict):
+        return None
+    if any(bad in src["make_tensordesc_arg"] for bad in _DESC_UNEXPECTED):
+        return None
+    return module if all(s in src[name] for name, stmts in _DESC_SOURCE.items() for s in stmts) else None
+
+
+def _closure(fn) -> dict:
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), (c.cell_contents for c in cells)))
 
 
 def _direct_ok(fn, kernel) -> bool:
@@ -292,34 +352,117 @@ def _triton():
     return _TRITON[0]
 
 
+STATS_DESC = {"encoded": 0, "through_triton": 0}  # replayed launches with host descriptors, by route
+MAPS_PER_DESCRIPTOR = 8  # CUtensorMaps kept per descriptor argument of a launch, by base address
+
+
 class _Launch:
-    __slots__ = ("fn", "kernel", "grid", "grid3", "vals", "subs", "descs", "options")
+    __slots__ = ("fn", "kernel", "grid", "grid3", "vals", "subs", "descs", "options", "expanded")
 
     def __init__(self, fn, kernel, grid, vals, subs, descs, options):
         self.fn, self.kernel, self.grid, self.vals = fn, kernel, grid, vals
         self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.subs, self.descs, self.options = tuple(subs), tuple(descs), options
+        self.expanded = None if descs and kernel is not None else False  # None: not tried yet
+
+    def _expand(self):
+        """``(C launcher, cooperative, pdl, template, tensor positions, descriptor positions)``: the kernel's
+        arguments expanded as Triton's launcher expands them, around placeholders for the call's tensors and
+        maps; False when this Triton or kernel does not allow it (see ``_DESC_SOURCE``)."""
+        launcher = self.kernel.run
+        module = _desc_module(type(launcher))
+        scratch = getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+        if module is None or scratch:
+            return False
+        inner = launcher.launch
+        free = _closure(inner)
+        raw, metas = free.get("launcher"), free.get("tensordesc_meta")
+        if getattr(inner, "__name__", "") != "inner" or not callable(raw) or not metas or len(metas) != len(self.descs):
+            return False
+        descs = {i: (name, fields) for i, name, _, fields in self.descs}
+        subs = {i: (name, view) for i, name, view in self.subs}
+        template, at_tensor, at_desc, metas = [], [], [], iter(metas)
+        for i, val in enumerate(self.vals):
+            if i in descs:
+                name, fields = descs[i]
+                meta = next(metas)
+                if (meta is None or meta.get("fp4_padded") or fields.get("padding", "zero") != "zero"
+                        or meta.get("elem_type") not in module.TMA_DTYPE_DEVICE_TO_HOST):
+                    return False
+                shape, strides = list(fields["shape"]), list(fields["strides"])
+                static = (meta["swizzle"], meta["elem_size"], module.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                          meta["block_size"], shape, strides, 0)
+                at_desc.append((len(template), name, static, {}))
+                template += [None, *shape, *strides]
+            elif i in subs:
+                at_tensor.append((len(template), *subs[i]))
+                template.append(None)
+            else:
+                template.append(val)
+        from triton.runtime import driver
+
+        fill = driver.active.utils.fill_tma_descriptor
+        return (raw, fill, launcher.launch_cooperative_grid, launcher.launch_pdl, template, tuple(at_tensor),
+                tuple(at_desc))
+
+    def _run_expanded(self, slots, kernel, how, stream):
+        raw, fill, coop, pdl, template, at_tensor, at_desc = how
+        args = template.copy()
+        for pos, name, view in at_tensor:
+            args[pos] = slots[name] if view is None else slots[name].view(view)
+        for pos, name, static, maps in at_desc:
+            ptr = slots[name].data_ptr()
+            m = maps.get(ptr)
+            if m is None:  # a map depends only on the base address and the (keyed) geometry
+                if len(maps) >= MAPS_PER_DESCRIPTOR:
+                    maps.clear()
+                m = maps[ptr] = fill(ptr, *static)
+            args[pos] = m
+        g0, g1, g2 = self.grid3
+        raw(g0, g1, g2, stream, kernel.function, coop, pdl, None, None, kernel.packed_metadata, None, None, None,
+            *args)
 
     def __call__(self, slots):
+        kernel = self.kernel
+        if kernel is None:
+            vals = self._vals(slots)
+            self.fn[self.grid](*vals, **self.options)
+            return
+        device, stream, hooks = _triton()
+        stream = stream(device())
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        # no hook to call: the launch takes None for the hooks and their metadata, as Triton's own launch does when
+        # no enter hook is set (checked by _metadata_needs_hook); Triton 3.6 keeps empty hook chains instead of None
+        quiet = _idle(enter) and _idle(leave) and _metadata_needs_hook(type(kernel))
+        if quiet and self.expanded is not False:
+            if self.expanded is None:
+                self.expanded = self._expand()
+            if self.expanded:
+                STATS_DESC["encoded"] += 1
+                return self._run_expanded(slots, kernel, self.expanded, stream)
+        vals = self._vals(slots)
+        if self.descs:
+            STATS_DESC["through_triton"] += 1
+        if quiet:
+            meta = enter = leave = None
+        else:
+            meta = kernel.launch_metadata(self.grid, stream, *vals)
+        g0, g1, g2 = self.grid3
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *vals)
+
+    def _vals(self, slots):
         vals = self.vals.copy()
         for i, name, view in self.subs:
             vals[i] = slots[name] if view is None else slots[name].view(view)
         for i, name, cls, fields in self.descs:
             vals[i] = cls(slots[name], **fields)
-        kernel = self.kernel
-        if kernel is None:
-            self.fn[self.grid](*vals, **self.options)
-            return
-        device, stream, hooks = _triton()
-        stream = stream(device())
-        g0, g1, g2 = self.grid3
-        enter = hooks.launch_enter_hook
-        if enter is None and _metadata_needs_hook(type(kernel)):
-            meta = None  # what launch_metadata returns without a hook
-        else:
-            meta = kernel.launch_metadata(self.grid, stream, *vals)
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter,
-                   hooks.launch_exit_hook, *vals)
+        return vals
+
+
+def _idle(hook) -> bool:
+    """Whether a launch hook calls nothing: None, or an empty HookChain (Triton 3.6's default)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and type(getattr(hook, "calls", None)) is list
+                            and not hook.calls)
 
 
 class Plan:

@@ -511,9 +511,10 @@ def test_hopper_fp32_kernel_takes_any_scale(monkeypatch):
                                             ("strict", (8, 2048, 64), (2, 256, 64)),
                                             ("turbo", (8, 4096, 64), (8, 1024, 64))])
 def test_hopper_kernel_taken_by_size_under_auto(kind, big, small, monkeypatch):
-    """Unforced, the Gluon kernels take calls of at least ``hopper.MIN_WORK`` (``MIN_WORK_FP32`` for strict,
-    ``MIN_WORK_TF32`` for turbo) and leave smaller eager ones (whose launch they would make slower) to the
-    portable kernel, but take them too when they are captured in a graph."""
+    """Unforced and without launch plans, the Gluon kernels take calls of at least ``hopper.MIN_WORK``
+    (``MIN_WORK_FP32`` for strict, ``MIN_WORK_TF32`` for turbo) and leave smaller eager ones (whose launch they
+    would make slower) to the portable kernel, but take them too when they are captured in a graph, or when launch
+    plans replay them with encoded TMA maps (``replay.encodes_descriptors``: the launch then costs no more)."""
     from elsa_surgery.kernels import hopper
 
     least = {"strict": hopper.MIN_WORK_FP32, "turbo": hopper.MIN_WORK_TF32}.get(kind, hopper.MIN_WORK)
@@ -536,6 +537,15 @@ def test_hopper_kernel_taken_by_size_under_auto(kind, big, small, monkeypatch):
                                                                  precision=_precision(kind)))
     assert len(runs) == 2
     assert rel(replay(), eager) <= 2 * TOL[_mode(kind)]
+    monkeypatch.setenv(launch_plans.ENV, "1")
+    planned = elsa_surgery.attention(q, k, v, backend="elsa", precision=_precision(kind))
+    encoded = launch_plans.encodes_descriptors(q)
+    assert len(runs) == 2 + encoded
+    assert rel(planned, eager) <= 2 * TOL[_mode(kind)]
+    import triton
+
+    if triton.__version__.startswith("3.6"):
+        assert encoded
 
 
 @hopper_only
@@ -585,6 +595,77 @@ def test_launch_plans_replay_straight_to_the_compiled_kernels(kind, shape):
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel(out[:, heads], ro) <= TOL[_mode(kind)], rel(out[:, heads], ro)
     assert rel(lse[:, heads], rl) <= max(1e-5, TOL[_mode(kind)] if kind == "turbo" else 0)
+
+
+@hopper_only
+@pytest.mark.parametrize("kind", [torch.bfloat16, "strict", "turbo"])
+def test_replayed_gluon_launches_encode_their_tma_maps(kind, monkeypatch):
+    """A replayed Gluon launch encodes its TMA maps itself and calls Triton's compiled launcher with the expanded
+    arguments (on Triton 3.6: the statements ``replay._DESC_SOURCE`` checks), keeping the maps by base address. Right
+    on the decoy-then-real call, on new values at the same addresses (a map reused), and on more tensors than a
+    launch keeps maps for (maps dropped and encoded again)."""
+    import triton
+
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    dtype, precision = _dtype(kind), _precision(kind)
+    q, k, v = (rand(1, 4, 1024, 128, dtype=dtype) for _ in range(3))
+    before = dict(launch_plans.STATS_DESC)
+    out, lse = poisoned(q, k, v, precision)
+    (one,) = _plan_launches()
+    module = launch_plans._desc_module(type(one.kernel.run))
+    if triton.__version__.startswith("3.6"):
+        assert module is not None, "Triton 3.6's descriptor launch statements no longer match _DESC_SOURCE"
+    encoded = launch_plans.STATS_DESC["encoded"] - before["encoded"]
+    through = launch_plans.STATS_DESC["through_triton"] - before["through_triton"]
+    assert (encoded, through) == ((1, 0) if module is not None else (0, 1))
+    ro, _ = oracle(q, k, v)
+    assert not out.isnan().any() and rel(out, ro) <= TOL[_mode(kind)]
+
+    def again(q, k, v):  # the signature of poisoned's calls: its plan replays
+        got = torch.full_like(out, float("nan"))
+        launch.attention(q, k, v, scale=128 ** -0.5, precision=precision, out=got, lse=torch.empty_like(lse))
+        assert rel(got, oracle(q, k, v)[0]) <= TOL[_mode(kind)]
+
+    for t in (q, k, v):  # same addresses, other values: the kept maps are right for them
+        t.normal_()
+    again(q, k, v)
+    for _ in range(launch_plans.MAPS_PER_DESCRIPTOR + 2):
+        again(*(rand(1, 4, 1024, 128, dtype=dtype) for _ in range(3)))
+    assert len(launch_plans._plans) == 1
+    if module is not None:
+        assert launch_plans.STATS_DESC["encoded"] - before["encoded"] == 2 + launch_plans.MAPS_PER_DESCRIPTOR + 2
+        assert all(0 < len(maps) <= launch_plans.MAPS_PER_DESCRIPTOR for *_, maps in one.expanded[-1])
+
+
+@hopper_only
+def test_replayed_launches_still_call_launch_hooks(monkeypatch):
+    """A replay skips Triton's launch hooks only while none is set: with an enter/exit hook added (as profilers
+    do), replayed launches go through the kernel's launcher with its metadata and call both hooks."""
+    from triton import knobs
+
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    q, k, v = (rand(1, 4, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    launch.attention(q, k, v, scale=0.1)  # recorded
+    seen = []
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    hook = lambda meta: seen.append(meta)
+    chains = hasattr(enter, "add")
+    if chains:
+        enter.add(hook)
+        leave.add(hook)
+    else:  # Triton versions where the hooks are plain attributes
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+        monkeypatch.setattr(knobs.runtime, "launch_exit_hook", hook)
+    before = dict(launch_plans.STATS)
+    try:
+        out, _ = launch.attention(q, k, v, scale=0.1)
+    finally:
+        if chains:
+            enter.remove(hook)
+            leave.remove(hook)
+    assert launch_plans.STATS["replayed"] == before["replayed"] + 1
+    assert len(seen) == 2 and all(m is not None for m in seen)  # Triton's launch metadata, not the quiet None
+    assert rel(out, oracle(q, k, v, scale=0.1)[0]) <= TOL[torch.bfloat16]
 
 
 def test_launch_plans_keyed_by_alignment_on_the_gpu():

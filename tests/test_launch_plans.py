@@ -277,3 +277,15 @@ def test_direct_launch_matches_the_installed_triton():
     assert replay._launches_as_recorded(Jit)
     assert replay._direct_ok(Jit.__new__(Jit), Compiled())
     assert not replay._direct_ok(Jit.__new__(Jit), object())  # not a compiled kernel
+
+
+def test_idle_hooks_are_none_or_empty_chains():
+    """A replay passes no hooks only when Triton would call nothing: None, or an empty HookChain (Triton 3.6 keeps
+    those instead of None); a chain with a hook, or any other callable, is live."""
+    knobs = pytest.importorskip("triton.knobs")
+    assert replay._idle(None)
+    chain = knobs.HookChain()
+    assert replay._idle(chain)
+    chain.add(print)
+    assert not replay._idle(chain)
+    assert not replay._idle(print)
