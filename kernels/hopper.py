@@ -411,6 +411,12 @@ ENV_TILES = "ELSA_HOPPER_TILES"  # "BLOCK_M,BLOCK_N,STAGES,num_warps", for tile 
 # 128-row tiles: 0.99x vs 0.90x
 SMALL_GRID_PER_SM = 1
 CAUSAL_SMALL_GRID_PER_SM = 4
+# Non-causal calls with narrow heads and at most this many keys take 64-row tiles at every grid size (version 16,
+# H100, graph-replayed, `recipes/sweep_short_tiles.py --group vit-hopper`, docs/perf/hopper_short_tiles_h100_v16.log):
+# ViT shapes at batch 8, N = 197 to 1601, 64 x 128 tiles took 0.88-1.01x the time of 128 x 128 (N = 197: 12.8 vs
+# 14.2 µs; N = 785: 52.6 vs 59.6), N = 2048 0.92-0.99x; from 3072 keys 128 x 128 is faster (N = 4096 B = 1: 80.9
+# vs 89.9 µs)
+SHORT_KEYS = 2048
 # fp32 kernel, D > 64: grids of at least this many 128-row programs per SM take 128 x 32 tiles with eight warps
 FMA_WIDE_GRID_PER_SM = 4
 
@@ -425,17 +431,19 @@ def _forced_tiles():
     return tuple(int(p) for p in parts)
 
 
-def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
+def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132, n_k: Optional[int] = None):
     """``(BLOCK_M, BLOCK_N, STAGES, num_warps)``, shared memory under 113 KB so that two CTAs share an SM.
     ``tiles_128``: programs of the grid with 128-row tiles. Measured on an H100 (docs/PERF.md, sessions 9-10):
     128 x 64 at D = 128, 128 x 128 for narrower heads; 64-row tiles for small grids; 64 x 128 (three CTAs per
-    SM) for causal calls with narrow heads at every size (N=4K H=8 D=64 1.14x cuDNN, 64 x 64: 0.90x)."""
+    SM) for causal calls with narrow heads at every size (N=4K H=8 D=64 1.14x cuDNN, 64 x 64: 0.90x), and for
+    non-causal ones over at most ``SHORT_KEYS`` keys (``n_k``)."""
     forced = _forced_tiles()
     if forced:
         return forced
     wide = max(d, dv) > 64
     small = tiles_128 < (CAUSAL_SMALL_GRID_PER_SM if is_causal else SMALL_GRID_PER_SM) * sms
-    if not wide and (is_causal or small):
+    short = n_k is not None and n_k <= SHORT_KEYS
+    if not wide and (is_causal or small or short):
         return 64, 128, 2, 4
     if small:
         return 64, 64, 2, 4
@@ -484,7 +492,8 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
         raise ValueError(f"precision {precision!r} has no Hopper kernel (see eligible)")
     fma = kind == "fma"
     pick = {"lowp": tiles, "tf32": tf32_tiles, "fma": fma_tiles}[kind]
-    bm, bn, stages, warps = pick(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq, sms=_sms(q.device))
+    extra = {"n_k": Nk} if kind == "lowp" else {}
+    bm, bn, stages, warps = pick(D, Dv, is_causal, tiles_128=-(-Nq // 128) * B * Hq, sms=_sms(q.device), **extra)
     n_mb = -(-Nq // bm)
     head_group = (causal_head_group(q.device, n_k=Nk, kv_bytes_per_key=q.element_size() * (D + Dv),
                                     groups=Hq // Hkv, bh=B * Hq, m_blocks=n_mb) if is_causal else 1)

@@ -9,6 +9,10 @@ the measurement behind the length buckets of ``kernels/occupancy._TABLE`` (docs/
     python recipes/sweep_short_tiles.py --group swin     # bf16 Swin windows (49, 144 tokens) with masks
     python recipes/sweep_short_tiles.py --group fp32     # fp32 precise/turbo/strict, ViT and Swin shapes
     python recipes/sweep_short_tiles.py --group n1k      # bench_attention's N=1K cells (B=1), causal and not
+    python recipes/sweep_short_tiles.py --group vit-hopper   # ViT token counts on the Hopper (Gluon) kernel's tiles
+
+``vit-hopper`` times the Gluon kernel (``kernels/hopper.py``) under each of its tile configurations
+(``ELSA_HOPPER_TILES``), and the portable kernel's default (``ELSA_HOPPER=0``), at the ViT shapes, fp16/bf16.
 """
 
 from __future__ import annotations
@@ -98,6 +102,37 @@ IEEE = [occ.TileConfig(*c) for c in [(64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4,
                                      (32, 32, 2, 2), (64, 64, 8, 2)]]
 N1K_LOWP = [occ.TileConfig(*c) for c in [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
                                          (64, 64, 4, 2), (64, 128, 4, 3), (32, 64, 4, 2), (128, 32, 4, 3)]]
+HOPPER_LOWP = [(64, 64, 2, 4), (64, 128, 2, 4), (128, 64, 2, 8), (128, 128, 2, 8), (64, 128, 3, 4)]
+# where 64-row tiles stop paying: longer keys at D = 64 (bench_attention's B = 1 cells among them), and D = 128
+HOPPER_LONGER = [(8, 12, 2048, 64), (2, 12, 2048, 64), (1, 8, 2048, 64), (8, 12, 3072, 64), (1, 8, 4096, 64),
+                 (4, 8, 4096, 64), (1, 8, 8192, 64), (8, 16, 577, 128), (8, 16, 1025, 128), (1, 32, 2048, 128)]
+
+
+def hopper_sweep(tag, q, k, v, best_sdpa, causal=False):
+    """The Gluon kernel under its default tiles and each of ``HOPPER_LOWP``, and the portable kernel's default."""
+    import os
+
+    from elsa_surgery.kernels import hopper
+
+    rows = []
+    for name, env in [("default", {}), ("portable", {hopper.ENV: "0"})] + [
+            (c, {hopper.ENV_TILES: ",".join(map(str, c))}) for c in HOPPER_LOWP]:
+        os.environ.update(env)
+        try:
+            ms = bench(lambda: elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa"))
+            rows.append((ms, name))
+        except Exception as exc:  # a tile that does not fit is reported, not fatal
+            print(f"   {tag} {name}: failed ({str(exc).splitlines()[0][:90]})", flush=True)
+        finally:
+            for key in env:
+                os.environ.pop(key)
+    default = rows[0][0]
+    rows.sort(key=lambda r: r[0])
+    listing = " ".join(f"{name}={ms:.4f}" for ms, name in rows)
+    print(f"{tag}: default {default:.4f} ms (x{best_sdpa / default:.3f} best SDPA) | best {rows[0][0]:.4f} "
+          f"(x{best_sdpa / rows[0][0]:.3f}) | {listing}  [{time.time() - T0:.0f}s]", flush=True)
+
+
 VIT = [(8, 12, 197), (8, 16, 257), (8, 12, 325), (8, 12, 442), (8, 16, 577), (8, 12, 785), (8, 12, 901),
        (8, 16, 1025), (8, 12, 1226), (8, 16, 1601)]
 SWIN = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (512, 64, 3, 144), (128, 16, 12, 144)]
@@ -105,7 +140,7 @@ SWIN = [(512, 64, 3, 49), (128, 16, 6, 49), (32, 4, 12, 49), (512, 64, 3, 144), 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", choices=["vit", "swin", "fp32", "n1k"], required=True)
+    ap.add_argument("--group", choices=["vit", "swin", "fp32", "n1k", "vit-hopper"], required=True)
     ap.add_argument("--default-only", action="store_true", help="time only the table's own tile (no sweep)")
     a = ap.parse_args(argv)
     global DEFAULT_ONLY
@@ -116,6 +151,12 @@ def main(argv=None):
             q, k, v = qkv(B, N, H, 64, torch.bfloat16)
             best = header(f"ViT bf16 B={B} H={H} N={N} D=64", sdpa_times(q, k, v, None))
             sweep(f"  ELSA bf16 N={N}", q, k, v, None, False, None, LOWP, best)
+    elif a.group == "vit-hopper":
+        shapes = [(B, H, N, 64) for B, H, N in VIT + [(32, 12, 197), (1, 12, 197)]] + HOPPER_LONGER
+        for (B, H, N, D), (name, dtype) in itertools.product(shapes, [("bf16", torch.bfloat16)]):
+            q, k, v = qkv(B, N, H, D, dtype)
+            best = header(f"ViT {name} B={B} H={H} N={N} D={D}", sdpa_times(q, k, v, None))
+            hopper_sweep(f"  ELSA-Gluon {name} B={B} H={H} N={N} D={D}", q, k, v, best)
     elif a.group == "swin":
         for BW, nW, H, N in SWIN:
             q, k, v = qkv(BW, N, H, 32, torch.bfloat16)

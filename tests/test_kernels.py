@@ -883,6 +883,9 @@ def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
     monkeypatch.delenv("ELSA_HOPPER")
     assert hopper.tiles(128, 128, False, tiles_128=4096) == (128, 64, 2, 8)
     assert hopper.tiles(64, 64, False, tiles_128=4096) == (128, 128, 2, 8)
+    assert hopper.tiles(64, 64, False, tiles_128=4096, n_k=4096) == (128, 128, 2, 8)
+    assert hopper.tiles(64, 64, False, tiles_128=4096, n_k=hopper.SHORT_KEYS) == (64, 128, 2, 4)  # short keys
+    assert hopper.tiles(128, 128, False, tiles_128=4096, n_k=197) == (128, 64, 2, 8)  # wide heads: not
     assert hopper.tiles(128, 128, True, tiles_128=1024) == (128, 64, 2, 8)
     assert hopper.tiles(128, 128, True, tiles_128=256) == (64, 64, 2, 4)  # small causal grid
     assert hopper.tiles(128, 64, False, tiles_128=64) == (64, 64, 2, 4)  # smaller than one program per SM
