@@ -58,15 +58,15 @@ ENV = "ELSA_HOPPER"
 _ENV_VALUES = ("0", "1", "force")
 # Eager calls with less work than these (B·H·Nq·Nk·D, halved when causal) run the portable kernel when their Gluon
 # launch costs more host time than the portable one's: without launch plans, or with a Triton whose descriptor
-# launch replay.encodes_descriptors does not reproduce. With launch plans replaying encoded TMA maps (version 16) the
-# Gluon launch costs no more (H100, launcher alone per call: 19-34 vs 23-47 µs), and eager calls take the Gluon
-# kernel at every size: it was faster in 100 of 106 cells timed eagerly (recipes/eager_thresholds.py, best of 2-3
-# rounds, docs/perf/eager_thresholds_h100_v16*.jsonl; 8e6 to 1.7e10 of work, N = 77 to 4K, bf16/fp16/strict/
-# turbo), slower at N = 197 D = 64 non-causal (bf16/fp16 13.5-14.2 vs 12.8-13.1 µs: ragged 128-row tiles) and
-# strict 1x2x1024x128 (220 vs 198-199 µs: 32 programs), even (within 1%) at fp16 N = 197 and strict N = 77 causal.
-# Without encoded maps, from session 10 (bf16: the Gluon launch ~30 µs more host time
-# per public call, more than its kernel saves below 1e10: 1K H=32 D=128 39.7 vs 51.1 µs); captured calls pay the
-# host time once and take the Gluon kernel at every size
+# launch replay.encodes_descriptors does not reproduce. With launch plans replaying encoded TMA maps (version 16)
+# the Gluon launch costs no more (H100, launcher alone per call, medians: 28-29 vs 34-37 µs), and eager calls take
+# the Gluon kernel at every size: it was faster in 100 of 106 cells timed eagerly (recipes/eager_thresholds.py,
+# best of 2-3 rounds, docs/perf/eager_thresholds_h100_v16*.jsonl; 8e6 to 1.7e10 of work, N = 77 to 4K,
+# bf16/fp16/strict/turbo), slower at N = 197 D = 64 non-causal (bf16/fp16 13.5-14.2 vs 12.8-13.1 µs with the
+# 128-row tiles of then; see SHORT_KEYS) and strict 1x2x1024x128 (220 vs 198-199 µs: 32 programs), even (within
+# 1%) at fp16 N = 197 and strict N = 77 causal. Without encoded maps, from session 10 (bf16: the Gluon launch ~30 µs
+# more host time per public call, more than its kernel saves below 1e10: 1K H=32 D=128 39.7 vs 51.1 µs); captured
+# calls pay the host time once and take the Gluon kernel at every size
 MIN_WORK = 1e10
 # The same for the fp32 (strict) kernel, which saves more kernel time per unit of work: eager public calls on an
 # H100 (session 11, medians of 3 rounds of 200): work 1.1e9 (1x32x512x128) portable 376 us vs Gluon 226 us;
