@@ -352,6 +352,13 @@ def _triton():
     return _TRITON[0]
 
 
+def _fill_tma():
+    """Triton's ``fill_tma_descriptor`` (the CUtensorMap encoder its launcher calls for host descriptors)."""
+    from triton.runtime import driver
+
+    return driver.active.utils.fill_tma_descriptor
+
+
 STATS_DESC = {"encoded": 0, "through_triton": 0}  # replayed launches with host descriptors, by route
 MAPS_PER_DESCRIPTOR = 8  # CUtensorMaps kept per descriptor argument of a launch, by base address
 
@@ -399,10 +406,7 @@ class _Launch:
                 template.append(None)
             else:
                 template.append(val)
-        from triton.runtime import driver
-
-        fill = driver.active.utils.fill_tma_descriptor
-        return (raw, fill, launcher.launch_cooperative_grid, launcher.launch_pdl, template, tuple(at_tensor),
+        return (raw, _fill_tma(), launcher.launch_cooperative_grid, launcher.launch_pdl, template, tuple(at_tensor),
                 tuple(at_desc))
 
     def _run_expanded(self, slots, kernel, how, stream):

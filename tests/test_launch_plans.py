@@ -289,3 +289,73 @@ def test_idle_hooks_are_none_or_empty_chains():
     chain.add(print)
     assert not replay._idle(chain)
     assert not replay._idle(print)
+
+
+def test_encoded_descriptor_launch_expands_arguments_as_triton_does(monkeypatch):
+    """The encoded route hands Triton's compiled launcher what Triton 3.6's own path hands it: the base launch
+    arguments, then every kernel argument in order with each host descriptor expanded to (CUtensorMap, shape...,
+    strides...); maps are encoded once per base address and at most MAPS_PER_DESCRIPTOR are kept. With a hook
+    set, the launch goes through the kernel's launcher with Triton's metadata instead."""
+    knobs = pytest.importorskip("triton.knobs")
+
+    @dataclasses.dataclass
+    class Desc:  # the fields of Gluon's host TensorDescriptor
+        base: torch.Tensor
+        shape: list
+        strides: list
+        block_shape: list
+        layout: str = "nvmma"
+        padding: str = "zero"
+
+    raw_calls, fills, via_triton = [], [], []
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 64, 64], "fp4_padded": False}
+
+    def make_inner(launcher, tensordesc_meta):
+        def inner(*args):  # Triton's wrap_handle_tensordesc closure: the names the route reads
+            return launcher(*args), tensordesc_meta
+        return inner
+
+    class Launcher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+        launch = make_inner(lambda *a: raw_calls.append(a), [meta])
+
+        def __call__(self, *args):
+            via_triton.append(args)
+
+    class Compiled:
+        run, function, packed_metadata = Launcher(), "cu-function", "packed"
+
+        def launch_metadata(self, grid, stream, *args):
+            if knobs.runtime.launch_enter_hook is None:
+                return None
+            return "metadata"
+
+    def fill(ptr, *static):
+        fills.append(ptr)
+        return ("map", ptr)
+
+    monkeypatch.setattr(replay, "_desc_module", lambda cls: type("Driver", (), {"TMA_DTYPE_DEVICE_TO_HOST": {10: 9}}))
+    monkeypatch.setattr(replay, "_fill_tma", lambda: fill)
+    enter, leave = knobs.HookChain(), knobs.HookChain(reversed=True)
+    runtime = type("Runtime", (), {"launch_enter_hook": enter, "launch_exit_hook": leave})
+    monkeypatch.setattr(replay, "_TRITON", [(lambda: 0, lambda device: "stream", runtime)])
+    fields = dict(shape=[2, 128, 64], strides=[8192, 64, 1], block_shape=[1, 64, 64])
+    one = replay._Launch(None, Compiled(), (4, 2), [None, None, 128, 0.5, 64], [(1, "lse", None)],
+                         [(0, "q", Desc, fields)], {})
+    q, lse = torch.zeros(2, 128, 64, dtype=torch.float16), torch.zeros(2, 128)
+    one({"q": q, "lse": lse})
+    one({"q": q, "lse": lse})
+    (first, second) = raw_calls
+    assert first == second and fills == [q.data_ptr()]  # one map for one address
+    base = (4, 2, 1, "stream", "cu-function", False, True, None, None, "packed", None, None, None)
+    assert first[:13] == base
+    assert first[13:] == (("map", q.data_ptr()), 2, 128, 64, 8192, 64, 1, lse, 128, 0.5, 64)
+    for _ in range(replay.MAPS_PER_DESCRIPTOR + 1):
+        one({"q": torch.zeros(2, 128, 64, dtype=torch.float16), "lse": lse})
+    assert len(one.expanded[-1][0][-1]) <= replay.MAPS_PER_DESCRIPTOR
+    hook = lambda metadata: None
+    enter.add(hook)
+    one({"q": q, "lse": lse})  # a hook set: Triton's launcher, its descriptor objects and metadata
+    (args,) = via_triton
+    assert args[5:9] == ("packed", "metadata", enter, leave) and args[9] == Desc(q, **fields) and args[10] is lse
