@@ -373,9 +373,10 @@ class _Launch:
         self.expanded = None if descs and kernel is not None else False  # None: not tried yet
 
     def _expand(self):
-        """``(C launcher, cooperative, pdl, template, tensor positions, descriptor positions)``: the kernel's
-        arguments expanded as Triton's launcher expands them, around placeholders for the call's tensors and
-        maps; False when this Triton or kernel does not allow it (see ``_DESC_SOURCE``)."""
+        """``(C launcher, map encoder, cooperative, pdl, template, tensor positions, descriptor positions)``: the
+        kernel's arguments expanded as Triton's launcher expands them, around placeholders for the call's tensors
+        and maps (each descriptor position with its encoder arguments and its maps by base address); False when
+        this Triton or kernel does not allow it (see ``_DESC_SOURCE``)."""
         launcher = self.kernel.run
         module = _desc_module(type(launcher))
         scratch = getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
