@@ -24,12 +24,12 @@ import contextlib
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import elsa_surgery
+from elsa_surgery import benchmark
 from elsa_surgery.kernels import hopper, launch, replay
 
 KINDS = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "strict": (torch.float32, "strict"),
@@ -72,14 +72,8 @@ def bench(fn):
 
 
 def host_us(fn, calls=200):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    """Host µs of one call: ``calls`` back-to-back calls, the clock stopped before synchronising."""
+    return benchmark.per_call_ms(fn, calls, host_only=True) * 1e3
 
 
 def launch_cost(rounds=3, calls=2000):
@@ -96,9 +90,8 @@ def launch_cost(rounds=3, calls=2000):
                         launch.attention(q, k, v, scale=0.1)
                     (plan,) = replay._plans.values()
                     (one,) = plan.launches
-                    slots = {"q": q, "k": k, "v": v, "out": torch.empty_like(q), "lse": torch.empty(1, 4, 1024,
-                                                                                                    device="cuda")}
-                    slots["out"] = slots["out"].transpose(1, 2).contiguous().transpose(1, 2)  # as recorded
+                    slots = {"q": q, "k": k, "v": v}
+                    plan.replay(slots)  # adds the outputs the plan allocates, with the recorded geometry
                     got[name].append(host_us(lambda: one(slots), calls))
                     got["launcher_" + name].append(host_us(lambda: launch.attention(q, k, v, scale=0.1), calls))
     return {n: round(statistics.median(t), 1) for n, t in got.items()}
@@ -115,8 +108,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     dev = "cuda"
+    encoded = replay.encodes_descriptors(torch.empty(0, device=dev))
     print(torch.cuda.get_device_name(), "| Triton route for descriptors:",
-          "encoded maps" if replay._desc_module(_launcher_class()) else "TensorDescriptor (Triton's)", flush=True)
+          "encoded maps" if encoded else "TensorDescriptor (Triton's)", flush=True)
     print("one replayed Gluon launch, host µs (median of 3 rounds of 2000):", launch_cost(), flush=True)
     settings = [("portable", "0", True), ("gluon", "force", True)]
     if a.desc_route:
@@ -176,12 +170,6 @@ def main(argv=None):
         least = min((w for w, _ in cells if all(w2 < w or gw for w2, gw in cells if w2 >= w)), default=None)
         print(f"{kind}: Gluon slower in {len(losing)} of {len(cells)} cells (work {sorted(losing)}); "
               f"faster in every cell from work {least}")
-
-
-def _launcher_class():
-    from triton.runtime import driver
-
-    return driver.active.launcher_cls
 
 
 if __name__ == "__main__":

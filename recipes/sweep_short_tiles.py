@@ -74,8 +74,13 @@ def sweep(tag, q, k, v, mask, windowed, precision, cfgs, best_sdpa, causal=False
             print(f"   {tag} {cfg}: failed ({str(exc).splitlines()[0][:90]})", flush=True)
         finally:
             occ.set_config_override(None)
+    report(tag, rows, best_sdpa)
+
+
+def report(tag, rows, best_sdpa):
+    """One line per shape: the default's time (``rows[0]``), the best, and every ``(ms, name)`` row sorted."""
     default = rows[0][0]
-    rows.sort(key=lambda r: r[0])
+    rows = sorted(rows, key=lambda r: r[0])
     listing = " ".join(f"{name}={ms:.4f}" for ms, name in rows)
     print(f"{tag}: default {default:.4f} ms (x{best_sdpa / default:.3f} best SDPA) | best {rows[0][0]:.4f} "
           f"(x{best_sdpa / rows[0][0]:.3f}) | {listing}  [{time.time() - T0:.0f}s]", flush=True)
@@ -126,11 +131,7 @@ def hopper_sweep(tag, q, k, v, best_sdpa, causal=False):
         finally:
             for key in env:
                 os.environ.pop(key)
-    default = rows[0][0]
-    rows.sort(key=lambda r: r[0])
-    listing = " ".join(f"{name}={ms:.4f}" for ms, name in rows)
-    print(f"{tag}: default {default:.4f} ms (x{best_sdpa / default:.3f} best SDPA) | best {rows[0][0]:.4f} "
-          f"(x{best_sdpa / rows[0][0]:.3f}) | {listing}  [{time.time() - T0:.0f}s]", flush=True)
+    report(tag, rows, best_sdpa)
 
 
 VIT = [(8, 12, 197), (8, 16, 257), (8, 12, 325), (8, 12, 442), (8, 16, 577), (8, 12, 785), (8, 12, 901),
