@@ -81,8 +81,69 @@ MIN_WORK_FP32 = 2.5e8
 # (8x16x257x64); 1.1e9 (1x32x512x128) 134 vs 173 us; 2.0e9-4.3e9: Gluon 1-5% faster (8x12x577x64, 1x32x1024x128)
 MIN_WORK_TF32 = 2e9
 
+# Lazy rescaling of the fp16/bf16 kernel's accumulator: a row's running max m (log2 units) moves only when a tile's
+# max exceeds it by more than RESCALE_SLACK, so exp2(s - m) <= 2**RESCALE_SLACK for every score folded in (256: far
+# from fp16's 65504). The fold stays exact: S and W are both taken against the same reference m, whichever it is,
+# and lse = m + log2(S) as before. After the first tiles a row's max rarely grows that much, and a warp whose rows
+# all keep their max skips the accumulator's rescale (64 multiplies a thread and key tile at 128 x 64 tiles,
+# D = 128): the decision is a warp vote, in PTX, since Gluon has no warp-level branch (a CTA-wide vote through
+# shared memory cost what it saved, docs/PERF.md v11). Measured on an H100 (v17): D = 128 non-causal 2-6 % faster.
+RESCALE_SLACK = 8.0
+ENV_LAZY = "ELSA_HOPPER_LAZY"  # "0": rescale the accumulator on every key tile (for A/B measurements)
+
+
+def _rescale_asm(pack: int) -> str:
+    """PTX of one inline-asm block over ``pack`` accumulator elements: outputs $0.. tied to the accumulator inputs,
+    then ``pack`` alphas and ``pack`` copies of the warp's vote (all equal); multiplies only when the vote is set."""
+    acc, alpha, vote = pack, 2 * pack, 3 * pack
+    muls = "\n".join(f"mul.f32 ${i}, ${acc + i}, ${alpha + i};" for i in range(pack))
+    return ("{\n.reg .pred p;\n"
+            f"setp.ne.b32 p, ${vote}, 0;\n"
+            "@!p bra.uni skip;\n"
+            f"{muls}\n"
+            "skip:\n}")
+
+
+def _rescale_constraints(pack: int) -> str:
+    return ",".join(["=r"] * pack + [str(i) for i in range(pack)] + ["r"] * (2 * pack))
+
+
+# a thread's two rows of an NVMMA tile (rows lane/4 and lane/4 + 8 of its warp's 16): 1 when any row of the warp
+# has alpha != 1 (its max moved), else 0, in both outputs
+_VOTE_ASM = """{
+.reg .pred p, q;
+setp.neu.f32 p, $2, 0f3F800000;
+setp.neu.f32 q, $3, 0f3F800000;
+or.pred p, p, q;
+vote.sync.any.pred p, p, -1;
+selp.b32 $0, 1, 0, p;
+mov.b32 $1, $0;
+}"""
+
 if gluon is not None:
     _LN2 = gl.constexpr(0.6931471805599453)
+    _SLACK = gl.constexpr(RESCALE_SLACK)
+    _RESCALE_16 = gl.constexpr(_rescale_asm(16))
+    _RESCALE_16_C = gl.constexpr(_rescale_constraints(16))
+    _RESCALE_8 = gl.constexpr(_rescale_asm(8))
+    _RESCALE_8_C = gl.constexpr(_rescale_constraints(8))
+    _VOTE = gl.constexpr(_VOTE_ASM)
+
+    @gluon.jit
+    def _rescale_lazily(acc, alpha, row_o: gl.constexpr, PER_THREAD: gl.constexpr):
+        """``acc * alpha[:, None]``, skipped by every warp whose rows all have alpha == 1 (``RESCALE_SLACK``).
+        ``alpha``: the rows' factors in the score tile's row layout (two rows a thread); ``PER_THREAD``: the
+        accumulator's elements a thread (a multiple of 8)."""
+        vote = gl.inline_asm_elementwise(_VOTE, "=r,=r,r,r", [alpha], dtype=gl.int32, is_pure=True, pack=2)
+        vote = gl.expand_dims(gl.convert_layout(vote, row_o), 1)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if PER_THREAD % 16 == 0:
+            acc = gl.inline_asm_elementwise(_RESCALE_16, _RESCALE_16_C, [acc, alpha_o, vote], dtype=gl.float32,
+                                            is_pure=True, pack=16)
+        else:
+            acc = gl.inline_asm_elementwise(_RESCALE_8, _RESCALE_8_C, [acc, alpha_o, vote], dtype=gl.float32,
+                                            is_pure=True, pack=8)
+        return acc
 
     @gluon.jit
     def _program_block(n_mblocks, Hq, G, head_group, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
@@ -197,8 +258,9 @@ if gluon is not None:
     def _elsa_fwd_sm90(q_desc, k_desc, v_desc, o_desc, lse_ptr, s_lb, s_lh, s_ln, Nq, Nk, Hq, G, qk_scale,
                        n_mblocks, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, TF32: gl.constexpr, num_warps: gl.constexpr):
-        """fp16/bf16, or fp32 with TF32 products (``turbo``; ``TF32``). A TF32 wgmma reads both shared operands
+                       WRITE_LSE: gl.constexpr, TF32: gl.constexpr, LAZY: gl.constexpr, num_warps: gl.constexpr):
+        """fp16/bf16, or fp32 with TF32 products (``turbo``; ``TF32``). ``LAZY``: the accumulator is rescaled only
+        when a row's max grows by more than ``RESCALE_SLACK`` (``_rescale_lazily``). A TF32 wgmma reads both shared operands
         K-major, which V's tile (keys x Dv, Dv contiguous) is not for P·V: each V tile is transposed through
         registers into a keys-contiguous buffer once Q·Kᵀ has landed (issued while the wgmma was in flight, the
         transpose crashed ptxas 12.8 and 12.9 with a segmentation fault)."""
@@ -240,13 +302,20 @@ if gluon is not None:
             s = _visible_scores(s, n0, n_full, rows, cols, Nk, off, IS_CAUSAL)
             # qk_scale > 0 (``eligible``): the row max of the raw scores, scaled, is the max of the scaled
             # scores, and the scale folds into exp2's argument as one FMA per score (no separate multiply)
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_tile = gl.max(s, 1) * qk_scale
+            if LAZY:  # m moves only by more than the slack (rows with no visible key keep -inf)
+                m_new = gl.where(m_tile > m_i + _SLACK, m_tile, m_i)
+            else:
+                m_new = gl.maximum(m_i, m_tile)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
-            alpha = gl.exp2(m_i - m_use)
+            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_use))
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if LAZY:
+                acc = _rescale_lazily(acc, alpha, row_o, BLOCK_M * HEAD_DV // (num_warps * 32))
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -508,9 +577,11 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
     else:
         kernel = _elsa_fwd_sm90
         consts["TF32"] = kind == "tf32"
-        if warps == 8 and kind == "lowp":
-            # at most 128 registers a thread, so that two CTAs of eight warps share an SM (ptxas may take more);
-            # the fp32 kernels run one CTA an SM (shared memory) and need up to 196
+        # fp16/bf16 only: at TF32 it measured 0-7 % slower at D = 64 and mixed at D = 128 (docs/PERF.md, v17)
+        consts["LAZY"] = kind == "lowp" and replay.env(ENV_LAZY).strip() != "0"
+        if warps >= 8 and kind == "lowp":
+            # at most 128 registers a thread, so that two CTAs of eight warps (or one of sixteen) share an SM
+            # (ptxas may take more); the fp32 kernels run one CTA an SM (shared memory) and need up to 196
             consts["maxnreg"] = 128
     try:
         replay.launch(kernel, (n_mb * B * Hq,), *descs, *o_args, *lse_args, Nq, Nk, Hq, Hq // Hkv,

@@ -856,6 +856,28 @@ def test_partition_knobs_take_numpy_numbers():
     assert rel(out, ro) <= TOL["strict"]
 
 
+@pytest.mark.parametrize("pack", [8, 16])
+def test_hopper_lazy_rescale_asm_operands(pack):
+    """The PTX block of the lazy rescale (kernels/hopper.py): outputs tied to the accumulator inputs (so that a
+    warp which skips the multiplies leaves its accumulator as it was), each multiply reading its own accumulator
+    element and alpha, the branch reading a vote operand, and no operand past the constraint list. The kernel
+    itself runs on the GPU only (tests/test_kernels_gpu.py::test_hopper_lazy_rescale_matches_the_oracle)."""
+    import re
+
+    from elsa_surgery.kernels import hopper
+
+    cons = hopper._rescale_constraints(pack).split(",")
+    assert cons[:pack] == ["=r"] * pack and cons[pack:2 * pack] == [str(i) for i in range(pack)]
+    assert cons[2 * pack:] == ["r"] * (2 * pack)
+    asm = hopper._rescale_asm(pack)
+    muls = re.findall(r"mul\.f32 \$(\d+), \$(\d+), \$(\d+);", asm)
+    assert [tuple(map(int, m)) for m in muls] == [(i, pack + i, 2 * pack + i) for i in range(pack)]
+    assert re.search(r"setp\.ne\.b32 p, \$(\d+), 0;", asm).group(1) == str(3 * pack)
+    assert asm.index("@!p bra.uni skip;") < asm.index("mul.f32") < asm.index("skip:")
+    assert max(int(x) for x in re.findall(r"\$(\d+)", asm)) < len(cons)
+    assert asm.count("{") == asm.count("}") == 1  # a scope of its own: one label per block
+
+
 def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
     """The Gluon kernel (kernels/hopper.py) runs on sm_90 only, so the CPU checks its switches: bad
     ``ELSA_HOPPER`` / ``ELSA_HOPPER_TILES`` values raise naming the variable, before any launch and with the

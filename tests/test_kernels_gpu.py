@@ -424,6 +424,55 @@ def test_hopper_kernel_matches_the_oracle(kind, causal, B, Hq, Hkv, Nq, Nk, D, D
     assert len(runs) == 2 and rel(got, ro) <= tol
 
 
+def _ramped(B, H, N, D, steps, dtype):
+    """q, k whose scores (scale D**-0.5) grow along the keys by ``steps[h]`` (log2 units) per 64 keys in head h
+    (negative: fall), plus noise, so that the running max of every row moves by that much at each key tile. Values
+    are bf16-representable, so that fp16 inputs and TF32 products hold them exactly."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, H, N, D, device="cuda", generator=g) * 0.3
+    k = torch.randn(B, H, N, D, device="cuda", generator=g) * 0.3
+    q[..., 0] = 4.0
+    tile = torch.arange(N, device="cuda") // 64
+    for h, step in enumerate(steps):
+        k[:, h, :, 0] = (tile - (tile.max() if step < 0 else 0)) * abs(step) * D ** 0.5 / (4.0 * LOG2E)
+    return q.to(torch.bfloat16).to(dtype), k.to(torch.bfloat16).to(dtype)
+
+
+LOG2E = 1.4426950408889634
+
+
+@hopper_only
+@pytest.mark.parametrize("kind", [torch.bfloat16, torch.float16, "turbo"])  # turbo: never lazy, same checks
+@pytest.mark.parametrize("lazy", ["1", "0"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_lazy_rescale_matches_the_oracle(kind, lazy, causal, monkeypatch):
+    """The wgmma kernel rescales its accumulator only when a row's max grows by more than ``RESCALE_SLACK``
+    (``ELSA_HOPPER_LAZY``, on by default): scores that grow along the keys by 0.5, 3, 7.9, 8.1, 20 and 200 per key
+    tile (under and over the slack; a warp's vote skips or does the rescale), fall by 20, or stay flat, at every
+    tile configuration: outputs and lse against the float64 oracle, and the same result with it off."""
+    from elsa_surgery.kernels import hopper
+
+    monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
+    monkeypatch.setenv("ELSA_HOPPER", "force")
+    monkeypatch.setenv(hopper.ENV_LAZY, lazy)
+    assert hopper.RESCALE_SLACK == 8.0  # the steps below straddle it
+    dtype = _dtype(kind)
+    steps = [0.5, 3.0, 7.9, 8.1, 20.0, 200.0, -20.0, 0.0]
+    q, k = _ramped(1, len(steps), 777, 64, steps, dtype)
+    v = rand(1, len(steps), 777, 64, dtype=dtype)
+    ro, rl = oracle(q, k, v, is_causal=causal)
+    for tiles in ("128,64,2,8", "128,128,2,8", "64,64,2,4", "64,128,2,4"):
+        monkeypatch.setenv("ELSA_HOPPER_TILES", tiles)
+        runs = _count_hopper_runs(monkeypatch)
+        out, lse = poisoned(q, k, v, _precision(kind), is_causal=causal)
+        assert len(runs) == 1, (tiles, runs)
+        assert not out.isnan().any() and not lse.isnan().any(), tiles
+        for h, step in enumerate(steps):  # per head: one head's large scores must not hide another's error
+            assert rel(out[:, h], ro[:, h]) <= TOL[_mode(kind)], (tiles, step, rel(out[:, h], ro[:, h]))
+            lse_tol = TOL["turbo"] if kind == "turbo" else 1e-5
+            assert rel(lse[:, h], rl[:, h]) <= lse_tol, (tiles, step, rel(lse[:, h], rl[:, h]))
+
+
 @hopper_only
 @pytest.mark.parametrize("tiles", ["128,64,2,8", "128,128,2,8", "64,64,2,4", "64,128,2,4"])
 @pytest.mark.parametrize("causal", [False, True])
