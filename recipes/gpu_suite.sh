@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash recipes/gpu_suite.sh PART [OUTDIR]
-#   PART: tests | tests-kernels | tests-rest | models | llama | vision | exec (then: OUTDIR COMMAND..., run with
-#   the package mapped). tests = tests-kernels (tests/test_kernels_gpu.py) then tests-rest (every other GPU test):
-#   each half fits one call, the whole suite no longer does.
+#   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | exec (then: OUTDIR COMMAND...,
+#   run with the package mapped). tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests),
+#   tests-tiles (those) and tests-rest (every other GPU test): each part fits one call, the whole suite does not
+#   (session 16: tests/test_kernels_gpu.py alone ran past 560 s on a cold machine).
 # Works from a plain checkout: the package is mapped onto PYTHONPATH (kernels/ -> elsa_surgery.kernels,
 # adapters/ -> elsa_surgery.adapters) when it is not installed. open_clip wheels, if carried in .whl/,
 # are installed into /tmp/site first.
@@ -35,10 +36,12 @@ gpu_tests() {  # $1: log name, then pytest selection; run from outside the check
      --rootdir "$repo" --tb=short "$@" 2>&1 | tee "$out/$log" | tail -60)
 }
 case "$part" in
-  tests-kernels) gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" ;;
+  tests-kernels) gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" -k "not every_tile_config" ;;
+  tests-tiles) gpu_tests pytest_gpu_tiles.log "$repo/tests/test_kernels_gpu.py" -k "every_tile_config" ;;
   tests-rest) gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" ;;
   tests)
-    gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py"
+    gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" -k "not every_tile_config"
+    gpu_tests pytest_gpu_tiles.log "$repo/tests/test_kernels_gpu.py" -k "every_tile_config"
     gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" ;;
   models)
     timeout 560 python3 recipes/bench_models.py --models vit_b16,vit_l14_clip,swin_t --dtypes fp32,bf16 \

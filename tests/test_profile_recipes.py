@@ -1,0 +1,98 @@
+"""The profiling recipes' own logic, on the CPU: ``recipes/ncu_profile.py`` splits ncu's rows into calls at the
+marker kernels and reads its metrics and stall reasons; ``recipes/membar_probe.py`` removes from a kernel loop's PTX
+exactly the barriers it names (the wait's and the TMA copies'), never the one that guards the stage's refill."""
+
+import pytest
+
+# the key loop of kernels/hopper._elsa_fwd_sm90 as Triton 3.6 emits it (trimmed to what classify() reads)
+PTX = """\
+$L__BB0_6:                              // =>This Inner Loop Header: Depth=1
+\tbfe.u32 \t%r56, %r463, 1, 1;
+\tbar.sync \t0;
+\t// begin inline asm
+{
+\t.reg .pred complete;
+\twaitLoop:
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r333], %r56;
+\t@!complete bra.uni waitLoop;
+}
+\twgmma.wait_group.sync.aligned 0;
+\tbar.sync \t0;
+\t// begin inline asm
+\t@%p28 mbarrier.arrive.expect_tx.shared.b64 _, [%r333], 32768;
+\t// end inline asm
+\tbar.sync \t0;
+\telect.sync \t%r334|%p25, -1;
+\t@%p23 cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r330], [%rd6], [%r333];
+\tbar.sync \t0;
+\telect.sync \t%r337|%p26, -1;
+\t@%p24 cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r332], [%rd7], [%r333];
+\tbra.uni \t$L__BB0_10;
+$L__BB0_11:                             // %._crit_edge
+\tbar.sync \t0;
+"""
+
+
+def test_membar_probe_removes_only_the_barriers_it_names(tmp_path, load_recipe):
+    m = load_recipe("membar_probe")
+    lines = PTX.split("\n")
+    end = next(i for i, line in enumerate(lines) if "%._crit_edge" in line)
+    assert sorted(m.classify(lines, 0, end).values()) == ["needed", "tma", "tma", "top"]
+    (tmp_path / "dump" / "HASH").mkdir(parents=True)
+    (tmp_path / "dump" / "HASH" / f"{m.KERNEL}.ptx").write_text(PTX)
+    m.edit(str(tmp_path / "dump"), str(tmp_path / "override"))
+    edited = (tmp_path / "override" / "HASH" / f"{m.KERNEL}.ptx").read_text().split("\n")
+    assert len(edited) == len(lines)
+    kept = [i for i, line in enumerate(edited) if line.strip() == "bar.sync \t0;"]
+    # the refill's barrier (before expect) and the one after the loop stay; the other three go
+    assert [lines[i + 2].strip() for i in kept[:1]] == ["@%p28 mbarrier.arrive.expect_tx.shared.b64 _, [%r333], 32768;"]
+    assert len(kept) == 2 and kept[1] == len(lines) - 2
+    assert sum("bar.sync removed" in line for line in edited) == 3
+
+
+def test_membar_probe_says_when_no_kernel_was_dumped(tmp_path, load_recipe):
+    m = load_recipe("membar_probe")
+    with pytest.raises(SystemExit, match="_elsa_fwd_sm90.ptx"):
+        m.edit(str(tmp_path), str(tmp_path / "override"))
+
+
+def _row(name, **metrics):
+    row = {"Kernel Name": name}
+    row.update(metrics)
+    return row
+
+
+def test_ncu_profile_groups_kernels_by_call_and_reads_stalls(load_recipe, capsys):
+    n = load_recipe("ncu_profile")
+    M = n.METRICS
+    rows = [
+        _row("spin_kernel(long)"),
+        _row("_elsa_fwd_sm90", **{M["us"]: "35,200", M["cycles"]: "60000", M["smem_wf"]: "1320000",
+                                  M["issue_pct"]: "41.0", M["regs"]: "127",
+                                  "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "2.72",
+                                  "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "1.14",
+                                  "smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio": "0"}),
+        _row("spin_kernel(long)"),
+        _row("cudnn_generated_fort_native_sdpa", **{M["us"]: "32600"}),
+        _row("some_helper_kernel", **{M["us"]: "1000"}),
+    ]
+    out = n.report(rows, ["bf16 elsa", "bf16 sdpa-cudnn"], sms=132)
+    assert [(r["call"], r["kernel"]) for r in out] == [
+        ("bf16 elsa", "_elsa_fwd_sm90"), ("bf16 sdpa-cudnn", "cudnn_generated_fort_native_sdpa"),
+        ("bf16 sdpa-cudnn", "some_helper_kernel")]
+    first = out[0]
+    assert first["us"] == pytest.approx(35.2) and first["issue_%"] == 41.0 and first["regs"] == 127
+    assert first["smem_%"] == pytest.approx(100 * 1320000 / (132 * 60000))
+    assert list(first["stalls"]) == ["barrier", "wait"]  # largest first, zeros left out
+    assert out[1]["tensor_%"] is None  # a metric this ncu did not give stays empty
+    assert "stalls (warp cycles per issued instruction): barrier 2.72, wait 1.14" in capsys.readouterr().out
+
+
+def test_ncu_profile_labels_missing_markers_and_checks_cells(load_recipe, capsys):
+    n = load_recipe("ncu_profile")
+    out = n.report([_row("spin_kernel"), _row("k")], ["a", "b"], sms=132)
+    assert out[0]["call"] == "call 0" and "2 calls" in capsys.readouterr().out
+    assert n.parse_cell("fp32-strict:1x32x1024x128:1") == ("fp32-strict", (1, 32, 1024, 128), True)
+    for bad in ("bf16:1x32x1024:0", "fp8:1x1x1x8:0", "bf16:1x32x1024x128:2"):
+        with pytest.raises(SystemExit, match="--cells"):
+            n.parse_cell(bad)
