@@ -88,8 +88,26 @@ MIN_WORK_TF32 = 2e9
 # all keep their max skips the accumulator's rescale (64 multiplies a thread and key tile at 128 x 64 tiles,
 # D = 128): the decision is a warp vote, in PTX, since Gluon has no warp-level branch (a CTA-wide vote through
 # shared memory cost what it saved, docs/PERF.md v11). Measured on an H100 (v17): D = 128 non-causal 2-6 % faster.
+# The vote and its branch cost a few instructions a tile and split ptxas's scheduling region, which pays off once a
+# row block folds enough key tiles for its max to settle: graph-replayed A/B on an H100 (v17), lazy against eager
+# rescale: 16 tiles (D = 128 non-causal 1K) and more 1-6 % faster; 8 (D = 128 causal 1K, D = 64 1K) 0.7-2.4 % slower.
 RESCALE_SLACK = 8.0
-ENV_LAZY = "ELSA_HOPPER_LAZY"  # "0": rescale the accumulator on every key tile (for A/B measurements)
+LAZY_MIN_TILES = 16
+# "0": rescale the accumulator on every key tile; "1" or unset: lazily from LAZY_MIN_TILES key tiles a row block
+# (half of them for causal calls); "force": lazily at every size
+ENV_LAZY = "ELSA_HOPPER_LAZY"
+_LAZY_VALUES = ("0", "1", "force")
+
+
+def lazy_rescale(n_k: int, block_n: int, is_causal: bool) -> bool:
+    """Whether the fp16/bf16 kernel rescales lazily (``RESCALE_SLACK``) for ``n_k`` keys in tiles of ``block_n``."""
+    how = replay.env(ENV_LAZY).strip().lower() or "1"
+    if how not in _LAZY_VALUES:
+        raise ValueError(f"{ENV_LAZY} must be one of {_LAZY_VALUES} (never, from {LAZY_MIN_TILES} key tiles a row "
+                         f"block, always), got {how!r}")
+    if how != "1":
+        return how == "force"
+    return -(-n_k // block_n) / (2 if is_causal else 1) >= LAZY_MIN_TILES
 
 
 def _rescale_asm(pack: int) -> str:
@@ -308,7 +326,8 @@ if gluon is not None:
             else:
                 m_new = gl.maximum(m_i, m_tile)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
-            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_use))
+            # 1 where m stays, and before a row's first visible key (its S and W are still 0): no rescale
+            alpha = gl.where((m_new == m_i) | (m_i == float("-inf")), 1.0, gl.exp2(m_i - m_use))
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
@@ -578,7 +597,7 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
         kernel = _elsa_fwd_sm90
         consts["TF32"] = kind == "tf32"
         # fp16/bf16 only: at TF32 it measured 0-7 % slower at D = 64 and mixed at D = 128 (docs/PERF.md, v17)
-        consts["LAZY"] = kind == "lowp" and replay.env(ENV_LAZY).strip() != "0"
+        consts["LAZY"] = kind == "lowp" and lazy_rescale(Nk, bn, is_causal)
         if warps >= 8 and kind == "lowp":
             # at most 128 registers a thread, so that two CTAs of eight warps (or one of sixteen) share an SM
             # (ptxas may take more); the fp32 kernels run one CTA an SM (shared memory) and need up to 196

@@ -29,9 +29,9 @@ import elsa_surgery  # noqa: E402
 from elsa_surgery import benchmark  # noqa: E402
 
 
-def cell(dname, H, D, N, causal, env, values, rounds):
+def cell(dname, H, D, N, causal, env, values, rounds, B=1):
     dtype, prec = ba.DTYPES[dname]
-    q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
     saved = os.environ.get(env)
     graphs, errs = {}, {}
     try:
@@ -56,7 +56,7 @@ def cell(dname, H, D, N, causal, env, values, rounds):
             times[value].append(ba.bench(graphs[value]))
         times[base_name].append(ba.bench(base))
     med = {key: statistics.median(ts) for key, ts in times.items()}
-    line = f"{dname:>12} H={H} D={D} N={N} {'causal' if causal else 'full  '} {base_name} {med[base_name]:.4f} ms"
+    line = f"{dname:>12} B={B} H={H} D={D} N={N} {'causal' if causal else 'full  '} {base_name} {med[base_name]:.4f} ms"
     for value in values:
         line += (f" | {env}={value}: {med[value]:.4f} ({med[base_name] / med[value]:.3f}x {base_name}, "
                  f"{med[values[0]] / med[value]:.3f}x first, err {errs[value]:.1e})")
@@ -73,6 +73,7 @@ def main(argv=None):
     ap.add_argument("--n", default="4096,16384")
     ap.add_argument("--causal", default="0")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args(argv)
     values = a.values.split(",")
     dnames = a.dtypes.split(",")
@@ -83,7 +84,7 @@ def main(argv=None):
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     for (H, D), dname, N, c in itertools.product(shapes, dnames, [int(x) for x in a.n.split(",")],
                                                  [bool(int(x)) for x in a.causal.split(",")]):
-        cell(dname, H, D, N, c, a.env, values, a.rounds)
+        cell(dname, H, D, N, c, a.env, values, a.rounds, B=a.batch)
 
 
 if __name__ == "__main__":

@@ -878,6 +878,25 @@ def test_hopper_lazy_rescale_asm_operands(pack):
     assert asm.count("{") == asm.count("}") == 1  # a scope of its own: one label per block
 
 
+def test_hopper_lazy_rescale_rule(monkeypatch):
+    """Lazy rescaling from ``LAZY_MIN_TILES`` key tiles a row block (half for causal calls), or as
+    ``ELSA_HOPPER_LAZY`` says; a bad value names the variable."""
+    from elsa_surgery.kernels import hopper
+
+    monkeypatch.delenv(hopper.ENV_LAZY, raising=False)
+    n = hopper.LAZY_MIN_TILES
+    assert hopper.lazy_rescale(64 * n, 64, False) and not hopper.lazy_rescale(64 * n - 64, 64, False)
+    assert hopper.lazy_rescale(64 * n - 63, 64, False)  # a ragged last tile counts
+    assert not hopper.lazy_rescale(128 * n, 128, True) and hopper.lazy_rescale(2 * 128 * n, 128, True)
+    monkeypatch.setenv(hopper.ENV_LAZY, "force")
+    assert hopper.lazy_rescale(77, 128, True)
+    monkeypatch.setenv(hopper.ENV_LAZY, "0")
+    assert not hopper.lazy_rescale(1 << 20, 64, False)
+    monkeypatch.setenv(hopper.ENV_LAZY, "sometimes")
+    with pytest.raises(ValueError, match="ELSA_HOPPER_LAZY must be one of"):
+        hopper.lazy_rescale(1024, 64, False)
+
+
 def test_hopper_kernel_knobs_and_scope_on_the_cpu(monkeypatch):
     """The Gluon kernel (kernels/hopper.py) runs on sm_90 only, so the CPU checks its switches: bad
     ``ELSA_HOPPER`` / ``ELSA_HOPPER_TILES`` values raise naming the variable, before any launch and with the

@@ -443,11 +443,11 @@ LOG2E = 1.4426950408889634
 
 @hopper_only
 @pytest.mark.parametrize("kind", [torch.bfloat16, torch.float16, "turbo"])  # turbo: never lazy, same checks
-@pytest.mark.parametrize("lazy", ["1", "0"])
+@pytest.mark.parametrize("lazy", ["force", "0"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_lazy_rescale_matches_the_oracle(kind, lazy, causal, monkeypatch):
     """The wgmma kernel rescales its accumulator only when a row's max grows by more than ``RESCALE_SLACK``
-    (``ELSA_HOPPER_LAZY``, on by default): scores that grow along the keys by 0.5, 3, 7.9, 8.1, 20 and 200 per key
+    (``ELSA_HOPPER_LAZY``; by size by default, forced on and off here): scores that grow along the keys by 0.5, 3, 7.9, 8.1, 20 and 200 per key
     tile (under and over the slack; a warp's vote skips or does the rescale), fall by 20, or stay flat, at every
     tile configuration: outputs and lse against the float64 oracle, and the same result with it off."""
     from elsa_surgery.kernels import hopper
@@ -455,6 +455,9 @@ def test_hopper_lazy_rescale_matches_the_oracle(kind, lazy, causal, monkeypatch)
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
     monkeypatch.setenv("ELSA_HOPPER", "force")
     monkeypatch.setenv(hopper.ENV_LAZY, lazy)
+    decided = []
+    real_rule = hopper.lazy_rescale
+    monkeypatch.setattr(hopper, "lazy_rescale", lambda *a: decided.append(real_rule(*a)) or decided[-1])
     assert hopper.RESCALE_SLACK == 8.0  # the steps below straddle it
     dtype = _dtype(kind)
     steps = [0.5, 3.0, 7.9, 8.1, 20.0, 200.0, -20.0, 0.0]
@@ -471,6 +474,8 @@ def test_hopper_lazy_rescale_matches_the_oracle(kind, lazy, causal, monkeypatch)
             assert rel(out[:, h], ro[:, h]) <= TOL[_mode(kind)], (tiles, step, rel(out[:, h], ro[:, h]))
             lse_tol = TOL["turbo"] if kind == "turbo" else 1e-5
             assert rel(lse[:, h], rl[:, h]) <= lse_tol, (tiles, step, rel(lse[:, h], rl[:, h]))
+    # the fp16/bf16 kernel asked the rule once a call and got what the variable forces; the TF32 kernel never asks
+    assert decided == ([] if kind == "turbo" else [lazy == "force"] * 4)
 
 
 @hopper_only
