@@ -278,8 +278,8 @@ if gluon is not None:
                        HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        WRITE_LSE: gl.constexpr, TF32: gl.constexpr, LAZY: gl.constexpr, num_warps: gl.constexpr):
         """fp16/bf16, or fp32 with TF32 products (``turbo``; ``TF32``). ``LAZY``: the accumulator is rescaled only
-        when a row's max grows by more than ``RESCALE_SLACK`` (``_rescale_lazily``). A TF32 wgmma reads both shared operands
-        K-major, which V's tile (keys x Dv, Dv contiguous) is not for P·V: each V tile is transposed through
+        when a row's max grows by more than ``RESCALE_SLACK`` (``_rescale_lazily``). A TF32 wgmma reads both shared
+        operands K-major, which V's tile (keys x Dv, Dv contiguous) is not for P·V: each V tile is transposed through
         registers into a keys-contiguous buffer once Q·Kᵀ has landed (issued while the wgmma was in flight, the
         transpose crashed ptxas 12.8 and 12.9 with a segmentation fault)."""
         b, h, hk, m0 = _program_block(n_mblocks, Hq, G, head_group, BLOCK_M, IS_CAUSAL)

@@ -447,9 +447,9 @@ LOG2E = 1.4426950408889634
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_lazy_rescale_matches_the_oracle(kind, lazy, causal, monkeypatch):
     """The wgmma kernel rescales its accumulator only when a row's max grows by more than ``RESCALE_SLACK``
-    (``ELSA_HOPPER_LAZY``; by size by default, forced on and off here): scores that grow along the keys by 0.5, 3, 7.9, 8.1, 20 and 200 per key
-    tile (under and over the slack; a warp's vote skips or does the rescale), fall by 20, or stay flat, at every
-    tile configuration: outputs and lse against the float64 oracle, and the same result with it off."""
+    (``ELSA_HOPPER_LAZY``; by size by default, forced on and off here): scores that grow along the keys by 0.5, 3,
+    7.9, 8.1, 20 and 200 per key tile (under and over the slack; a warp's vote skips or does the rescale), fall by
+    20, or stay flat, at every tile configuration: outputs and lse against the float64 oracle, lazy or not."""
     from elsa_surgery.kernels import hopper
 
     monkeypatch.setenv("ELSA_NUM_PARTITIONS", "1")
