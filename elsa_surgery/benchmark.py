@@ -12,7 +12,8 @@ One timing method and one memory method for every recipe:
   peak *reserved* from the GPU (the process's footprint: what has to fit), from an emptied cache.
 
 :func:`measure_modes` measures one model native and then converted in each mode, a row each. Also: the
-dispatch summary of a :func:`elsa_surgery.dispatch.record` log, the environment record, the native /
+dispatch summary of a :func:`elsa_surgery.dispatch.record` log, the environment record, :func:`environ` (knobs
+set inside a block), the native /
 converted mode list, comma-list arguments, JSON output and the latency / memory plot.
 
 Needs only torch (matplotlib is imported by :func:`plot_time_memory` when called); never imported by
@@ -21,13 +22,15 @@ Needs only torch (matplotlib is imported by :func:`plot_time_memory` when called
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from collections import Counter
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -139,6 +142,25 @@ def measure(fn: Callable[[], object], device, warmup: int, iters: int, memory: O
                     out = fn()
                     times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), mem.mib, out
+
+
+@contextlib.contextmanager
+def environ(variables: Dict[str, Optional[str]]):
+    """``os.environ`` with ``variables`` set (a value of None unsets it) inside the block, and every one of them
+    restored afterwards to what it was, set or not: the recipes' A/B switches of the kernels' knobs."""
+    def put(values):
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    saved = {name: os.environ.get(name) for name in variables}
+    try:
+        put(variables)
+        yield
+    finally:
+        put(saved)
 
 
 def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, warmup: int = 5) -> float:

@@ -32,21 +32,14 @@ from elsa_surgery import benchmark  # noqa: E402
 def cell(dname, H, D, N, causal, env, values, rounds, B=1):
     dtype, prec = ba.DTYPES[dname]
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
-    saved = os.environ.get(env)
+    ref = elsa_surgery.attention(q[:, :1].double(), k[:, :1].double(), v[:, :1].double(), is_causal=causal,
+                                 backend="reference")
     graphs, errs = {}, {}
-    try:
-        for value in values:
-            os.environ[env] = value
+    for value in values:
+        with benchmark.environ({env: value}):
             fn = ba.elsa_fn(q, k, v, causal, prec)
-            ref = elsa_surgery.attention(q[:, :1].double(), k[:, :1].double(), v[:, :1].double(),
-                                         is_causal=causal, backend="reference")
             errs[value] = ba.rel(fn()[:, :1], ref)
             graphs[value] = benchmark.cuda_graph(fn)
-    finally:
-        if saved is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = saved
     base_name = "efficient" if dtype == torch.float32 else "cudnn"
     base = benchmark.cuda_graph(ba.sdpa_fn(base_name, q, k, v, causal))
     times = {value: [] for value in values}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 
 import torch
@@ -36,19 +35,6 @@ KINDS = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "strict"
          "turbo": (torch.float32, "turbo")}
 SHAPES = ("1x8x512x64", "8x12x197x64", "1x4x1024x64", "1x8x1024x64", "1x16x1024x64", "1x2x1024x128",
           "1x8x1024x128", "1x32x1024x128", "1x8x4096x64", "1x32x2048x128")
-
-
-@contextlib.contextmanager
-def env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -80,7 +66,7 @@ def launch_cost(rounds=3, calls=2000):
     """Host µs of one replayed Gluon launch (bf16 1x4x1024x128), by route: the TMA maps encoded by the replay, or
     Triton's TensorDescriptor objects expanded by its launcher; and of the whole launcher call on that route."""
     q, k, v = (torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    with env(hopper.ENV, "force"):
+    with benchmark.environ({hopper.ENV: "force"}):
         got = {"encoded": [], "tensordesc": [], "launcher_encoded": [], "launcher_tensordesc": []}
         for _ in range(rounds):
             for encoded in (True, False):
@@ -140,7 +126,7 @@ def main(argv=None):
                 ref = sdpa().float()
                 for _ in range(a.rounds):
                     for name, hv, encoded in settings:
-                        with env(hopper.ENV, hv), descriptor_route(encoded):
+                        with benchmark.environ({hopper.ENV: hv}), descriptor_route(encoded):
                             out = call()
                             err = ((out.float() - ref).norm() / ref.norm()).item()
                             assert err < (3e-3 if kind == "turbo" else 2e-2), (kind, shape, name, err)

@@ -14,7 +14,6 @@ rounds (settings interleaved), taken with the host-cost layers on (the defaults)
 import argparse
 import contextlib
 import copy
-import os
 import statistics
 
 import torch
@@ -30,12 +29,11 @@ def layers(memo: bool, plans: bool):
     saved = callcache._key
     if not memo:
         callcache._key = lambda *args: None  # every call validated and dispatched in full
-    os.environ[replay.ENV] = "1" if plans else "0"
     try:
-        yield
+        with benchmark.environ({replay.ENV: "1" if plans else "0"}):
+            yield
     finally:
         callcache._key = saved
-        os.environ.pop(replay.ENV)
 
 
 SETTINGS = ((True, True), (False, True), (False, False))  # (memo, plans): today's defaults, then each layer off

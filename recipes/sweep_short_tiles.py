@@ -115,22 +115,17 @@ HOPPER_LONGER = [(8, 12, 2048, 64), (2, 12, 2048, 64), (1, 8, 2048, 64), (8, 12,
 
 def hopper_sweep(tag, q, k, v, best_sdpa, causal=False):
     """The Gluon kernel under its default tiles and each of ``HOPPER_LOWP``, and the portable kernel's default."""
-    import os
-
     from elsa_surgery.kernels import hopper
 
     rows = []
     for name, env in [("default", {}), ("portable", {hopper.ENV: "0"})] + [
             (c, {hopper.ENV_TILES: ",".join(map(str, c))}) for c in HOPPER_LOWP]:
-        os.environ.update(env)
         try:
-            ms = bench(lambda: elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa"))
+            with benchmark.environ(env):
+                ms = bench(lambda: elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa"))
             rows.append((ms, name))
         except Exception as exc:  # a tile that does not fit is reported, not fatal
             print(f"   {tag} {name}: failed ({str(exc).splitlines()[0][:90]})", flush=True)
-        finally:
-            for key in env:
-                os.environ.pop(key)
     report(tag, rows, best_sdpa)
 
 

@@ -428,17 +428,17 @@ def _ramped(B, H, N, D, steps, dtype):
     """q, k whose scores (scale D**-0.5) grow along the keys by ``steps[h]`` (log2 units) per 64 keys in head h
     (negative: fall), plus noise, so that the running max of every row moves by that much at each key tile. Values
     are bf16-representable, so that fp16 inputs and TF32 products hold them exactly."""
+    from elsa_surgery.kernels import hopper
+
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(B, H, N, D, device="cuda", generator=g) * 0.3
     k = torch.randn(B, H, N, D, device="cuda", generator=g) * 0.3
     q[..., 0] = 4.0
     tile = torch.arange(N, device="cuda") // 64
     for h, step in enumerate(steps):
-        k[:, h, :, 0] = (tile - (tile.max() if step < 0 else 0)) * abs(step) * D ** 0.5 / (4.0 * LOG2E)
+        k[:, h, :, 0] = (tile - (tile.max() if step < 0 else 0)) * abs(step) * D ** 0.5 / (4.0 * hopper.LOG2E)
     return q.to(torch.bfloat16).to(dtype), k.to(torch.bfloat16).to(dtype)
 
-
-LOG2E = 1.4426950408889634
 
 
 @hopper_only

@@ -1,6 +1,7 @@
 """The profiling recipes' own logic, on the CPU: ``recipes/ncu_profile.py`` splits ncu's rows into calls at the
 marker kernels and reads its metrics and stall reasons; ``recipes/membar_probe.py`` removes from a kernel loop's PTX
-exactly the barriers it names (the wait's and the TMA copies'), never the one that guards the stage's refill."""
+exactly the barriers it names (the wait's and the TMA copies'), never the one that guards the stage's refill; and
+``benchmark.environ``, the recipes' switch of the kernels' knobs."""
 
 import pytest
 
@@ -96,3 +97,21 @@ def test_ncu_profile_labels_missing_markers_and_checks_cells(load_recipe, capsys
     for bad in ("bf16:1x32x1024:0", "fp8:1x1x1x8:0", "bf16:1x32x1024x128:2"):
         with pytest.raises(SystemExit, match="--cells"):
             n.parse_cell(bad)
+
+
+def test_benchmark_environ_sets_and_restores(monkeypatch):
+    """``benchmark.environ``, the recipes' knob switch: sets and unsets inside the block and restores every variable
+    to what it was (set or unset) afterwards, also when the block raises."""
+    import os
+
+    from elsa_surgery import benchmark
+
+    monkeypatch.setenv("ELSA_TEST_KNOB_A", "kept")
+    monkeypatch.delenv("ELSA_TEST_KNOB_B", raising=False)
+    with benchmark.environ({"ELSA_TEST_KNOB_A": None, "ELSA_TEST_KNOB_B": "force"}):
+        assert "ELSA_TEST_KNOB_A" not in os.environ and os.environ["ELSA_TEST_KNOB_B"] == "force"
+    assert os.environ["ELSA_TEST_KNOB_A"] == "kept" and "ELSA_TEST_KNOB_B" not in os.environ
+    with pytest.raises(RuntimeError):
+        with benchmark.environ({"ELSA_TEST_KNOB_A": "0", "ELSA_TEST_KNOB_B": "1"}):
+            raise RuntimeError
+    assert os.environ["ELSA_TEST_KNOB_A"] == "kept" and "ELSA_TEST_KNOB_B" not in os.environ
