@@ -8,13 +8,13 @@ construction time) plays no part: the adapters rebind ``forward`` on the instanc
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elsa_surgery.registry import Adapter, PatchConfig, bind_forward
+from ._base import ForwardAdapter, first_param, random_tensor
 
 EXAMPLE_BATCH = 2  # parity inputs: two images, so per-batch indexing (Swin's b % nW) is exercised
 EXAMPLE_TOKENS = 10  # token count for a lone attention module
@@ -25,23 +25,6 @@ def timm_class(module_path: str, name: str):
     return None if mod is None else getattr(mod, name, None)
 
 
-def _first_param(model: nn.Module) -> Optional[torch.Tensor]:
-    for p in model.parameters():
-        return p
-    for b in model.buffers():
-        if b.is_floating_point():
-            return b
-    return None
-
-
-def _randn(shape, like: Optional[torch.Tensor]) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=g)
-    if like is not None:
-        x = x.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
-    return x
-
-
 def image_inputs(model: nn.Module) -> Optional[torch.Tensor]:
     """A batch of random images for a timm image model (one with ``patch_embed.img_size``), else None."""
     pe = getattr(model, "patch_embed", None)
@@ -50,23 +33,19 @@ def image_inputs(model: nn.Module) -> Optional[torch.Tensor]:
     if size is None or not isinstance(proj, nn.Conv2d):
         return None
     h, w = (size, size) if isinstance(size, int) else tuple(size)
-    return _randn((EXAMPLE_BATCH, proj.in_channels, h, w), _first_param(model))
+    return random_tensor((EXAMPLE_BATCH, proj.in_channels, h, w), first_param(model))
 
 
-class TimmAdapter(Adapter):
-    """One timm attention class (exact match), patched by rebinding ``forward``."""
+class TimmAdapter(ForwardAdapter):
+    """One timm attention class (exact match), patched by rebinding ``forward`` to ``forward_fn``."""
 
     library = "timm"
     target: Tuple[str, str] = ("", "")  # (module path, class name)
-    forward_fn: Callable = None  # forward(self, ..., *, config)
     input_linears: Tuple[str, ...] = ()  # the module's input projection(s): the first one present gives dim
 
     def matches(self, module: nn.Module) -> bool:
         cls = timm_class(*self.target)
         return cls is not None and type(module) is cls
-
-    def patch(self, module: nn.Module, config: PatchConfig) -> None:
-        bind_forward(module, type(self).forward_fn, config)
 
     def example_inputs(self, model: nn.Module) -> Optional[Any]:
         x = image_inputs(model)
@@ -88,7 +67,7 @@ class TimmAdapter(Adapter):
 
 
 def token_inputs(module: nn.Module, dim: int, tokens: int = EXAMPLE_TOKENS, batch: int = EXAMPLE_BATCH):
-    return _randn((batch, tokens, dim), _first_param(module))
+    return random_tensor((batch, tokens, dim), first_param(module))
 
 
 def fused_qkv(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,7 @@ import torch.nn as nn
 
 from elsa_surgery.registry import PatchConfig
 
-from ._common import StructuralAdapter
-from .torch_mha import attention, bind_forward, original_forward, patch_config, record_native_call
+from ._base import StructuralAdapter, attention, original_forward, record_native_call
 
 
 def has_hsimae_structure(module: nn.Module) -> bool:
@@ -64,7 +63,7 @@ def _hsimae_module_path(cls: type) -> bool:
     return mod == "Models" or mod.endswith(".Models") or "hsimae" in mod.lower()
 
 
-def _forward(self, x: torch.Tensor, attn_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _forward(self, x: torch.Tensor, attn_bias: Optional[torch.Tensor] = None, *, config: PatchConfig) -> torch.Tensor:
     if attn_bias is not None and not attn_bias.is_floating_point():
         record_native_call(self, f"non-float attn_bias ({attn_bias.dtype}) is added as numbers by the original")
         return original_forward(self)(x, attn_bias=attn_bias)
@@ -73,7 +72,7 @@ def _forward(self, x: torch.Tensor, attn_bias: Optional[torch.Tensor] = None) ->
     q = self.q(x).reshape(B, N, H, C // H).transpose(1, 2)
     k = self.k(x).reshape(B, N, H, C // H).transpose(1, 2)
     v = self.v(x).reshape(B, N, H, C // H).transpose(1, 2)
-    out = attention(patch_config(self), q, k, v, attn_mask=attn_bias, scale=float(self.scale))
+    out = attention(config, q, k, v, attn_mask=attn_bias, scale=float(self.scale))
     out = out.transpose(1, 2).reshape(B, N, C)
     out = self.proj_drop(self.proj(out))
     return out.view(B, -1, out.shape[-1])
@@ -95,8 +94,7 @@ class HSIMAEAttention(StructuralAdapter):
     def has_structure(self, module: nn.Module) -> bool:
         return has_hsimae_structure(module)
 
-    def patch(self, module: nn.Module, config: PatchConfig) -> None:
-        bind_forward(module, _forward, config)
+    forward_fn = _forward
 
     def example_inputs(self, model: nn.Module):
         """A batch of 4 hyperspectral patches ``[4, 1, bands, H, W]`` for a model with a Conv3d patch embedding."""

@@ -20,7 +20,7 @@ Where attention lives in open_clip (3.x), and who converts it:
   raises; the converted module computes the intended ``softmax(exp(clamp(s)) · cos(q, k) + mask) v``.
 
 Training mode with ``attn_drop > 0`` runs the original implementation (counted, see
-``torch_mha.record_native_call``). ``import open_clip`` is never done at import time.
+``_base.record_native_call``). ``import open_clip`` is never done at import time.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from elsa_surgery.registry import Adapter, PatchConfig
+from elsa_surgery.registry import PatchConfig
 
-from .torch_mha import attention, bind_forward, clear_patch_state, original_forward, patch_config, record_native_call
+from ._base import ForwardAdapter, attention, original_forward, record_native_call
 
 
 def _attention_class():
@@ -42,7 +42,8 @@ def _attention_class():
     return getattr(mod, "Attention", None) if mod is not None else None
 
 
-def _attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, *,
+                       config: PatchConfig) -> torch.Tensor:
     if self.training and self.attn_drop.p > 0.0:
         record_native_call(self, f"training mode with attn_drop={self.attn_drop.p}")
         return original_forward(self)(x, attn_mask=attn_mask)
@@ -67,7 +68,7 @@ def _attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] 
     else:
         q, k = self.ln_q(q), self.ln_k(k)
         scale = self.scale
-    out = attention(patch_config(self), q, k, v, attn_mask=mask, scale=scale)  # [N, H, L, hd]
+    out = attention(config, q, k, v, attn_mask=mask, scale=scale)  # [N, H, L, hd]
     if self.head_scale is not None:
         out = out * self.head_scale
     out = out.transpose(1, 2).reshape(N, L, C)
@@ -119,7 +120,10 @@ def example_inputs_for(model: nn.Module, batch: int = 2):
     return None
 
 
-class OpenClipAttention(Adapter):
+class OpenClipAttention(ForwardAdapter):
+    """Also builds the parity inputs of every open_clip model (CLIP, CoCa, towers), whose ``nn.MultiheadAttention``
+    modules the ``torch.mha`` adapter converts: :func:`elsa_surgery.convert` asks every registered adapter."""
+
     name = "open_clip.attention"
     library = "open_clip"
     description = ("open_clip.transformer.Attention (exact class): qk-norm, scaled cosine (logit scale folded "
@@ -129,11 +133,7 @@ class OpenClipAttention(Adapter):
         cls = _attention_class()
         return cls is not None and type(module) is cls
 
-    def patch(self, module: nn.Module, config: PatchConfig) -> None:
-        bind_forward(module, _attention_forward, config)
-
-    def unpatch(self, module: nn.Module) -> None:
-        clear_patch_state(module)
+    forward_fn = _attention_forward
 
     def example_inputs(self, model: nn.Module):
         return example_inputs_for(model)

@@ -43,72 +43,16 @@ Two adapters, matched by exact class (subclasses are not matched):
 
 from __future__ import annotations
 
-import logging
-import types
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import elsa_surgery
-from elsa_surgery import dispatch
-from elsa_surgery.registry import Adapter, PatchConfig
+from elsa_surgery.patching import patch_module, record_of, unpatch_module
+from elsa_surgery.registry import PatchConfig
 
-logger = logging.getLogger("elsa_surgery")
-
-NATIVE_CALLS_ATTR = "elsa_native_calls"  # {reason: count} on every module patched by these adapters
-_CONFIG_ATTR = "_elsa_patch_config"
-_ORIGINAL_ATTR = "_elsa_original_forward"
-_logged_native: set = set()
-
-
-# --------------------------------------------------------------------------------------------------
-# shared by the vision adapters: remembering the original forward and telling about native calls
-# --------------------------------------------------------------------------------------------------
-
-def bind_forward(module: nn.Module, fn, config: PatchConfig) -> None:
-    """Rebind ``module.forward`` to ``fn`` (a function of ``(self, ...)``), keeping the original callable.
-
-    A bound method (not a closure) so ``copy.deepcopy`` of a converted model binds the copy's forward to
-    the copied module.
-    """
-    if _ORIGINAL_ATTR not in module.__dict__:
-        module.__dict__[_ORIGINAL_ATTR] = module.forward
-    module.__dict__[_CONFIG_ATTR] = config
-    module.__dict__.setdefault(NATIVE_CALLS_ATTR, {})
-    module.forward = types.MethodType(fn, module)
-
-
-def clear_patch_state(module: nn.Module) -> None:
-    for attr in (_ORIGINAL_ATTR, _CONFIG_ATTR, NATIVE_CALLS_ATTR):
-        module.__dict__.pop(attr, None)
-
-
-def patch_config(module: nn.Module) -> PatchConfig:
-    return module.__dict__.get(_CONFIG_ATTR) or PatchConfig()
-
-
-def original_forward(module: nn.Module):
-    fwd = module.__dict__.get(_ORIGINAL_ATTR)
-    return fwd if fwd is not None else types.MethodType(type(module).forward, module)
-
-
-def record_native_call(module: nn.Module, reason: str) -> None:
-    """Count a call that runs the module's original implementation, log it once, record the decision."""
-    counts = module.__dict__.setdefault(NATIVE_CALLS_ATTR, {})
-    counts[reason] = counts.get(reason, 0) + 1
-    cls = type(module).__name__
-    full = f"{cls}: original implementation used ({reason})"
-    dispatch.announce(dispatch.Decision("native", None, full, fallback=True))  # seen by dispatch.record()
-    if full not in _logged_native and not torch.compiler.is_compiling():
-        _logged_native.add(full)
-        logger.warning("elsa_surgery: %s; counted in module.%s", full, NATIVE_CALLS_ATTR)
-
-
-def attention(config: PatchConfig, q, k, v, **kwargs):
-    return elsa_surgery.attention(q, k, v, backend=config.backend, precision=config.precision, **kwargs)
-
+from ._base import ForwardAdapter, attention, bind_forward, original_forward, record_native_call
 
 # --------------------------------------------------------------------------------------------------
 # nn.MultiheadAttention
@@ -170,11 +114,8 @@ def mha_mask(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch
     return merged
 
 
-_WEIGHTS_UNUSED_ATTR = "_elsa_weights_unused"
-
-
 def _mha_native_reason(self: nn.MultiheadAttention, query, key, value, need_weights) -> Optional[str]:
-    if need_weights and not self.__dict__.get(_WEIGHTS_UNUSED_ATTR, False):
+    if need_weights and not record_of(self).extras.get("weights_unused", False):
         return "need_weights=True: the attention weights are requested"
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested-tensor inputs"
@@ -206,7 +147,7 @@ def _mha_project(self: nn.MultiheadAttention, query, key, value):
 def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                  attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
-                 is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 is_causal: bool = False, *, config: PatchConfig) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     reason = _mha_native_reason(self, query, key, value, need_weights)
     if reason is not None:
         record_native_call(self, reason)
@@ -247,7 +188,7 @@ def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Te
     causal = bool(is_causal) and key_padding_mask is None and extra == 0 and L == S
     mask = None if causal else mha_mask(attn_mask, key_padding_mask, batch=N, heads=H, n_q=L, n_k=S,
                                         extra=extra, dtype=q.dtype)
-    out = attention(patch_config(self), q, k, v, attn_mask=mask, is_causal=causal)  # [N, H, L, hd]
+    out = attention(config, q, k, v, attn_mask=mask, is_causal=causal)  # [N, H, L, hd]
     if not batched:
         out = out.transpose(1, 2).reshape(L, E)
     elif self.batch_first:
@@ -264,26 +205,22 @@ def _fast_path_guard(module, args, kwargs):
     return None
 
 
-_GUARD_ATTR = "_elsa_fast_path_guard"
-
-
 def patch_mha(module: nn.MultiheadAttention, config: PatchConfig, weights_unused: bool = False) -> None:
-    bind_forward(module, _mha_forward, config)
+    rec = bind_forward(module, _mha_forward, config)
     if weights_unused:
-        module.__dict__[_WEIGHTS_UNUSED_ATTR] = True
-    if _GUARD_ATTR not in module.__dict__:
-        module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(_fast_path_guard, with_kwargs=True)
+        rec.extras["weights_unused"] = True
+    if "guard" not in rec.extras:
+        rec.extras["guard"] = module.register_forward_pre_hook(_fast_path_guard, with_kwargs=True)
 
 
 def unpatch_mha(module: nn.MultiheadAttention) -> None:
-    handle = module.__dict__.pop(_GUARD_ATTR, None)
+    """Remove the fast-path guard hook (the record restores the rest)."""
+    handle = record_of(module).extras.pop("guard", None)
     if handle is not None:
         handle.remove()
-    module.__dict__.pop(_WEIGHTS_UNUSED_ATTR, None)
-    clear_patch_state(module)
 
 
-class TorchMultiheadAttention(Adapter):
+class TorchMultiheadAttention(ForwardAdapter):
     """``weights_unused=True`` (opt-in, for models that call ``mha(x, x, x)`` with PyTorch's default
     ``need_weights=True`` and throw the weights away, e.g. ``out, _ = self.attn(x, x, x)``): such calls run
     ELSA too and return ``(out, None)``. Use it as ``convert(model, adapters=[TorchMultiheadAttention(
@@ -312,9 +249,7 @@ class TorchMultiheadAttention(Adapter):
         unpatch_mha(module)
 
     def example_inputs(self, model: nn.Module):
-        if type(model).__module__.startswith("open_clip"):  # open_clip's towers are built of nn.MHA
-            from .open_clip import example_inputs_for
-            return example_inputs_for(model)
+        # (open_clip's towers are built of nn.MHA: the open_clip adapter builds their inputs, through the registry)
         if type(model) is not nn.MultiheadAttention:
             return None
         p = next(model.parameters())
@@ -355,7 +290,7 @@ def _composite_layer(self: nn.TransformerEncoderLayer, src, src_mask, src_key_pa
 def _encoder_layer_forward(self: nn.TransformerEncoderLayer, src: torch.Tensor,
                            src_mask: Optional[torch.Tensor] = None,
                            src_key_padding_mask: Optional[torch.Tensor] = None,
-                           is_causal: bool = False) -> torch.Tensor:
+                           is_causal: bool = False, *, config: PatchConfig) -> torch.Tensor:
     if not src.is_nested:
         return _composite_layer(self, src, src_mask, src_key_padding_mask, is_causal)
     # Nested input (nn.TransformerEncoder's padding fast path): pad, mask the padding, run, unpad.
@@ -371,10 +306,7 @@ def _encoder_layer_forward(self: nn.TransformerEncoderLayer, src: torch.Tensor,
     return torch.nested.nested_tensor([out[i, :n] for i, n in enumerate(lengths)])
 
 
-_CHILD_ATTR = "_elsa_patched_self_attn"
-
-
-class TorchTransformerEncoderLayer(Adapter):
+class TorchTransformerEncoderLayer(ForwardAdapter):
     name = "torch.transformer_encoder_layer"
     library = None
     description = ("torch.nn.TransformerEncoderLayer (exact class): forward rebound to the composite path so the "
@@ -389,26 +321,21 @@ class TorchTransformerEncoderLayer(Adapter):
             return f"its self_attn is a {type(sa).__name__}, not an nn.MultiheadAttention"
         return TorchMultiheadAttention().skip_reason(sa, config)
 
+    forward_fn = _encoder_layer_forward
+
     def patch(self, module: nn.Module, config: PatchConfig) -> None:
         sa = module.self_attn
-        # The framework does not visit a converted module's children: the layer converts its self_attn,
-        # unless that module was converted on its own before (then it is left as it is).
-        if _CHILD_ATTR not in module.__dict__ and "_elsa_patch" not in sa.__dict__ and _ORIGINAL_ATTR not in sa.__dict__:
-            module.__dict__[_CHILD_ATTR] = ("forward" in sa.__dict__, sa.__dict__.get("forward"))
-            patch_mha(sa, config)
-        bind_forward(module, _encoder_layer_forward, config)
+        # The framework does not visit a converted module's children: the layer converts its self_attn (a record
+        # of its own, undone with the layer's), unless that module was converted on its own before (left as is).
+        rec = bind_forward(module, _encoder_layer_forward, config)
+        if record_of(sa) is None:
+            patch_module(sa, _MHA, config)
+            rec.extras["patched_self_attn"] = True
 
     def unpatch(self, module: nn.Module) -> None:
-        saved = module.__dict__.pop(_CHILD_ATTR, None)
-        if saved is not None:
-            sa = module.self_attn
-            unpatch_mha(sa)
-            had, fwd = saved
-            if had:
-                sa.__dict__["forward"] = fwd
-            else:
-                sa.__dict__.pop("forward", None)
-        clear_patch_state(module)
+        if record_of(module).extras.pop("patched_self_attn", False) and record_of(module.self_attn) is not None:
+            unpatch_module(module.self_attn)
 
 
-ADAPTERS = [TorchMultiheadAttention(), TorchTransformerEncoderLayer()]
+_MHA = TorchMultiheadAttention()
+ADAPTERS = [_MHA, TorchTransformerEncoderLayer()]

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 import elsa_surgery
+from elsa_surgery import patching
 from elsa_surgery.registry import Adapter, PatchConfig
 
 logger = logging.getLogger("elsa_surgery")
@@ -54,8 +55,12 @@ logger = logging.getLogger("elsa_surgery")
 IMPL = "elsa"
 IMPL_VARLEN = "elsa_varlen"
 IMPLEMENTATIONS = (IMPL, IMPL_VARLEN)
-PATCH_ATTR = "_elsa_patch_config"  # set on each attention module by convert: its backend / precision
-PASS_ATTR = "_elsa_passthrough"  # set on attention modules that include/exclude left out: they run 'sdpa'
+# Each attention module of a converted model carries a patch record of level "part" (its backend / precision;
+# extras["passthrough"] on modules include/exclude left out: they run 'sdpa'); each PreTrainedModel switched
+# carries one too (or the model-level record, when it is the converted model) holding the previous
+# implementations (extras["hf_previous"]) and the per-module notes (extras["hf_modules"]).
+PATCH_ATTR = patching.RECORD_ATTR
+PASS_ATTR = PATCH_ATTR  # (the passthrough flag lives in the record: no attribute of its own)
 
 _local = threading.local()
 
@@ -67,11 +72,6 @@ class UnsupportedAttention(NotImplementedError):
 # --------------------------------------------------------------------------------------------------
 # the attention function
 # --------------------------------------------------------------------------------------------------
-
-def _patch_config(module) -> PatchConfig:
-    cfg = getattr(module, PATCH_ATTR, None)
-    return cfg if isinstance(cfg, PatchConfig) else PatchConfig()
-
 
 def _note_call(module, how: str) -> None:
     if torch.compiler.is_compiling():
@@ -93,7 +93,8 @@ def elsa_attention_forward(
     **kwargs,
 ):
     """transformers attention-interface function running :func:`elsa_surgery.attention`."""
-    if module.__dict__.get(PASS_ATTR):
+    rec = patching.record_of(module)
+    if rec is not None and rec.extras.get("passthrough"):
         return _passthrough_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if kwargs.get("softcap") is not None:
         raise UnsupportedAttention(
@@ -108,7 +109,7 @@ def elsa_attention_forward(
     if dropout and module.training:
         raise UnsupportedAttention(
             f"attention dropout ({dropout}) in training mode: ELSA is an inference path; call model.eval()")
-    cfg = _patch_config(module)
+    cfg = rec.config if rec is not None else PatchConfig()
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -463,6 +464,12 @@ def pretrained_roots(model: nn.Module) -> List[tuple]:
     return roots
 
 
+def _hf_state(model: nn.Module, key: str):
+    """What this adapter keeps for a switched PreTrainedModel, in its patch record (None when not switched)."""
+    rec = patching.record_of(model)
+    return None if rec is None else rec.extras.get(key)
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else (prefix or name)
 
@@ -519,7 +526,7 @@ class TransformersAttentionAdapter(Adapter):
                     f"so its implementation cannot be switched")
         if not attention_modules(model):
             return f"{type(model).__name__} has no module that dispatches through ALL_ATTENTION_FUNCTIONS"
-        if getattr(model, "_elsa_previous_attn", None) is None and _current_impl(model.config) in IMPLEMENTATIONS:
+        if _hf_state(model, "hf_previous") is None and _current_impl(model.config) in IMPLEMENTATIONS:
             return _already_reason(_current_impl(model.config))
         return refusal_reason(model)
 
@@ -552,8 +559,9 @@ class TransformersAttentionAdapter(Adapter):
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {impl!r}")
         configs = _all_configs(model)
-        if getattr(model, "_elsa_previous_attn", None) is None:
-            model._elsa_previous_attn = (_current_impl(model.config), [(c, _current_impl(c)) for c in configs])
+        rec = patching.record_of(model) or patching.attach(model, self, config, level="part")
+        if "hf_previous" not in rec.extras:
+            rec.extras["hf_previous"] = (_current_impl(model.config), [(c, _current_impl(c)) for c in configs])
         try:
             _set_impl(model, impl)
         except Exception:
@@ -561,13 +569,13 @@ class TransformersAttentionAdapter(Adapter):
             raise
         entries = []
         for name, m in attention_modules(model):
+            part = patching.attach(m, self, config, level="part")
             if config.modules is None or _join(prefix, name) in config.modules:
-                setattr(m, PATCH_ATTR, config)
                 entries.append({"name": name, "module_class": type(m).__name__, "implementation": impl,
                                 "note": module_notes(model, m)})
             else:  # shares the config switch but was not selected: keeps running PyTorch SDPA
-                m.__dict__[PASS_ATTR] = True
-        model._elsa_hf_modules = entries
+                part.extras["passthrough"] = True
+        rec.extras["hf_modules"] = entries
         # honest report: say so when transformers kept another implementation for some config
         for c in configs:
             if _current_impl(c) not in IMPLEMENTATIONS:
@@ -575,7 +583,7 @@ class TransformersAttentionAdapter(Adapter):
                                type(c).__name__, _current_impl(c))
 
     def _restore(self, model) -> None:
-        saved = getattr(model, "_elsa_previous_attn", None)
+        saved = _hf_state(model, "hf_previous")
         if saved is None:
             return
         prev_top, previous = saved
@@ -590,15 +598,17 @@ class TransformersAttentionAdapter(Adapter):
                     c._attn_implementation_internal = p
                 else:
                     c._attn_implementation = p
-        for attr in ("_elsa_previous_attn", "_elsa_hf_modules"):
-            if attr in model.__dict__:
-                delattr(model, attr)
+        rec = patching.record_of(model)
+        for key in ("hf_previous", "hf_modules"):
+            rec.extras.pop(key, None)
+        if rec.level == "part":  # a model-level record is the framework's to remove
+            patching.detach(model)
 
     def _revert_one(self, model) -> None:
         for _, m in model.named_modules():
-            for attr in (PATCH_ATTR, PASS_ATTR):
-                if attr in m.__dict__:
-                    delattr(m, attr)
+            rec = patching.record_of(m)
+            if m is not model and rec is not None and rec.level == "part" and rec.adapter_name == self.name:
+                patching.detach(m)
         self._restore(model)
 
     def revert_model(self, model: nn.Module) -> None:
@@ -606,20 +616,23 @@ class TransformersAttentionAdapter(Adapter):
             self._revert_one(root)
 
     def is_patched(self, model: nn.Module) -> bool:
-        return any(getattr(r, "_elsa_previous_attn", None) is not None for _, r in pretrained_roots(model))
+        return any(_hf_state(r, "hf_previous") is not None for _, r in pretrained_roots(model))
 
     def notes(self, model: nn.Module) -> List[dict]:
         """Per attention module: implementation used and what it relies on (GQA, window, causal)."""
         out = []
         for p, root in pretrained_roots(model):
-            for e in getattr(root, "_elsa_hf_modules", []) or []:
+            for e in _hf_state(root, "hf_modules") or []:
                 out.append(dict(e, name=_join(p, e["name"])))
         return out
 
     def example_inputs(self, model: nn.Module):
-        roots = pretrained_roots(model)
+        return self.sized_example_inputs(model)
+
+    def sized_example_inputs(self, model: nn.Module, *, batch=None, seq_len=None, image_size=None):
+        roots = pretrained_roots(model) if self.library_loaded() else []
         if roots and roots[0][0] == "":
-            return make_example_inputs(model)
+            return make_example_inputs(model, batch=batch or 2, seq_len=seq_len or 16, image_size=image_size)
         return None
 
 

@@ -34,8 +34,7 @@ import torch.nn as nn
 
 from elsa_surgery.registry import PatchConfig
 
-from ._common import StructuralAdapter
-from .torch_mha import attention, bind_forward, original_forward, patch_config, record_native_call
+from ._base import StructuralAdapter, attention, original_forward, record_native_call
 
 CLASS_NAMES = ("Attention", "MemEffAttention")
 
@@ -67,7 +66,7 @@ def _is_vendored_vggt(cls: type) -> bool:
     return cls.__name__ in CLASS_NAMES and "vggt" in cls.__module__.split(".")
 
 
-def _core(self, x: torch.Tensor, pos: Optional[torch.Tensor]) -> torch.Tensor:
+def _core(self, x: torch.Tensor, pos: Optional[torch.Tensor], config: PatchConfig) -> torch.Tensor:
     B, N, C = x.shape
     qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # [B, H, N, hd]
@@ -75,7 +74,7 @@ def _core(self, x: torch.Tensor, pos: Optional[torch.Tensor]) -> torch.Tensor:
     if self.rope is not None:
         q = self.rope(q, pos)
         k = self.rope(k, pos)
-    out = attention(patch_config(self), q, k, v, scale=self.scale)
+    out = attention(config, q, k, v, scale=self.scale)
     out = out.transpose(1, 2).reshape(B, N, C)
     return self.proj_drop(self.proj(out))
 
@@ -85,21 +84,22 @@ def _dropout_active(self) -> bool:
     return self.training and isinstance(drop, nn.Dropout) and drop.p > 0.0
 
 
-def _attention_forward(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _attention_forward(self, x: torch.Tensor, pos: Optional[torch.Tensor] = None, *, config: PatchConfig) -> torch.Tensor:
     if _dropout_active(self):
         record_native_call(self, f"training mode with attn_drop={self.attn_drop.p}")
         return original_forward(self)(x, pos=pos)
-    return _core(self, x, pos)
+    return _core(self, x, pos, config)
 
 
-def _memeff_forward(self, x: torch.Tensor, attn_bias=None, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _memeff_forward(self, x: torch.Tensor, attn_bias=None, pos: Optional[torch.Tensor] = None, *,
+                    config: PatchConfig) -> torch.Tensor:
     if attn_bias is not None or pos is not None or _dropout_active(self):
         why = ("attn_bias given (xFormers block-diagonal masks)" if attn_bias is not None else
                "pos given (the original asserts pos is None)" if pos is not None else
                f"training mode with attn_drop={self.attn_drop.p}")
         record_native_call(self, why)
         return original_forward(self)(x, attn_bias=attn_bias, pos=pos)
-    return _core(self, x, None)
+    return _core(self, x, None, config)
 
 
 class VGGTAttention(StructuralAdapter):
@@ -120,9 +120,9 @@ class VGGTAttention(StructuralAdapter):
     def has_structure(self, module: nn.Module) -> bool:
         return has_vggt_structure(module)
 
-    def patch(self, module: nn.Module, config: PatchConfig) -> None:
+    def forward_for(self, module: nn.Module):
         takes_bias = "attn_bias" in inspect.signature(type(module).forward).parameters
-        bind_forward(module, _memeff_forward if takes_bias else _attention_forward, config)
+        return _memeff_forward if takes_bias else _attention_forward
 
     def example_inputs(self, model: nn.Module):
         """Images ``[1, 2, 3, 28, 42]`` in [0, 1] for a VGGT model or aggregator (patch size 14)."""

@@ -330,7 +330,7 @@ def make_inputs(model, tokenizer, source: Dict[str, Any], args, default_job: boo
     device = _model_device(model)
     kind = source["kind"]
     if kind == "hf":
-        from .adapters.transformers_attention import make_example_inputs
+        from .registry import model_adapter_for
 
         if tokenizer is not None and getattr(model, "main_input_name", None) == "input_ids":
             n = args.batch or (len(SENTENCES) if default_job else 2)
@@ -347,8 +347,9 @@ def make_inputs(model, tokenizer, source: Dict[str, Any], args, default_job: boo
                 return inputs, f"{n} real sentences, padded to {inputs['input_ids'].shape[1]} tokens"
             except Exception:
                 pass
-        inputs = make_example_inputs(model, batch=args.batch or 2, seq_len=args.seq_len or 32,
-                                     image_size=args.image_size)
+        adapter = model_adapter_for(model)  # the registry's adapter for this model (transformers), if any
+        inputs = None if adapter is None else adapter.sized_example_inputs(
+            model, batch=args.batch or 2, seq_len=args.seq_len or 32, image_size=args.image_size)
         if inputs is None:
             return None, "none"
         what = ", ".join(f"{k} {tuple(v.shape)}" for k, v in inputs.items() if isinstance(v, torch.Tensor))
@@ -566,9 +567,9 @@ def run(args, console: Console) -> Dict[str, Any]:
 
     hf_notes = []
     if source["kind"] == "hf":
-        from .adapters.transformers_attention import TransformersAttentionAdapter
+        from .patching import model_notes
 
-        hf_notes = TransformersAttentionAdapter().notes(model)
+        hf_notes = model_notes(model)  # from the model's patch record: its model-level adapter
         impls = sorted({e["implementation"] for e in hf_notes})
         if impls:
             report.notes.append(f"transformers attn_implementation: {', '.join(impls)}"

@@ -162,8 +162,16 @@ def record():
 
 
 def announce(decision: Decision) -> None:
+    """Hand ``decision`` to every open :func:`record` log of this thread (and log a reference fallback once).
+
+    Never inside compiled code: under ``torch.compile`` the log stack is host state that dynamo would guard on
+    (its length changes between the parity runs and the user's calls, so every block would recompile until the
+    recompile limit sends the frame back to eager). Decisions are recorded by eager calls only.
+    """
+    if torch.compiler.is_compiling():
+        return
     for log in getattr(_local, "stack", ()):
         log.append(decision)
-    if decision.backend == "reference" and decision.reason not in _logged and not torch.compiler.is_compiling():
+    if decision.backend == "reference" and decision.reason not in _logged:
         _logged.add(decision.reason)
         (logger.warning if decision.fallback else logger.info)("elsa_surgery: %s", decision.reason)

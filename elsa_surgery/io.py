@@ -181,9 +181,9 @@ def save(model: nn.Module, directory: Union[str, os.PathLike], report=None, *, s
     rep = report.to_dict() if report is not None and hasattr(report, "to_dict") else report
     impls = {}
     if hf:
-        from .adapters.transformers_attention import TransformersAttentionAdapter
+        from .patching import model_notes
 
-        notes = TransformersAttentionAdapter().notes(model)
+        notes = model_notes(model)  # from the model's patch record: its model-level adapter
         impls = {e["name"]: e["implementation"] for e in notes}
     manifest = {
         "format": "elsa_surgery",

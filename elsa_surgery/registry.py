@@ -1,4 +1,4 @@
-"""The adapter contract and the registry of architecture adapters (DESIGN.md, "Adapters").
+"""The adapter contract and the registry of architecture adapters (docs/design.md, "Adapters").
 
 An adapter knows one library's attention modules and nothing else. It declares:
 
@@ -8,13 +8,18 @@ An adapter knows one library's attention modules and nothing else. It declares:
   could not contain the library's classes (the library is not even in ``sys.modules``).
 * ``matches(module)``: exact class checks (subclasses only where the adapter says so).
 * ``patch(module, config)``: rebinds ``forward`` on the instance (or swaps submodules), reusing the
-  module's own parameters, so the state dict never changes. The framework saves the instance's
-  original ``forward`` before calling it and restores it exactly on revert; an adapter that changes
-  anything more overrides ``unpatch``. :func:`bind_forward` does the rebinding in the way that survives
-  ``copy.deepcopy`` and traces under ``torch.compile(fullgraph=True)``.
+  module's own parameters, so the state dict never changes. The framework attaches the module's patch record
+  (:mod:`elsa_surgery.patching`) before calling it; every instance attribute set through the record
+  (:func:`bind_forward` sets ``forward``) is restored exactly on revert; an adapter that changes anything
+  else overrides ``unpatch``. :func:`bind_forward` does the rebinding in the way that survives
+  ``copy.deepcopy``, pickling and ``torch.compile(fullgraph=True)``. Shared adapter plumbing (binding a
+  forward, counting native calls, example inputs) is in ``elsa_surgery.adapters._base``.
 * ``skip_reason(module, config)``: a module it matches but will not convert, with the reason (it is
   reported, never silently ignored).
-* ``example_inputs(model)``: inputs for the parity check, or None when it cannot build them.
+* ``example_inputs(model)``: inputs for the parity check, or None when it cannot build them;
+  ``sized_example_inputs(model, batch=, seq_len=, image_size=)`` the same at a requested size (the CLI).
+* ``notes(model)``: per converted module, what the patch relies on (``[{"name", ...}]``; the CLI and
+  :func:`elsa_surgery.save` print them), read from the patch record.
 
 Model-level adapters (transformers' ``AttentionInterface``) patch a whole model at once instead of
 one module at a time. They implement:
@@ -43,14 +48,12 @@ import its library).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
 import pkgutil
 import sys
 import threading
-import types
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
@@ -93,6 +96,15 @@ class Adapter:
     def example_inputs(self, model: nn.Module) -> Optional[Any]:
         return None
 
+    def sized_example_inputs(self, model: nn.Module, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
+                             image_size: Optional[int] = None) -> Optional[Any]:
+        """:meth:`example_inputs` at a requested size where the adapter can honour it (default: ignores it)."""
+        return self.example_inputs(model)
+
+    def notes(self, model: nn.Module) -> List[dict]:
+        """Per converted module of ``model``: ``{"name": ..., ...}`` facts the report prints (default: none)."""
+        return []
+
     # -- model-level adapters ----------------------------------------------------------------
     supports_module_filter: bool = False  # patch_model honours config.modules
 
@@ -118,34 +130,6 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"<Adapter {self.name!r} ({self.library or 'torch'})>"
-
-
-CONFIG_ATTR = "_elsa_config"  # on a module patched through bind_forward: its PatchConfig
-
-
-@functools.lru_cache(maxsize=None)
-def _method(fn):
-    """``fn(self, *args, config, **kwargs)`` as a method reading ``config`` from the instance.
-
-    A plain function closing over ``fn`` only (never over a module): ``copy.deepcopy`` of a converted model
-    rebinds it to the copy, and ``torch.compile`` traces it (a ``functools.partial`` would break dynamo).
-    """
-
-    @functools.wraps(fn)
-    def method(self, *args, **kwargs):
-        return fn(self, *args, config=self.__dict__[CONFIG_ATTR], **kwargs)
-
-    return method
-
-
-def bind_forward(module: nn.Module, fn, config: PatchConfig) -> None:
-    """Set ``module.forward`` on the instance to ``fn(module, *args, config=config, **kwargs)``.
-
-    The class's own ``forward`` stays untouched for :func:`elsa_surgery.revert`, which removes the instance
-    attributes again (``forward`` and ``_elsa_config``).
-    """
-    module.__dict__[CONFIG_ATTR] = config
-    module.__dict__["forward"] = types.MethodType(_method(fn), module)
 
 
 _LOCK = threading.RLock()
@@ -205,6 +189,15 @@ def get_adapter(name: str) -> Adapter:
         raise ValueError(f"unknown adapter {name!r}; known adapters: {', '.join(sorted(_REGISTRY))}") from None
 
 
+def model_adapter_for(model: nn.Module, adapters=None) -> Optional[Adapter]:
+    """The first (registered, or listed in ``adapters``) model-level adapter whose library is loaded and that
+    claims ``model`` as a whole (e.g. the one for transformers models), or None."""
+    for a in resolve_adapters(adapters):
+        if a.library_loaded() and a.claims_model(model):
+            return a
+    return None
+
+
 def resolve_adapters(names=None) -> List[Adapter]:
     """The adapters to use: all registered ones, or those named (glob-free names or family prefixes)."""
     _discover_builtin()
@@ -224,3 +217,7 @@ def resolve_adapters(names=None) -> List[Adapter]:
             raise ValueError(f"unknown adapter {n!r}; known adapters: {', '.join(sorted(_REGISTRY))}")
         out.extend(a for a in family if a not in out)
     return out
+
+
+# The one binding of a patched forward (kept importable from here for adapters written against the registry).
+from .patching import bind_forward  # noqa: E402,F401  (patching imports this module: defined last)

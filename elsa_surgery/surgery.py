@@ -1,73 +1,50 @@
 """Model surgery: :func:`convert` swaps the attention of a model in place, :func:`revert` undoes it.
 
-``convert`` walks the model once. Model-level adapters (``Adapter.claims_model``) are asked first; then
-every module is offered to the selected per-module adapters in name order (``Adapter.matches``, exact
-classes). A matched module, subject to ``include`` / ``exclude`` and the adapter's ``skip_reason``, has
-its ``forward`` rebound on the instance by ``Adapter.patch``; its parameters, buffers and state-dict keys
-are never touched. The framework keeps what is needed to undo it in a :class:`PatchRecord` on the
-instance (attribute ``_elsa_patch``, not part of the state dict), so a module that is already converted is
-recognised (idempotence) and :func:`revert` restores the exact original ``forward``.
+``convert`` is a short list of named steps (docs/design.md, "Adapters" and "Parity contract"):
 
-With ``verify=True`` the model runs on example inputs before and after the swap
-(:class:`elsa_surgery.verify.ParityCheck`); on disagreement every module converted by the call is
-restored and :class:`elsa_surgery.verify.ParityError` names the worst module.
+1. :func:`unwrap`: see through the wrappers users hold (``torch.compile``'s ``OptimizedModule``,
+   ``nn.DataParallel`` / ``DistributedDataParallel``, PEFT's ``PeftModel``) to the model they wrap.
+2. :func:`find`: model-level adapters (``Adapter.claims_model``) first, then every module offered to the
+   selected per-module adapters in name order (``Adapter.matches``, exact classes), subject to ``include`` /
+   ``exclude`` and ``skip_reason``; attention-looking modules nobody converts are reported. Gives a :class:`Plan`.
+3. :func:`reference_run`: the model on example inputs before anything changes (``verify=True``).
+4. :func:`patch`: every planned module gets its patch record (:mod:`elsa_surgery.patching`) and its adapter's
+   ``patch``; model-level adapters get the model's record and ``patch_model``. Parameters, buffers and
+   state-dict keys are never touched. Returns a :class:`Patched` that can roll everything back.
+5. :func:`verify_run`: the converted model on the same inputs; on disagreement every module converted by the
+   call is restored (keep or revert) and :class:`elsa_surgery.verify.ParityError` names the worst module.
+
+:func:`revert` reads only the patch records and restores the exact original ``forward`` of every module.
 """
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import logging
 import math
 import numbers
 import re
-from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+import sys
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
 from . import dispatch
-from .registry import CONFIG_ATTR, Adapter, PatchConfig, get_adapter, list_adapters, resolve_adapters
+from .patching import RECORD_ATTR, attach, detach, is_converted, patch_module, record_of, unpatch_module
+from .registry import Adapter, PatchConfig, get_adapter, list_adapters, resolve_adapters
 from .report import ALREADY, CONVERTED, SKIPPED, ConversionReport, ModuleEntry, ParityResult
 from .verify import ParityCheck, ParityError, check_inputs, failure_message
 
 logger = logging.getLogger("elsa_surgery")
 
-PATCH_ATTR = "_elsa_patch"  # on a converted module: its PatchRecord
-MODEL_ATTR = "_elsa_model_patches"  # on a model converted by model-level adapters: {adapter name: ModelPatch}
+PATCH_ATTR = RECORD_ATTR  # the one attribute a conversion leaves on a module (elsa_surgery.patching)
 
 # Class names that look like attention: such modules are reported as skipped when no adapter knows them.
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
 
-
-@dataclass
-class PatchRecord:
-    """How to undo one module's conversion."""
-
-    adapter: Adapter
-    config: PatchConfig
-    had_forward: bool  # the instance already had its own ``forward`` attribute before conversion
-    forward: Any = None  # that attribute (restored as is)
-    had_config: bool = False  # the instance already had a bind_forward config attribute
-
-    def __deepcopy__(self, memo):  # a deep-copied converted model stays revertible; adapters are shared
-        return PatchRecord(self.adapter, self.config, self.had_forward, copy.deepcopy(self.forward, memo),
-                           self.had_config)
-
-
-@dataclass
-class ModelPatch:
-    adapter: Adapter
-    config: PatchConfig
-    modules: Tuple[str, ...] = ()
-
-    def __deepcopy__(self, memo):
-        return ModelPatch(self.adapter, self.config, self.modules)
-
-
-def is_converted(module: nn.Module) -> bool:
-    """True when ``module`` (or, for model-level adapters, the model) is converted."""
-    return PATCH_ATTR in module.__dict__ or bool(module.__dict__.get(MODEL_ATTR))
+__all__ = ["convert", "revert", "is_converted", "unwrap", "find", "reference_run", "patch", "verify_run", "Plan",
+           "Patched"]
 
 
 def looks_like_attention(module: nn.Module) -> bool:
@@ -111,6 +88,23 @@ def _check_tol(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}")
 
 
+def _check_arguments(model, backend, precision, include, exclude, verify, example_inputs, rtol, atol):
+    """Every argument checked before anything is touched; returns the include / exclude glob lists."""
+    _check_model(model)
+    dispatch._check_choice("backend", backend, dispatch.BACKENDS)
+    if precision is not None:
+        dispatch._check_choice("precision", precision, dispatch.PRECISIONS)
+    include = _globs("include", include)
+    exclude = _globs("exclude", exclude)
+    _check_tol("rtol", rtol)
+    _check_tol("atol", atol)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {verify!r}")
+    if example_inputs is not None:
+        check_inputs(example_inputs)
+    return include, exclude
+
+
 def _selected(name: str, include: Optional[List[str]], exclude: Optional[List[str]]) -> bool:
     """A glob selects a module when it matches its name or the name of one of its ancestors."""
     parts = name.split(".") if name else [""]
@@ -126,33 +120,301 @@ def _selected(name: str, include: Optional[List[str]], exclude: Optional[List[st
     return True
 
 
-def _under(name: str, prefixes: Iterable[str]) -> bool:
+def _under(name: str, prefixes) -> bool:
     return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
 
 
 # --------------------------------------------------------------------------------------------------
-# patching / unpatching one module
+# step 1: the wrappers users hold
 # --------------------------------------------------------------------------------------------------
 
-def _patch_module(module: nn.Module, adapter: Adapter, config: PatchConfig) -> None:
-    record = PatchRecord(adapter, config, "forward" in module.__dict__, module.__dict__.get("forward"),
-                         CONFIG_ATTR in module.__dict__)
-    adapter.patch(module, config)
-    module.__dict__[PATCH_ATTR] = record
+def _is_compiled(model) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(eval_frame, "OptimizedModule", None)
+    return cls is not None and isinstance(model, cls) and isinstance(getattr(model, "_orig_mod", None), nn.Module)
 
 
-def _unpatch_module(module: nn.Module) -> None:
-    record: PatchRecord = module.__dict__[PATCH_ATTR]
-    try:
-        record.adapter.unpatch(module)
-    finally:
-        if record.had_forward:
-            module.__dict__["forward"] = record.forward
+def _is_data_parallel(model) -> bool:
+    return isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+
+
+def _is_peft(model) -> bool:
+    """A PEFT ``PeftModel`` (found by its package and ``get_base_model``: peft is never imported here)."""
+    return type(model).__module__.split(".")[0] == "peft" and callable(getattr(model, "get_base_model", None))
+
+
+def unwrap(model: nn.Module) -> Tuple[nn.Module, List[str]]:
+    """The model inside the wrappers users hold, and the wrappers seen (outermost first).
+
+    ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``), ``nn.DataParallel`` / ``DistributedDataParallel``
+    (``module``) and PEFT's ``PeftModel`` (``get_base_model()``), in any nesting. The wrapped model's modules are
+    the wrapper's own, so patching them converts the wrapper too; the parity check runs the wrapped model
+    eagerly (for a compiled model: the eager reference the compiled graph must match).
+    """
+    seen: List[str] = []
+    while True:
+        if _is_compiled(model):
+            seen.append("OptimizedModule")
+            model = model._orig_mod
+        elif _is_data_parallel(model):
+            seen.append(type(model).__name__)
+            model = model.module
+        elif _is_peft(model):
+            inner = model.get_base_model()
+            if inner is model or not isinstance(inner, nn.Module):
+                break
+            seen.append(type(model).__name__)
+            model = inner
         else:
-            module.__dict__.pop("forward", None)
-        if not record.had_config:
-            module.__dict__.pop(CONFIG_ATTR, None)
-        del module.__dict__[PATCH_ATTR]
+            return model, seen
+
+
+# --------------------------------------------------------------------------------------------------
+# step 2: find
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What :func:`find` decided: the modules to patch, the model-level patches, and the report so far."""
+
+    report: ConversionReport
+    modules: List[Tuple[str, nn.Module, Adapter]] = field(default_factory=list)
+    model_level: List[Tuple[Adapter, PatchConfig, List[Tuple[str, nn.Module]]]] = field(default_factory=list)
+    handled: List[str] = field(default_factory=list)  # names whose subtree belongs to an adapter
+
+    @property
+    def empty(self) -> bool:
+        return not self.modules and not self.model_level
+
+    def watched(self) -> dict:
+        """Every module this plan converts, by name (for the per-module parity check)."""
+        out = {n: m for n, m, _ in self.modules}
+        for _, _, sel in self.model_level:
+            out.update(sel)
+        return out
+
+    def adapters(self) -> List[Adapter]:
+        return [a for a, _, _ in self.model_level] + [a for _, _, a in self.modules]
+
+
+def _find_model_level(model, plan: Plan, chosen, config: PatchConfig, include, exclude) -> None:
+    report = plan.report
+    rec = record_of(model)
+    for a in chosen:
+        if not a.library_loaded():
+            continue
+        if rec is not None and rec.level == "model" and rec.adapter_name == a.name:
+            for n in rec.modules:
+                m = model.get_submodule(n)
+                report.already_converted.append(ModuleEntry(n, _qualname(m), ALREADY, a.name))
+                plan.handled.append(n)
+            continue
+        if not a.claims_model(model):
+            continue
+        covered = list(a.model_modules(model))
+        sel = [(n, m) for n, m in covered if _selected(n, include, exclude)]
+        if covered and not sel:
+            _skip_all(plan, covered, a, "excluded by include/exclude")
+            continue
+        if len(sel) < len(covered) and not a.supports_module_filter:
+            _skip_all(plan, covered, a, f"model-level adapter {a.name} patches all {len(covered)} of its modules at "
+                                        f"once; include/exclude selected only {len(sel)}")
+            continue
+        if rec is not None or any(x is not a for x, _, _ in plan.model_level):
+            holder = rec.adapter_name if rec is not None else plan.model_level[0][0].name
+            _skip_all(plan, covered, a, f"the model is already patched at model level by {holder}")
+            continue
+        mcfg = config if len(sel) == len(covered) else PatchConfig(
+            config.backend, config.precision, modules=frozenset(n for n, _ in sel))
+        plan.model_level.append((a, mcfg, sel))
+        plan.handled.extend(n for n, _ in covered)
+        for n, m in covered:
+            if (n, m) not in sel:
+                report.skipped.append(ModuleEntry(n, _qualname(m), SKIPPED, a.name, "excluded by include/exclude"))
+
+
+def _skip_all(plan: Plan, covered, adapter: Adapter, why: str) -> None:
+    for n, m in covered:
+        plan.report.skipped.append(ModuleEntry(n, _qualname(m), SKIPPED, adapter.name, why))
+    plan.handled.extend(n for n, _ in covered)
+
+
+def _find_modules(model, plan: Plan, chosen, config: PatchConfig, include, exclude) -> List[Tuple[str, nn.Module]]:
+    """The per-module walk; returns the attention-looking modules no adapter matched."""
+    report = plan.report
+    per_module = [a for a in chosen if a.library_loaded()]
+    attention_like: List[Tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if _under(name, plan.handled):
+            continue
+        rec = record_of(m)
+        if rec is not None and rec.level == "module":
+            report.already_converted.append(ModuleEntry(
+                name, _qualname(m), ALREADY, rec.adapter_name,
+                None if rec.config == config else
+                f"kept its configuration (backend={rec.config.backend}, precision={rec.config.precision}); "
+                f"revert first to change it"))
+            plan.handled.append(name)
+            continue
+        adapter = next((a for a in per_module if a.matches(m)), None)
+        if adapter is None:
+            if looks_like_attention(m):
+                attention_like.append((name, m))
+            continue
+        plan.handled.append(name)
+        if not _selected(name, include, exclude):
+            report.skipped.append(ModuleEntry(name, _qualname(m), SKIPPED, adapter.name, "excluded by include/exclude"))
+            continue
+        why = adapter.skip_reason(m, config)
+        if why:
+            report.skipped.append(ModuleEntry(name, _qualname(m), SKIPPED, adapter.name, why))
+            continue
+        plan.modules.append((name, m, adapter))
+    return attention_like
+
+
+def find(model: nn.Module, chosen: Sequence[Adapter], config: PatchConfig, *, include=None, exclude=None,
+         explicit: bool = False, report: Optional[ConversionReport] = None) -> Plan:
+    """Step 2: what to convert in ``model`` (nothing is changed). ``explicit``: the adapters were named by the user
+    (the report then says which unselected adapter knows a skipped module)."""
+    plan = Plan(report or ConversionReport(model=type(model).__name__, backend=config.backend,
+                                           precision=config.precision))
+    _find_model_level(model, plan, chosen, config, include, exclude)
+    attention_like = _find_modules(model, plan, chosen, config, include, exclude)
+    for name, m in attention_like:  # attention-looking modules nobody converts: told, not ignored
+        if _under(name, plan.handled) or any(h.startswith(name + ".") or name == "" for h in plan.handled):
+            continue  # inside or around a module an adapter handles
+        plan.report.skipped.append(ModuleEntry(name, _qualname(m), SKIPPED, None,
+                                               _unknown_reason(m, chosen, explicit)))
+    for n, m, a in plan.modules:
+        plan.report.converted.append(ModuleEntry(n, _qualname(m), CONVERTED, a.name))
+    for a, _, sel in plan.model_level:
+        plan.report.model_adapters.append(a.name)
+        for n, m in sel:
+            plan.report.converted.append(ModuleEntry(n, _qualname(m), CONVERTED, a.name))
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------
+# step 3: the reference run
+# --------------------------------------------------------------------------------------------------
+
+def reference_run(model: nn.Module, plan: Plan, *, example_inputs=None, precision=None, rtol=None,
+                  atol=None) -> Optional[ParityCheck]:
+    """Run the unconverted model on example inputs (the user's, else the first adapter that can build them: the
+    converting adapters first, then every registered one). None, with the reason in the report, when it cannot."""
+    report = plan.report
+    inputs, source = example_inputs, "user"
+    if inputs is None:
+        inputs, source = _adapter_inputs(model, plan.adapters() + [a for a in resolve_adapters(None)
+                                                                  if a.library_loaded()], report)
+    if inputs is None:
+        report.parity = ParityResult(
+            verified=False, reason="no example inputs: no selected adapter could build them; pass example_inputs=")
+        logger.warning("elsa_surgery: converted %s without parity verification: no example inputs "
+                       "(pass example_inputs=)", type(model).__name__)
+        return None
+    check = ParityCheck(model, inputs, plan.watched(), inputs_source=source, rtol=rtol, atol=atol,
+                        precision=dispatch.requested_precision(precision))
+    try:
+        check.reference()  # nothing has been changed yet
+    except Exception as exc:
+        if source == "user":
+            raise ValueError(f"example_inputs: the original (unconverted) model fails on them "
+                             f"({type(exc).__name__}: {exc}); nothing was changed") from exc
+        report.parity = ParityResult(verified=False, reason=(
+            f"the example inputs of {source} fail on the original model ({type(exc).__name__}: {exc}); "
+            f"pass example_inputs="))
+        logger.warning("elsa_surgery: converted %s without parity verification: %s",
+                       type(model).__name__, report.parity.reason)
+        return None
+    return check
+
+
+# --------------------------------------------------------------------------------------------------
+# step 4: patch (and roll back)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Patched:
+    """What :func:`patch` changed, so that :meth:`rollback` can undo exactly that."""
+
+    model: nn.Module
+    plan: Plan
+    modules: List[nn.Module] = field(default_factory=list)
+    models: List[Adapter] = field(default_factory=list)
+
+    def rollback(self) -> int:
+        """Undo everything this call patched (model-level first, then modules in reverse); returns the count."""
+        for a in reversed(self.models):
+            try:
+                a.revert_model(self.model)
+            finally:
+                detach(self.model)
+        for m in reversed(self.modules):
+            unpatch_module(m)
+        n = len(self.modules) + sum(len(s) for _, _, s in self.plan.model_level[:len(self.models)])
+        self.modules, self.models = [], []
+        return n
+
+
+def patch(model: nn.Module, plan: Plan, config: PatchConfig) -> Patched:
+    """Step 4: apply the plan. On any failure, what was patched so far is restored and the error re-raised."""
+    done = Patched(model, plan)
+    try:
+        for a, mcfg, sel in plan.model_level:
+            attach(model, a, mcfg, level="model", modules=tuple(n for n, _ in sel))
+            try:
+                a.patch_model(model, mcfg)
+            except BaseException:
+                detach(model)
+                raise
+            done.models.append(a)
+        for n, m, a in plan.modules:
+            try:
+                patch_module(m, a, config)
+            except Exception as exc:
+                raise RuntimeError(f"adapter {a.name} failed to patch module {n!r} ({_qualname(m)}): {exc}") from exc
+            done.modules.append(m)
+    except BaseException:
+        done.rollback()
+        raise
+    return done
+
+
+# --------------------------------------------------------------------------------------------------
+# step 5: verify (keep or revert)
+# --------------------------------------------------------------------------------------------------
+
+def verify_run(check: ParityCheck, done: Patched, report: ConversionReport) -> None:
+    """Run the converted model and compare; on failure roll back and raise :class:`ParityError`."""
+    try:
+        result, errors = check.converted()
+    except ParityError as exc:
+        restored = done.rollback()
+        exc.report = report
+        raise ParityError(f"{exc} All {restored} module(s) converted by this call were restored.",
+                          report=report) from exc
+    except Exception as exc:
+        restored = done.rollback()
+        raise ParityError(f"the converted model failed on the example inputs ({type(exc).__name__}: {exc}); "
+                          f"all {restored} module(s) converted by this call were restored", report=report) from exc
+    report.parity = result
+    report.backends_used, report.fallbacks, report.dispatch_reasons = check.dispatch_summary()
+    for e in report.converted:
+        err = errors.get(e.name)
+        if err is None:
+            continue
+        if "error" in err:
+            report.notes.append(f"{e.name}: module-level parity not measured (replaying its captured inputs "
+                                f"failed: {err['error']})")
+        else:
+            e.max_abs_err, e.rel_err = err["max_abs"], err["rel"]
+    if not result.passed:
+        restored = done.rollback()
+        msg = failure_message(result, errors, report.converted, restored)
+        raise ParityError(msg, module=result.worst_module, error=result.worst_module_rel_err,
+                          max_abs_err=result.max_abs_err, rel_err=result.rel_err, report=report)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,7 +437,9 @@ def convert(
     """Swap every recognised attention module of ``model`` for ELSA attention, in place.
 
     Args:
-        model: any ``torch.nn.Module``.
+        model: any ``torch.nn.Module``, or one held in a wrapper (``torch.compile``'s ``OptimizedModule``,
+            ``nn.DataParallel`` / ``DistributedDataParallel``, PEFT's ``PeftModel``): the wrapped model is
+            converted and verified (:func:`unwrap`); module names in the report are the wrapped model's.
         backend: what the patched modules pass to :func:`elsa_surgery.attention` (``"auto"`` | ``"elsa"`` |
             ``"reference"`` | ``"sdpa"``); ``"auto"`` also honours ``ELSA_BACKEND`` at call time.
         precision: fp32 mode (``"strict"`` | ``"precise"`` | ``"turbo"``), or None for the default.
@@ -196,201 +460,24 @@ def convert(
         TypeError / ValueError for bad arguments (nothing is touched); ParityError when the converted model
         disagrees with the original (every module converted by this call is restored first).
     """
-    _check_model(model)
-    dispatch._check_choice("backend", backend, dispatch.BACKENDS)
-    if precision is not None:
-        dispatch._check_choice("precision", precision, dispatch.PRECISIONS)
-    include = _globs("include", include)
-    exclude = _globs("exclude", exclude)
-    _check_tol("rtol", rtol)
-    _check_tol("atol", atol)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False, got {verify!r}")
-    if example_inputs is not None:
-        check_inputs(example_inputs)
+    include, exclude = _check_arguments(model, backend, precision, include, exclude, verify, example_inputs,
+                                        rtol, atol)
     chosen = resolve_adapters(adapters)
-    explicit = adapters is not None
     config = PatchConfig(backend=backend, precision=precision)
-    report = ConversionReport(model=type(model).__name__, backend=backend, precision=precision)
-
-    plan: List[Tuple[str, nn.Module, Adapter]] = []
-    model_plans: List[Tuple[Adapter, PatchConfig, List[Tuple[str, nn.Module]]]] = []
-    handled: List[str] = []  # names whose subtree belongs to an adapter (converted, skipped or covered)
-
-    # 1. model-level adapters
-    model_state: Dict[str, ModelPatch] = model.__dict__.get(MODEL_ATTR, {})
-    for a in chosen:
-        if not a.library_loaded():
-            continue
-        if a.name in model_state:
-            for n in model_state[a.name].modules:
-                m = model.get_submodule(n)
-                report.already_converted.append(ModuleEntry(n, _qualname(m), ALREADY, a.name))
-                handled.append(n)
-            continue
-        if not a.claims_model(model):
-            continue
-        covered = list(a.model_modules(model))
-        sel = [(n, m) for n, m in covered if _selected(n, include, exclude)]
-        if covered and not sel:
-            for n, m in covered:
-                report.skipped.append(ModuleEntry(n, _qualname(m), SKIPPED, a.name, "excluded by include/exclude"))
-            handled.extend(n for n, _ in covered)
-            continue
-        if len(sel) < len(covered) and not a.supports_module_filter:
-            why = (f"model-level adapter {a.name} patches all {len(covered)} of its modules at once; "
-                   f"include/exclude selected only {len(sel)}")
-            for n, m in covered:
-                report.skipped.append(ModuleEntry(n, _qualname(m), SKIPPED, a.name, why))
-            handled.extend(n for n, _ in covered)
-            continue
-        mcfg = config if len(sel) == len(covered) else PatchConfig(
-            backend, precision, modules=frozenset(n for n, _ in sel))
-        model_plans.append((a, mcfg, sel))
-        handled.extend(n for n, _ in covered)
-        for n, m in covered:
-            if (n, m) not in sel:
-                report.skipped.append(ModuleEntry(n, _qualname(m), SKIPPED, a.name, "excluded by include/exclude"))
-
-    # 2. per-module adapters
-    per_module = [a for a in chosen if a.library_loaded()]
-    attention_like: List[Tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if _under(name, handled):
-            continue
-        rec = m.__dict__.get(PATCH_ATTR)
-        if rec is not None:
-            report.already_converted.append(ModuleEntry(
-                name, _qualname(m), ALREADY, rec.adapter.name,
-                None if rec.config == config else
-                f"kept its configuration (backend={rec.config.backend}, precision={rec.config.precision}); "
-                f"revert first to change it"))
-            handled.append(name)
-            continue
-        adapter = next((a for a in per_module if a.matches(m)), None)
-        if adapter is None:
-            if looks_like_attention(m):
-                attention_like.append((name, m))
-            continue
-        handled.append(name)
-        if not _selected(name, include, exclude):
-            report.skipped.append(ModuleEntry(name, _qualname(m), SKIPPED, adapter.name, "excluded by include/exclude"))
-            continue
-        why = adapter.skip_reason(m, config)
-        if why:
-            report.skipped.append(ModuleEntry(name, _qualname(m), SKIPPED, adapter.name, why))
-            continue
-        plan.append((name, m, adapter))
-
-    # 3. attention-looking modules nobody converts: told, not ignored
-    for name, m in attention_like:
-        if _under(name, handled) or any(h.startswith(name + ".") or name == "" for h in handled):
-            continue  # inside or around a module an adapter handles
-        report.skipped.append(ModuleEntry(name, _qualname(m), SKIPPED, None, _unknown_reason(m, chosen, explicit)))
-
-    for n, m, a in plan:
-        report.converted.append(ModuleEntry(n, _qualname(m), CONVERTED, a.name))
-    for a, _, sel in model_plans:
-        report.model_adapters.append(a.name)
-        for n, m in sel:
-            report.converted.append(ModuleEntry(n, _qualname(m), CONVERTED, a.name))
-
-    if not plan and not model_plans:
+    model, wrappers = unwrap(model)
+    plan = find(model, chosen, config, include=include, exclude=exclude, explicit=adapters is not None)
+    report = plan.report
+    if wrappers:
+        report.notes.append(f"converted the model inside {' > '.join(wrappers)}")
+    if plan.empty:
         report.parity = ParityResult(verified=False, reason="no module was converted by this call") if verify else None
         logger.info("%s", report)
         return report
-
-    # 4. the reference run (before anything changes)
-    check = None
-    if verify:
-        inputs, source = example_inputs, "user"
-        if inputs is None:
-            # the converting adapters first, then any other registered adapter that recognises the model
-            inputs, source = _adapter_inputs(
-                model, [a for a, _, _ in model_plans] + [a for _, _, a in plan]
-                + [a for a in resolve_adapters(None) if a.library_loaded()], report)
-        if inputs is None:
-            report.parity = ParityResult(
-                verified=False, reason="no example inputs: no selected adapter could build them; pass example_inputs=")
-            logger.warning("elsa_surgery: converted %s without parity verification: no example inputs "
-                           "(pass example_inputs=)", type(model).__name__)
-        else:
-            watched = {n: m for n, m, _ in plan}
-            for _, _, sel in model_plans:
-                watched.update(sel)
-            check = ParityCheck(model, inputs, watched, inputs_source=source, rtol=rtol, atol=atol,
-                                precision=dispatch.requested_precision(precision))
-            try:
-                check.reference()  # nothing has been changed yet
-            except Exception as exc:
-                if source == "user":
-                    raise ValueError(f"example_inputs: the original (unconverted) model fails on them "
-                                     f"({type(exc).__name__}: {exc}); nothing was changed") from exc
-                check = None
-                report.parity = ParityResult(verified=False, reason=(
-                    f"the example inputs of {source} fail on the original model ({type(exc).__name__}: {exc}); "
-                    f"pass example_inputs="))
-                logger.warning("elsa_surgery: converted %s without parity verification: %s",
-                               type(model).__name__, report.parity.reason)
-
-    # 5. patch
-    done_modules: List[nn.Module] = []
-    done_models: List[Adapter] = []
-
-    def rollback() -> int:
-        for a in reversed(done_models):
-            a.revert_model(model)
-            model.__dict__[MODEL_ATTR].pop(a.name, None)
-        if not model.__dict__.get(MODEL_ATTR, True):
-            del model.__dict__[MODEL_ATTR]
-        for m in reversed(done_modules):
-            _unpatch_module(m)
-        return len(done_modules) + sum(len(s) for _, _, s in model_plans[:len(done_models)])
-
-    try:
-        for a, mcfg, sel in model_plans:
-            a.patch_model(model, mcfg)
-            done_models.append(a)
-            model.__dict__.setdefault(MODEL_ATTR, {})[a.name] = ModelPatch(a, mcfg, tuple(n for n, _ in sel))
-        for n, m, a in plan:
-            try:
-                _patch_module(m, a, config)
-            except Exception as exc:
-                raise RuntimeError(f"adapter {a.name} failed to patch module {n!r} ({_qualname(m)}): {exc}") from exc
-            done_modules.append(m)
-    except BaseException:
-        rollback()
-        raise
-
-    # 6. the converted run
+    check = reference_run(model, plan, example_inputs=example_inputs, precision=precision, rtol=rtol,
+                          atol=atol) if verify else None
+    done = patch(model, plan, config)
     if check is not None:
-        try:
-            result, errors = check.converted()
-        except ParityError as exc:
-            restored = rollback()
-            exc.report = report
-            raise ParityError(f"{exc} All {restored} module(s) converted by this call were restored.",
-                              report=report) from exc
-        except Exception as exc:
-            restored = rollback()
-            raise ParityError(f"the converted model failed on the example inputs ({type(exc).__name__}: {exc}); "
-                              f"all {restored} module(s) converted by this call were restored", report=report) from exc
-        report.parity = result
-        report.backends_used, report.fallbacks, report.dispatch_reasons = check.dispatch_summary()
-        for e in report.converted:
-            err = errors.get(e.name)
-            if err is None:
-                continue
-            if "error" in err:
-                report.notes.append(f"{e.name}: module-level parity not measured (replaying its captured inputs "
-                                    f"failed: {err['error']})")
-            else:
-                e.max_abs_err, e.rel_err = err["max_abs"], err["rel"]
-        if not result.passed:
-            restored = rollback()
-            msg = failure_message(result, errors, report.converted, restored)
-            raise ParityError(msg, module=result.worst_module, error=result.worst_module_rel_err,
-                              max_abs_err=result.max_abs_err, rel_err=result.rel_err, report=report)
+        verify_run(check, done, report)
     elif verify is False:
         report.parity = None
     for r in report.fallbacks:
@@ -435,22 +522,24 @@ def _adapter_inputs(model: nn.Module, adapters: Sequence[Adapter], report: Conve
 def revert(model: nn.Module) -> List[str]:
     """Restore the exact original ``forward`` of every converted module (and undo model-level patches).
 
-    Returns the names of the modules restored; outputs are then bit-identical to the never-converted
-    model. Reverting a model that is not converted does nothing.
+    Reads only the patch records (:mod:`elsa_surgery.patching`); sees through the same wrappers as
+    :func:`convert`. Returns the names of the modules restored; outputs are then bit-identical to the
+    never-converted model. Reverting a model that is not converted does nothing.
     """
     _check_model(model)
+    model, _ = unwrap(model)
     restored: List[str] = []
-    state: Dict[str, ModelPatch] = model.__dict__.get(MODEL_ATTR, {})
-    for name in list(state)[::-1]:
-        mp = state[name]
-        mp.adapter.revert_model(model)
-        restored.extend(mp.modules)
-        del state[name]
-    model.__dict__.pop(MODEL_ATTR, None)
-    for name, m in model.named_modules():
-        if PATCH_ATTR in m.__dict__:
-            _unpatch_module(m)
+    for name, m in list(model.named_modules()):
+        rec = record_of(m)
+        if rec is None or rec.level == "part":  # parts are undone by their model-level adapter
+            continue
+        if rec.level == "model":
+            try:
+                rec.adapter.revert_model(m)
+            finally:
+                detach(m)
+            restored.extend(f"{name}.{n}" if name else n for n in rec.modules)
+        else:
+            unpatch_module(m)
             restored.append(name)
-        if name and m.__dict__.get(MODEL_ATTR):  # a submodule converted on its own by a model-level adapter
-            restored.extend(f"{name}.{n}" for n in revert(m))
     return restored
