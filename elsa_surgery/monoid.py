@@ -1,4 +1,4 @@
-"""The ELSA monoid over attention states ``(m, S, W)`` (DESIGN.md, "What the product is").
+"""The ELSA monoid over attention states ``(m, S, W)`` (docs/design.md, "What the product is").
 
 For one query row and a set of keys ``J`` with logits ``s_j`` and values ``v_j``:
 

@@ -1,4 +1,4 @@
-"""The one statement of attention semantics (DESIGN.md, "One statement of attention semantics").
+"""The one statement of attention semantics (docs/design.md, "One statement of attention semantics").
 
 Every backend receives an :class:`AttentionProblem` built here, so validation, defaults, mask
 canonicalisation and the meaning of every argument live in this file and nowhere else:

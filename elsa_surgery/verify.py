@@ -1,4 +1,4 @@
-"""Model-level parity verification for :func:`elsa_surgery.convert` (DESIGN.md, "Parity contract").
+"""Model-level parity verification for :func:`elsa_surgery.convert` (docs/design.md, "Parity contract").
 
 :class:`ParityCheck` runs the model on example inputs before the swap (capturing, with forward hooks,
 the inputs and output of every module about to be converted) and again after it, inside

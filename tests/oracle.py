@@ -1,4 +1,4 @@
-"""A naive, dense float64 statement of DESIGN.md's attention semantics, written independently of the
+"""A naive, dense float64 statement of docs/design.md's attention semantics, written independently of the
 package (it materialises the score matrix: small shapes only). The package's float64 reference is
 checked against it, and everything else against the package's float64 reference."""
 
