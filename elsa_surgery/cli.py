@@ -474,13 +474,29 @@ def _tokens_of(inputs):
 # --------------------------------------------------------------------------------------------------
 
 def run(args, console: Console) -> Dict[str, Any]:
+    """The CLI's job as named steps: check the arguments, load, build inputs, (bench), convert and verify, report,
+    (bench), save, finish."""
+    t_start = time.perf_counter()
+    device, precision = _check_run_args(args)
+    model, tok, source, default_job = _load_model(args, console, device)
+    inputs, result = _prepare_inputs(model, tok, source, args, default_job, device, console)
+    emb_before = _embeddings_before(model, tok, source, inputs)
+    bench_native = _bench_step(model, inputs, args, console, "native") if args.bench and inputs is not None else None
+    report = _convert_step(model, inputs, args, precision, result, console)
+    _report_step(model, source, report, result, console)
+    if emb_before is not None:
+        _embeddings_after(model, inputs, emb_before, result, console)
+    if bench_native is not None:
+        _bench_compare(model, inputs, args, report, bench_native, result, device, console)
+    if args.save:
+        _save_step(model, args, report, source, tok, result, console)
+    return _finish(args, report, model, result, t_start)
+
+
+def _check_run_args(args):
+    """Argument checks no parser can do; returns ``(device, fp32 precision)``."""
     import torch
 
-    import elsa_surgery
-    from . import io as elsa_io
-    from .verify import ParityError
-
-    t_start = time.perf_counter()
     if args.batch is not None and args.batch < 1:
         raise CliError(f"--batch must be >= 1, got {args.batch}", EXIT_USAGE)
     if args.seq_len is not None and args.seq_len < 1:
@@ -502,6 +518,12 @@ def run(args, console: Console) -> Dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         precision = precision or "turbo"
+    return device, precision
+
+
+def _load_model(args, console: Console, device):
+    """The model (``--hf`` / ``--timm`` / ``--open-clip``, else the bundled MiniLM), in eval mode on its device."""
+    import elsa_surgery
 
     default_job = not (args.hf or args.timm or args.open_clip)
     name = args.hf or args.timm or args.open_clip or str(default_checkpoint())
@@ -523,7 +545,11 @@ def run(args, console: Console) -> Dict[str, Any]:
         if not (source["kind"] == "hf" and (args.device_map or args.max_memory or args.offload_folder)):
             model = model.to(device)
         model.eval()
+    return model, tok, source, default_job
 
+
+def _prepare_inputs(model, tok, source, args, default_job, device, console: Console):
+    """Example inputs for parity and bench, and the result dict started with what was loaded where."""
     inputs, inputs_desc = make_inputs(model, tok, source, args, default_job)
     result: Dict[str, Any] = {"source": source, "dtype": args.dtype, "device": str(device), "inputs": inputs_desc}
     placement = getattr(model, "hf_device_map", None)
@@ -534,16 +560,26 @@ def run(args, console: Console) -> Dict[str, Any]:
             counts[str(v)] = counts.get(str(v), 0) + 1
         console.say("placement (accelerate): " + ", ".join(f"{n} module(s) on {d}" for d, n in counts.items()))
     console.say(f"example inputs: {inputs_desc}")
+    return inputs, result
 
-    emb_before = None
+
+def _embeddings_before(model, tok, source, inputs):
+    """Mean-pooled sentence embeddings of the unconverted model (real sentences through a tokenizer only)."""
     if source["kind"] == "hf" and isinstance(inputs, dict) and "attention_mask" in inputs and tok is not None:
         with contextlib.suppress(Exception):
-            emb_before = sentence_embeddings(model, inputs)
+            return sentence_embeddings(model, inputs)
+    return None
 
-    bench_native = None
-    if args.bench and inputs is not None:
-        with console.step("benchmarking the native model"):
-            bench_native = bench(model, inputs, args.bench_iters)
+
+def _bench_step(model, inputs, args, console: Console, which: str):
+    with console.step(f"benchmarking the {which} model"):
+        return bench(model, inputs, args.bench_iters)
+
+
+def _convert_step(model, inputs, args, precision, result, console: Console):
+    """``elsa_surgery.convert`` with parity on the inputs; a parity failure or nothing converted is a CliError."""
+    import elsa_surgery
+    from .verify import ParityError
 
     verify = not args.no_verify
     if verify and inputs is None:
@@ -564,7 +600,11 @@ def run(args, console: Console) -> Dict[str, Any]:
         if args.report:
             _write_json(args.report, {**result, "ok": False, "error": "nothing converted", "report": report.to_dict()})
         raise CliError(f"unknown model: nothing in {type(model).__name__} was converted ({why})", EXIT_USAGE)
+    return report
 
+
+def _report_step(model, source, report, result, console: Console):
+    """The report, with the notes of the model's model-level adapter (read from the model's patch record)."""
     hf_notes = []
     if source["kind"] == "hf":
         from .patching import model_notes
@@ -583,41 +623,53 @@ def run(args, console: Console) -> Dict[str, Any]:
     result["report"] = report.to_dict()
     result["hf_modules"] = hf_notes
 
-    if emb_before is not None:
-        emb_after = sentence_embeddings(model, inputs)
-        d = (emb_after.double() - emb_before.double()).abs().max().item()
-        cos = torch.nn.functional.cosine_similarity(emb_after.double(), emb_before.double(), dim=-1).min().item()
-        result["sentence_embeddings"] = {"max_abs_diff": d, "min_cosine": cos, "count": int(emb_after.shape[0])}
-        console.say(f"sentence embeddings (mean-pooled, {emb_after.shape[0]} sentences): max|δ| = {d:.3g}, "
-                    f"min cosine = {cos:.9f}")
 
-    if args.bench and inputs is not None:
-        with console.step("benchmarking the converted model"):
-            bench_elsa = bench(model, inputs, args.bench_iters)
-        result["bench"] = {"native": bench_native, "elsa": bench_elsa,
-                           "speedup": bench_native["latency_ms"] / bench_elsa["latency_ms"]}
-        rows = []
-        for label_, b in (("native", bench_native), ("elsa", bench_elsa)):
-            rows.append((label_, f"{b['latency_ms']:.2f}", f"{b.get('samples_per_s', 0):.1f}",
-                         f"{b['tokens_per_s']:.0f}" if "tokens_per_s" in b else "-",
-                         f"{b['peak_extra_mem_mib']:.1f}" if "peak_extra_mem_mib" in b else "n/a (cpu)"))
-        console.say("")
-        for line in _table(("model", "latency ms", "samples/s", "tokens/s", "peak extra MiB"), rows):
-            console.say(line)
-        console.say(f"speedup (native / elsa latency): {result['bench']['speedup']:.2f}x on {device}")
-        if any(k.startswith("reference") for k in report.backends_used):
-            note = ("ELSA ran on the pure-PyTorch reference backend (no CUDA GPU / Triton here): this timing says "
-                    "nothing about the Triton kernels")
-            result["bench"]["note"] = note
-            console.say(f"note: {note}")
+def _embeddings_after(model, inputs, emb_before, result, console: Console):
+    import torch
 
-    if args.save:
-        with console.step(f"saving to {args.save}"):
-            manifest = elsa_io.save(model, args.save, report, source=source, max_shard_size=args.max_shard_size,
-                                    extra={"sentence_embeddings": result.get("sentence_embeddings")} if
-                                    result.get("sentence_embeddings") else None,
-                                    tokenizer=tok if source["kind"] == "hf" else None)
-        result["saved"] = {"dir": str(args.save), "manifest": str(manifest)}
+    emb_after = sentence_embeddings(model, inputs)
+    d = (emb_after.double() - emb_before.double()).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(emb_after.double(), emb_before.double(), dim=-1).min().item()
+    result["sentence_embeddings"] = {"max_abs_diff": d, "min_cosine": cos, "count": int(emb_after.shape[0])}
+    console.say(f"sentence embeddings (mean-pooled, {emb_after.shape[0]} sentences): max|δ| = {d:.3g}, "
+                f"min cosine = {cos:.9f}")
+
+
+def _bench_compare(model, inputs, args, report, bench_native, result, device, console: Console):
+    bench_elsa = _bench_step(model, inputs, args, console, "converted")
+    result["bench"] = {"native": bench_native, "elsa": bench_elsa,
+                       "speedup": bench_native["latency_ms"] / bench_elsa["latency_ms"]}
+    rows = []
+    for label_, b in (("native", bench_native), ("elsa", bench_elsa)):
+        rows.append((label_, f"{b['latency_ms']:.2f}", f"{b.get('samples_per_s', 0):.1f}",
+                     f"{b['tokens_per_s']:.0f}" if "tokens_per_s" in b else "-",
+                     f"{b['peak_extra_mem_mib']:.1f}" if "peak_extra_mem_mib" in b else "n/a (cpu)"))
+    console.say("")
+    for line in _table(("model", "latency ms", "samples/s", "tokens/s", "peak extra MiB"), rows):
+        console.say(line)
+    console.say(f"speedup (native / elsa latency): {result['bench']['speedup']:.2f}x on {device}")
+    if any(k.startswith("reference") for k in report.backends_used):
+        note = ("ELSA ran on the pure-PyTorch reference backend (no CUDA GPU / Triton here): this timing says "
+                "nothing about the Triton kernels")
+        result["bench"]["note"] = note
+        console.say(f"note: {note}")
+
+
+def _save_step(model, args, report, source, tok, result, console: Console):
+    from . import io as elsa_io
+
+    with console.step(f"saving to {args.save}"):
+        manifest = elsa_io.save(model, args.save, report, source=source, max_shard_size=args.max_shard_size,
+                                extra={"sentence_embeddings": result.get("sentence_embeddings")} if
+                                result.get("sentence_embeddings") else None,
+                                tokenizer=tok if source["kind"] == "hf" else None)
+    result["saved"] = {"dir": str(args.save), "manifest": str(manifest)}
+
+
+def _finish(args, report, model, result, t_start):
+    """The closing line, and the JSON report."""
+    from . import io as elsa_io
+
     result["ok"] = True
     result["seconds"] = time.perf_counter() - t_start
     result["versions"] = elsa_io.versions()

@@ -277,6 +277,7 @@ def find(model: nn.Module, chosen: Sequence[Adapter], config: PatchConfig, *, in
          explicit: bool = False, report: Optional[ConversionReport] = None) -> Plan:
     """Step 2: what to convert in ``model`` (nothing is changed). ``explicit``: the adapters were named by the user
     (the report then says which unselected adapter knows a skipped module)."""
+    include, exclude = _globs("include", include), _globs("exclude", exclude)
     plan = Plan(report or ConversionReport(model=type(model).__name__, backend=config.backend,
                                            precision=config.precision))
     _find_model_level(model, plan, chosen, config, include, exclude)
