@@ -3,12 +3,20 @@
 Plain functions on tensors (no torch.library here: ops.py wraps these). Inputs are never copied:
 strides go to the kernels as they are. Sizes are runtime arguments of the kernels, so a new sequence
 length reuses the compiled kernel. No host syncs: nothing here reads tensor data.
+
+A call goes through three named steps (``_plan_run``): allocate the outputs (``_outputs``), plan
+(:func:`plan_launch`: a pure function from the call's :class:`CallSignature` — shapes, dtypes, the strides and
+alignment it reads, settings — to a :class:`LaunchPlan`: dot kind, tiles, partitions, staging; cached by the
+signature in :func:`cached_plan` while the ``ELSA_*`` knobs it read keep their values), and execute the plan
+(:func:`execute`). On top of that, ``_run`` records the whole launch sequence of a call signature and replays it
+(kernels/replay.py, ``ELSA_LAUNCH_PLANS``), which skips the planning and Triton's launch path altogether.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -75,6 +83,35 @@ def _specs_bytes(specs, per_head: bool = False) -> int:
     return sum(_piece_bytes(dt, shape[1:] if per_head else shape) for dt, shape in specs)
 
 
+def _output_layout(shape, stride, dtype, aligned16):
+    """``(batch stride, head stride, per_head, bytes of one row)`` in bytes of the staging region over an fp32
+    output ``[B, Hq, Nq, Dv]`` of this geometry: its rows ``[0, r)`` of every head are one block per batch row when
+    laid out ``[B, Nq, Hq, Dv]`` in memory (``_new_out``), one block per batch row and head when contiguous;
+    ``None`` for other layouts. Pure: the planner reads it from the call's signature."""
+    if len(shape) != 4 or dtype != torch.float32 or not aligned16:
+        return None
+    B, Hq, Nq, Dv = shape
+    if _contiguous((B, Nq, Hq, Dv), (stride[0], stride[2], stride[1], stride[3])):
+        layout = (Nq * Hq * Dv * 4, 0, False, Hq * Dv * 4)
+    elif _contiguous(shape, stride):
+        layout = (Hq * Nq * Dv * 4, Nq * Dv * 4, True, Dv * 4)
+    else:
+        return None
+    if layout[0] % STRIDE_BYTES or layout[1] % STRIDE_BYTES:
+        return None  # strides of the staged pieces would not divide by 16 elements (see STRIDE_BYTES)
+    return layout
+
+
+def _contiguous(shape, stride) -> bool:
+    """``torch.Tensor.is_contiguous`` from a geometry: size-1 dimensions may have any stride."""
+    expected = 1
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
+
+
 class _Region:
     """Memory that staged K/V pieces are carved from: one block per batch row (``per_head``: per batch row and
     head), ``strides`` ``(batch, head)`` bytes apart. Pieces (``(dtype, (heads, ...))`` specs) are laid out back
@@ -96,22 +133,14 @@ class _Region:
 
     @classmethod
     def of_output(cls, out: torch.Tensor):
-        """``(region, bytes of one row)`` over the fp32 output ``[B, Hq, Nq, Dv]``: its rows ``[0, r)`` of every
-        head are one block per batch row when laid out ``[B, Nq, Hq, Dv]`` in memory (``_new_out``), one block
-        per batch row and head when contiguous; ``None`` for other layouts."""
-        B, Hq, Nq, Dv = out.shape
-        if out.dtype != torch.float32 or out.data_ptr() % 16:
+        """``(region, bytes of one row)`` over the fp32 output ``[B, Hq, Nq, Dv]`` (:func:`_output_layout`), or
+        ``None`` for layouts that cannot hold staged pieces."""
+        layout = _output_layout(*_geometry(out))
+        if layout is None:
             return None
+        bstride, hstride, per_head, row = layout
         flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
-        if out.transpose(1, 2).is_contiguous():
-            region, row = cls(flat, (Nq * Hq * Dv * 4, 0), False), Hq * Dv * 4
-        elif out.is_contiguous():
-            region, row = cls(flat, (Hq * Nq * Dv * 4, Nq * Dv * 4), True), Dv * 4
-        else:
-            return None
-        if region.bstride % STRIDE_BYTES or region.hstride % STRIDE_BYTES:
-            return None  # strides of the staged pieces would not divide by 16 elements (see STRIDE_BYTES)
-        return region, row
+        return cls(flat, (bstride, hstride), per_head), row
 
     def carve(self, batch: int, specs, capacity: Optional[int] = None):
         """Views for ``specs`` in the first ``capacity`` bytes of every block (default: the whole block)."""
@@ -250,107 +279,267 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     return replay.run(key, slots, plan_and_run, _ALIASES)
 
 
-def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
-              is_causal=False, varlen_dims=None, out=None, lse=None, state=None, want_lse=True,
-              num_partitions=None, eta=None):
-    """Plans a call and runs it (see :func:`_run`)."""
-    scan = _scan()
-    from . import hopper  # after _scan(): Triton is imported only when kernels run
+# --------------------------------------------------------------------------------------------------
+# the launch planner: a pure function of the call's signature, cached by it
+# --------------------------------------------------------------------------------------------------
 
-    hopper_mode = hopper.mode()  # read on every call: a bad ELSA_HOPPER raises wherever the call would run
+class CallSignature(NamedTuple):
+    """Everything the planner reads of a call: shapes, dtypes, the strides and alignment it looks at, settings.
 
-    dot = _dot_kind(q.dtype, precision)
+    Built by :func:`call_signature` from the tensors (after the outputs are allocated: the reverse key-chunk
+    staging reads the output's layout); a named tuple (cheap to build and hash on every call), so plans are cached
+    by it (:func:`cached_plan`).
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    q_shape: Tuple[int, ...]
+    k_shape: Tuple[int, ...]
+    v_shape: Tuple[int, ...]
+    v_keys_contiguous: bool
+    v_itemsize: int
+    out: Optional[tuple]  # (shape, stride, dtype, 16-byte aligned) of the output the kernels write, if any
+    varlen_dims: Optional[Tuple[int, int, int]]
+    has_mask: bool
+    has_lengths: bool  # q_lengths or kv_lengths given
+    has_state: bool
+    is_causal: bool
+    precision: Optional[str]
+    num_partitions: Optional[int]
+    eta: Optional[float]
+
+
+@dataclass(frozen=True)
+class Dims:
+    B: int
+    Hq: int
+    Hkv: int
+    Nq: int
+    Nk: int
+    D: int
+    Dv: int
+    groups: int
+    BD: int
+    BDV: int
+    varlen: bool
+
+    @property
+    def BH(self) -> int:
+        return self.B * self.Hq
+
+    @property
+    def rows(self) -> int:
+        return self.B * self.Hq * self.Nq
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher runs for one signature: the dot kind, tiles, partitions and K/V staging.
+
+    ``staging``: ``("whole", 0)`` (the operands as they are, V staged whole when ``stage``), ``("heads", n)``
+    (launches per group of ``n`` K/V heads), ``("keys", n)`` (key chunks of ``n`` keys, in key order) or
+    ``("rkeys", chunks)`` (causal key chunks in reverse order staged in the output's unwritten rows:
+    ``occupancy.reverse_key_chunks``). ``hopper``: the launcher offers the call to the Hopper kernel, which decides
+    on the tensors themselves (``hopper.eligible``); ``hopper_mode`` is ``ELSA_HOPPER`` as read when planning.
+    """
+
+    dims: Dims
+    dot: int
+    cfg: occ.TileConfig
+    n_mblocks: int
+    parts: int
+    part_len: int
+    stage: bool
+    staging: tuple
+    hopper: bool
+    hopper_mode: str
+
+    @property
+    def split(self) -> bool:
+        return self.dot in occ.SPLIT_DOTS
+
+
+def call_signature(q, k, v, out, *, precision, mask=None, q_lengths=None, kv_lengths=None, is_causal=False,
+                   varlen_dims=None, state=None, num_partitions=None, eta=None) -> CallSignature:
     varlen = varlen_dims is not None
-    if varlen:
-        B, Nq, Nk = varlen_dims
-        Hq, D = q.shape[1], q.shape[2]
-        Hkv, Dv = k.shape[1], v.shape[2]
+    return CallSignature(
+        q.device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), _keys_contiguous(v, varlen),
+        v.element_size(), None if out is None else _geometry(out), varlen_dims, mask is not None,
+        q_lengths is not None or kv_lengths is not None, state is not None, bool(is_causal), precision,
+        num_partitions, eta)
+
+
+def _dims(sig: CallSignature) -> Dims:
+    if sig.varlen_dims is not None:
+        B, Nq, Nk = sig.varlen_dims
+        Hq, D = sig.q_shape[1], sig.q_shape[2]
+        Hkv, Dv = sig.k_shape[1], sig.v_shape[2]
     else:
-        B, Hq, Nq, D = q.shape
-        Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    groups = Hq // Hkv
-    rows_per_kv = q.shape[0] * groups // max(B, 1) if varlen else Nq * groups  # varlen: mean per sequence
-    BD, BDV = occ.block_dim(D), occ.block_dim(Dv)
-    BH = B * Hq
-    rows = BH * Nq
+        B, Hq, Nq, D = sig.q_shape
+        Hkv, Nk, Dv = sig.k_shape[1], sig.k_shape[2], sig.v_shape[3]
+    return Dims(B, Hq, Hkv, Nq, Nk, D, Dv, Hq // Hkv, occ.block_dim(D), occ.block_dim(Dv), sig.varlen_dims is not None)
 
-    def tiles(dot_):
-        cfg_ = occ.tile_config(dot_, D, Dv, max(Nq, Nk), bh=BH, nq=Nq, device=q.device,
-                               causal=bool(is_causal))
-        n_mb = -(-Nq // cfg_.block_m) if Nq > 0 else 0
-        parts_ = occ.num_partitions(q.device, tiles=n_mb * BH, n_k=Nk, block_n=cfg_.block_n, rows=rows, dv=Dv,
-                                    out_bytes=rows * Dv * q.element_size(), eta=eta, forced=num_partitions)
-        part_len_ = _partition_len(Nk, parts_, cfg_.block_n)
-        return cfg_, n_mb, max(1, -(-max(Nk, 1) // part_len_)), part_len_
 
-    if state is None:
-        if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
-            out = q.new_empty((q.shape[0], Hq, Dv)) if varlen else _new_out(q, B, Hq, Nq, Dv)
-            replay.allocated("out", out)
-        if want_lse and lse is None:
-            lse = torch.empty((Hq, q.shape[0]) if varlen else (B, Hq, Nq), device=q.device, dtype=torch.float32)
-            replay.allocated("lse", lse)
+def _tiles(sig: CallSignature, d: Dims, dot: int):
+    """(tile config, query blocks, partitions, keys per partition) for one dot kind."""
+    itemsize = sig.dtype.itemsize
+    cfg = occ.tile_config(dot, d.D, d.Dv, max(d.Nq, d.Nk), bh=d.BH, nq=d.Nq, device=sig.device,
+                          causal=sig.is_causal)
+    n_mb = -(-d.Nq // cfg.block_m) if d.Nq > 0 else 0
+    parts = occ.num_partitions(sig.device, tiles=n_mb * d.BH, n_k=d.Nk, block_n=cfg.block_n, rows=d.rows, dv=d.Dv,
+                               out_bytes=d.rows * d.Dv * itemsize, eta=sig.eta, forced=sig.num_partitions)
+    part_len = _partition_len(d.Nk, parts, cfg.block_n)
+    return cfg, n_mb, max(1, -(-max(d.Nk, 1) // part_len)), part_len
 
-    def staging(dot_, cfg_, n_mb, parts_):
-        """(stage?, plan): whether K/V are staged and in which pieces (occupancy.stage_plan); causal key
-        chunks run in reverse order, staged in the output's unwritten rows where they fit:
-        ``("rkeys", (chunks, region))`` (occupancy.reverse_key_chunks)."""
-        split_ = dot_ in occ.SPLIT_DOTS
-        stage_ = split_ or (occ.stage_operands(dot_, rows_per_kv) and not _keys_contiguous(v, varlen))
-        if not (stage_ and not varlen and parts_ == 1 and state is None):
-            return stage_, ("whole", 0)
-        per_key = (split_bytes_per_key(D, Dv, cfg_.block_n, dot_ == occ.DOT_F16X3) if split_
-                   else Dv * v.element_size())
-        plan_ = occ.stage_plan(
-            q.device, n_k=Nk, block_n=cfg_.block_n, batch=B, kv_heads=Hkv, groups=groups, m_blocks=n_mb,
-            out_bytes=rows * Dv * q.element_size(), v_bytes_per_key_head=per_key, stats_bytes=2 * rows * 4,
-            causal=bool(is_causal),
-            min_chunk_keys=occ.MIN_KEYS_PER_SPLIT_CHUNK if split_ else occ.MIN_KEYS_PER_STAGE_CHUNK)
-        ext_keys = occ.reverse_chunks_env()
-        if plan_[0] != "keys" or not is_causal or q_lengths is not None or kv_lengths is not None or ext_keys is None:
-            return stage_, plan_
-        region = _Region.of_output(out)
-        if region is None:
-            return stage_, plan_
-        region, row_bytes = region
-        heads = 1 if region.per_head else Hkv  # K/V heads per block of the region
-        chunks = occ.reverse_key_chunks(
-            n_q=Nq, n_k=Nk, block_m=cfg_.block_m, block_n=cfg_.block_n, row_bytes=row_bytes,
-            key_bytes=heads * per_key, fixed_bytes=16 * 6 + heads * Dv * 4, ext_keys=ext_keys or plan_[1])
-        return stage_, ("rkeys", (chunks, region))
 
-    split_dot = occ.precise_split(dot, rows_per_kv, eligible=not varlen and state is None,
-                                  work=float(BH) * Nq * Nk * D)
-    if split_dot == occ.DOT_F16X3V and (BD != D or BDV != Dv):
+def _rows_per_kv(sig: CallSignature, d: Dims) -> int:
+    return sig.q_shape[0] * d.groups // max(d.B, 1) if d.varlen else d.Nq * d.groups  # varlen: mean per sequence
+
+
+def _staging(sig: CallSignature, d: Dims, dot: int, cfg, n_mb: int, parts: int):
+    """(stage?, staging): whether K/V are staged and in which pieces (occupancy.stage_plan); causal key chunks run
+    in reverse order, staged in the output's unwritten rows where they fit (occupancy.reverse_key_chunks)."""
+    split = dot in occ.SPLIT_DOTS
+    stage = split or (occ.stage_operands(dot, _rows_per_kv(sig, d)) and not sig.v_keys_contiguous)
+    if not (stage and not d.varlen and parts == 1 and not sig.has_state):
+        return stage, ("whole", 0)
+    itemsize = sig.dtype.itemsize
+    per_key = (split_bytes_per_key(d.D, d.Dv, cfg.block_n, dot == occ.DOT_F16X3) if split else d.Dv * sig.v_itemsize)
+    plan = occ.stage_plan(
+        sig.device, n_k=d.Nk, block_n=cfg.block_n, batch=d.B, kv_heads=d.Hkv, groups=d.groups, m_blocks=n_mb,
+        out_bytes=d.rows * d.Dv * itemsize, v_bytes_per_key_head=per_key, stats_bytes=2 * d.rows * 4,
+        causal=sig.is_causal,
+        min_chunk_keys=occ.MIN_KEYS_PER_SPLIT_CHUNK if split else occ.MIN_KEYS_PER_STAGE_CHUNK)
+    ext_keys = occ.reverse_chunks_env()
+    if plan[0] != "keys" or not sig.is_causal or sig.has_lengths or ext_keys is None:
+        return stage, plan
+    layout = None if sig.out is None else _output_layout(*sig.out)
+    if layout is None:
+        return stage, plan
+    _, _, per_head, row_bytes = layout
+    heads = 1 if per_head else d.Hkv  # K/V heads per block of the region
+    chunks = occ.reverse_key_chunks(
+        n_q=d.Nq, n_k=d.Nk, block_m=cfg.block_m, block_n=cfg.block_n, row_bytes=row_bytes,
+        key_bytes=heads * per_key, fixed_bytes=16 * 6 + heads * d.Dv * 4, ext_keys=ext_keys or plan[1])
+    return stage, ("rkeys", chunks)
+
+
+def plan_launch(sig: CallSignature) -> LaunchPlan:
+    """The launch plan of a call: which kernel (dot kind, split or not, Hopper candidate), tiles, partitions and
+    staging. Pure: reads the signature, the device's properties and the ``ELSA_*`` knobs, touches no tensor."""
+    from . import hopper  # Triton is imported only when kernels run
+
+    hopper_mode = hopper.mode()  # read on every planning: a bad ELSA_HOPPER raises wherever the call would run
+    d = _dims(sig)
+    dot = _dot_kind(sig.dtype, sig.precision)
+    split_dot = occ.precise_split(dot, _rows_per_kv(sig, d), eligible=not d.varlen and not sig.has_state,
+                                  work=float(d.BH) * d.Nq * d.Nk * d.D)
+    if split_dot == occ.DOT_F16X3V and (d.BD != d.D or d.BDV != d.Dv):
         # V split in the kernel (DOT 6) only for head dims that need no padding: on an H100 a call with
         # D=40, Dv=32 returned NaN rows (masked) or faulted (unmasked); the full split runs instead
         split_dot = occ.DOT_F16X3
     if split_dot != dot:
-        cfg, n_mblocks, parts, part_len = tiles(split_dot)
-        stage, plan = staging(split_dot, cfg, n_mblocks, parts)
+        cfg, n_mb, parts, part_len = _tiles(sig, d, split_dot)
+        stage, staging = _staging(sig, d, split_dot, cfg, n_mb, parts)
         # the split runs with one partition; causal calls whose memory budget allows only key chunks of
         # little work per launch split K alone, V in the kernel: chunks twice as long
         # (occupancy.MIN_CAUSAL_SPLIT_CHUNK_WORK), unless ELSA_PRECISE_SPLIT forces a kind
-        short_chunks = plan[0] == "keys" and BH * Nq * plan[1] * D < occ.MIN_CAUSAL_SPLIT_CHUNK_WORK
-        if parts == 1 and not (is_causal and short_chunks and not occ.split_forced()):
-            dot = split_dot
-        elif parts == 1 and BD == D and BDV == Dv:  # same tiles ("f16x3"), a plan for K's bytes alone
-            dot = occ.DOT_F16X3V
-            stage, plan = staging(dot, cfg, n_mblocks, parts)
-    split = dot in occ.SPLIT_DOTS
-    if not split:
-        cfg, n_mblocks, parts, part_len = tiles(dot)
-        if dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32) and parts == 1 and n_mblocks and BH:
-            why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                      varlen=varlen, state=state, is_causal=bool(is_causal), scale=scale,
-                                      precision=precision, how=hopper_mode)
-            if why_not is None:
-                hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal,
-                               precision=precision)
-                return out, lse, state
-        stage, plan = staging(dot, cfg, n_mblocks, parts)
-    if n_mblocks == 0 or BH == 0:
+        short_chunks = staging[0] == "keys" and d.BH * d.Nq * staging[1] * d.D < occ.MIN_CAUSAL_SPLIT_CHUNK_WORK
+        if parts == 1 and not (sig.is_causal and short_chunks and not occ.split_forced()):
+            return LaunchPlan(d, split_dot, cfg, n_mb, parts, part_len, stage, staging, False, hopper_mode)
+        if parts == 1 and d.BD == d.D and d.BDV == d.Dv:  # same tiles ("f16x3"), a plan for K's bytes alone
+            stage, staging = _staging(sig, d, occ.DOT_F16X3V, cfg, n_mb, parts)
+            return LaunchPlan(d, occ.DOT_F16X3V, cfg, n_mb, parts, part_len, stage, staging, False, hopper_mode)
+    cfg, n_mb, parts, part_len = _tiles(sig, d, dot)
+    try_hopper = bool(dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32) and parts == 1 and n_mb and d.BH)
+    stage, staging = _staging(sig, d, dot, cfg, n_mb, parts)
+    return LaunchPlan(d, dot, cfg, n_mb, parts, part_len, stage, staging, try_hopper, hopper_mode)
+
+
+MAX_CACHED_PLANS = 4096
+_PLANS: Dict[CallSignature, Tuple[tuple, tuple, LaunchPlan]] = {}  # sig -> (env names, their values, plan)
+
+
+def cached_plan(sig: CallSignature) -> LaunchPlan:
+    """:func:`plan_launch`, cached by the signature and valid while every environment variable the planning read
+    keeps the value it had (``replay.reading_env``)."""
+    hit = _PLANS.get(sig)
+    if hit is not None and replay.env_unchanged(hit[1]):
+        replay.reread_env(hit[0])  # a launch plan being recorded depends on what the planning read
+        return hit[2]
+    with replay.reading_env() as read:
+        plan = plan_launch(sig)
+    if len(_PLANS) >= MAX_CACHED_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[sig] = (tuple(read), tuple(read.values()), plan)
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (also done by ``replay.clear()``)."""
+    _PLANS.clear()
+
+
+replay.CLEAR_HOOKS.append(clear_plans)
+
+
+# --------------------------------------------------------------------------------------------------
+# the launcher: executes a plan on the call's tensors
+# --------------------------------------------------------------------------------------------------
+
+def _outputs(q, k, v, *, varlen_dims, out, lse, state, want_lse):
+    """The output and lse the kernels write (allocated here unless given; registered with the replay)."""
+    if state is not None:
+        return out, lse
+    if varlen_dims is not None:
+        Hq, Dv = q.shape[1], v.shape[2]
+    else:
+        Hq, Dv = q.shape[1], v.shape[3]
+    if out is None:  # dense: [B, Nq, Hq, Dv] in memory, as SDPA's flash/cuDNN outputs (_new_out)
+        out = q.new_empty((q.shape[0], Hq, Dv)) if varlen_dims is not None else _new_out(q, *q.shape[:3], Dv)
+        replay.allocated("out", out)
+    if want_lse and lse is None:
+        shape = (Hq, q.shape[0]) if varlen_dims is not None else tuple(q.shape[:3])
+        lse = torch.empty(shape, device=q.device, dtype=torch.float32)
+        replay.allocated("lse", lse)
+    return out, lse
+
+
+def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
+              is_causal=False, varlen_dims=None, out=None, lse=None, state=None, want_lse=True,
+              num_partitions=None, eta=None):
+    """Plans a call and runs it (see :func:`_run`): allocate the outputs, plan (pure, cached), execute."""
+    _scan()  # after TRITON_INTERPRET has been decided
+    out, lse = _outputs(q, k, v, varlen_dims=varlen_dims, out=out, lse=lse, state=state, want_lse=want_lse)
+    sig = call_signature(q, k, v, out if state is None else None, precision=precision, mask=mask,
+                         q_lengths=q_lengths, kv_lengths=kv_lengths, is_causal=is_causal, varlen_dims=varlen_dims,
+                         state=state, num_partitions=num_partitions, eta=eta)
+    plan = cached_plan(sig)
+    return execute(plan, q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=q_lengths,
+                   kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, is_causal=is_causal, out=out, lse=lse, state=state,
+                   want_lse=want_lse)
+
+
+def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None,
+            cu_k=None, is_causal=False, out=None, lse=None, state=None, want_lse=True):
+    """Run ``plan`` on the call's tensors: the Hopper kernel where it takes the call, else phase 1 (staged as
+    planned) and, with several partitions, the merge."""
+    scan = _scan()
+    d = plan.dims
+    if plan.hopper:
+        from . import hopper
+
+        why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                  varlen=d.varlen, state=state, is_causal=bool(is_causal), scale=scale,
+                                  precision=precision, how=plan.hopper_mode)
+        if why_not is None:
+            hopper.forward(q, k, v, out, lse if want_lse else None, scale=scale, is_causal=is_causal,
+                           precision=precision)
+            return out, lse, state
+    if plan.n_mblocks == 0 or d.BH == 0:
         return out, lse, state
+    B, Hq, Hkv, Nq, Nk, D, Dv, groups = d.B, d.Hq, d.Hkv, d.Nq, d.Nk, d.D, d.Dv, d.groups
+    BD, BDV, BH, varlen, cfg, parts, dot = d.BD, d.BDV, d.BH, d.varlen, plan.cfg, plan.parts, plan.dot
     if varlen:
         so = _strides4(out, True)
         sl = (0, lse.stride(0), lse.stride(1)) if want_lse else (0, 0, 0)
@@ -373,6 +562,7 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
     else:
         pm = ps = pw = dummy
     write_state = parts > 1 or state is not None
+    n_mblocks = plan.n_mblocks
 
     def fwd(q_, k_, v_, out_, lse_, mask_, koff, klim, part_len_, pm_, ps_, pw_, write_state_, chunked,
             split_=None):
@@ -405,20 +595,21 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
         )
 
     lse_arg = lse if want_lse else None
+    split, part_len, staging = plan.split, plan.part_len, plan.staging
     stager = (_SplitKV(k, v, block_n=cfg.block_n, split_v=dot == occ.DOT_F16X3) if split
               else _TransposedV(k, v))
-    if plan[0] == "heads":
-        _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, plan[1], groups, part_len, stager)
+    if staging[0] == "heads":
+        _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, staging[1], groups, part_len, stager)
         return out, lse, state
-    if plan[0] in ("keys", "rkeys"):
-        chunks, region = (plan[1] if plan[0] == "rkeys"
-                          else (tuple((s, min(Nk, s + plan[1]), None) for s in range(0, Nk, plan[1])), None))
-        _key_chunk_fwd(fwd, q, k, v, out, lse_arg, mask, chunks, region, cfg.block_n, rows, stager)
+    if staging[0] in ("keys", "rkeys"):
+        chunks, region = ((staging[1], _Region.of_output(out)[0]) if staging[0] == "rkeys"
+                          else (tuple((s, min(Nk, s + staging[1]), None) for s in range(0, Nk, staging[1])), None))
+        _key_chunk_fwd(fwd, q, k, v, out, lse_arg, mask, chunks, region, cfg.block_n, d.rows, stager)
         return out, lse, state
     split_args = None
     if split:
         k, v, split_args = _stage(stager, _Region.buffer(q, B, _specs_bytes(stager.specs(Hkv, Nk))), k, v)
-    elif stage:
+    elif plan.stage:
         staged = _stage_v(v, varlen)
         if staged is not v:
             replay.derived("v_staged", staged, lambda slots: _stage_v(slots["v"], varlen))

@@ -29,6 +29,7 @@ specialised for the first call is the one it would pick again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -63,7 +64,39 @@ def env(name: str) -> str:
     if rec is not None and name not in rec.env:
         key = _ENCODE(name)
         rec.env[name] = (key, _RAW.get(key))
+    reads = getattr(_local, "reads", None)
+    if reads is not None and name not in reads:
+        key = _ENCODE(name)
+        reads[name] = (key, _RAW.get(key))
     return value
+
+
+@contextlib.contextmanager
+def reading_env():
+    """``with reading_env() as read:`` collects ``{name: (key, raw value)}`` of every :func:`env` call inside the
+    block (``launch.cached_plan`` keeps a plan while those values hold: :func:`env_unchanged`)."""
+    prev = getattr(_local, "reads", None)
+    _local.reads = reads = {}
+    try:
+        yield reads
+    finally:
+        _local.reads = prev
+        if prev is not None:
+            for name, entry in reads.items():
+                prev.setdefault(name, entry)
+
+
+def env_unchanged(entries) -> bool:
+    """Whether every ``(key, raw value)`` of ``entries`` (from :func:`reading_env`) still holds."""
+    return all(_RAW.get(key) == raw for key, raw in entries)
+
+
+def reread_env(names) -> None:
+    """:func:`env` on ``names`` while a plan is being recorded, so that it depends on them as if it had read them
+    (a cached launch plan stands for the planner's reads)."""
+    if getattr(_local, "rec", None) is not None or getattr(_local, "reads", None) is not None:
+        for name in names:
+            env(name)
 
 
 def wanted(t: torch.Tensor) -> bool:
@@ -88,9 +121,14 @@ def encodes_descriptors(t: torch.Tensor) -> bool:
     return _desc_module(driver.active.launcher_cls) is not None
 
 
+CLEAR_HOOKS = []  # called by clear(): caches of what the planner decided (launch.clear_plans)
+
+
 def clear() -> None:
     """Forget every plan (tests that patch the planner's module constants call this)."""
     _plans.clear()
+    for hook in CLEAR_HOOKS:
+        hook()
 
 
 def allocated(name: str, t: Optional[torch.Tensor]) -> None:

@@ -9,7 +9,6 @@ named adapter, and dispatch recording outside compiled code.
 
 import copy
 import io
-import sys
 from pathlib import Path
 
 import pytest
