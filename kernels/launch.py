@@ -274,12 +274,22 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
     BH = B * Hq
     rows = BH * Nq
 
+    # decode / short queries: the GQA group's query rows packed into one row tile (scan.elsa_fwd's PACK)
+    pack_rows = occ.decode_rows(n_q=Nq, groups=groups, n_k=Nk, dot=dot, varlen=varlen)
+
     def tiles(dot_):
-        cfg_ = occ.tile_config(dot_, D, Dv, max(Nq, Nk), bh=BH, nq=Nq, device=q.device,
-                               causal=bool(is_causal))
-        n_mb = -(-Nq // cfg_.block_m) if Nq > 0 else 0
-        parts_ = occ.num_partitions(q.device, tiles=n_mb * BH, n_k=Nk, block_n=cfg_.block_n, rows=rows, dv=Dv,
-                                    out_bytes=rows * Dv * q.element_size(), eta=eta, forced=num_partitions)
+        if pack_rows is not None:
+            cfg_ = occ.decode_tile_config(dot_, D, Dv, pack_rows)
+            n_mb = -(-pack_rows // cfg_.block_m)
+            tiles_ = n_mb * B * Hkv
+        else:
+            cfg_ = occ.tile_config(dot_, D, Dv, max(Nq, Nk), bh=BH, nq=Nq, device=q.device,
+                                   causal=bool(is_causal))
+            n_mb = -(-Nq // cfg_.block_m) if Nq > 0 else 0
+            tiles_ = n_mb * BH
+        parts_ = occ.num_partitions(q.device, tiles=tiles_, n_k=Nk, block_n=cfg_.block_n, rows=rows, dv=Dv,
+                                    out_bytes=rows * Dv * q.element_size(), eta=eta, forced=num_partitions,
+                                    decode=pack_rows is not None)
         part_len_ = _partition_len(Nk, parts_, cfg_.block_n)
         return cfg_, n_mb, max(1, -(-max(Nk, 1) // part_len_)), part_len_
 
@@ -297,7 +307,7 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
         ``("rkeys", (chunks, region))`` (occupancy.reverse_key_chunks)."""
         split_ = dot_ in occ.SPLIT_DOTS
         stage_ = split_ or (occ.stage_operands(dot_, rows_per_kv) and not _keys_contiguous(v, varlen))
-        if not (stage_ and not varlen and parts_ == 1 and state is None):
+        if not (stage_ and not varlen and parts_ == 1 and state is None and pack_rows is None):
             return stage_, ("whole", 0)
         per_key = (split_bytes_per_key(D, Dv, cfg_.block_n, dot_ == occ.DOT_F16X3) if split_
                    else Dv * v.element_size())
@@ -319,7 +329,7 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
             key_bytes=heads * per_key, fixed_bytes=16 * 6 + heads * Dv * 4, ext_keys=ext_keys or plan_[1])
         return stage_, ("rkeys", (chunks, region))
 
-    split_dot = occ.precise_split(dot, rows_per_kv, eligible=not varlen and state is None,
+    split_dot = occ.precise_split(dot, rows_per_kv, eligible=not varlen and state is None and pack_rows is None,
                                   work=float(BH) * Nq * Nk * D)
     if split_dot == occ.DOT_F16X3V and (BD != D or BDV != Dv):
         # V split in the kernel (DOT 6) only for head dims that need no padding: on an H100 a call with
@@ -340,7 +350,8 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
     split = dot in occ.SPLIT_DOTS
     if not split:
         cfg, n_mblocks, parts, part_len = tiles(dot)
-        if dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32) and parts == 1 and n_mblocks and BH:
+        if (dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32) and parts == 1 and n_mblocks and BH
+                and pack_rows is None):
             why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
                                       varlen=varlen, state=state, is_causal=bool(is_causal), scale=scale,
                                       precision=precision, how=hopper_mode)
@@ -386,21 +397,23 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
         # in L2 (occupancy.causal_head_group)
         head_group = (occ.causal_head_group(q.device, n_k=min(klim, Nk - koff), kv_bytes_per_key=q.element_size()
                                             * (D + Dv), groups=groups, bh=B * hq, m_blocks=n_mblocks)
-                      if is_causal else 1)
+                      if is_causal and pack_rows is None else 1)
+        # packed: programs and state rows per (batch, K/V head), GROUPS * Nq rows each
+        bh_, rows_buf = (B * (hq // groups), pack_rows) if pack_rows is not None else (B * hq, Nq)
         replay.launch(
-            scan.elsa_fwd, (n_mblocks * B * hq, parts), q_, k_, v_, mask_t if mask_t is not None else dummy,
+            scan.elsa_fwd, (n_mblocks * bh_, parts), q_, k_, v_, mask_t if mask_t is not None else dummy,
             q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
             kl, ki, vl, vi,
-            float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, Nq, B * hq, period, koff, klim,
+            float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, rows_buf, bh_, period, koff, klim,
             head_group,
             *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *si, *sm,
             *so, *sl,
             D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
             HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
-            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked,
+            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -424,7 +437,15 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
             replay.derived("v_staged", staged, lambda slots: _stage_v(slots["v"], varlen))
         v = staged
     fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args)
-    if parts > 1:
+    if parts > 1 and pack_rows is not None:  # few rows, many partitions: one program per row
+        fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
+        replay.launch(
+            scan.elsa_merge_rows, (BH * Nq,), pm, ps, pw, out if out is not None else dummy,
+            lse if want_lse and lse is not None else dummy, fm, fs, fw, Nq, Hq, Nq, BH, parts, *so, *sl,
+            DV=Dv, BLOCK_DV=BDV, BLOCK_P=min(occ.next_pow2(parts), occ.MERGE_PARTITIONS_PER_LOAD),
+            WRITE_STATE=state is not None, WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
+        )
+    elif parts > 1:
         merge_m = 64 if BDV <= 128 else 32
         nmb = -(-Nq // merge_m)
         fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
