@@ -154,6 +154,9 @@ def _fold_block(
         pv = tl.dot(p_hi, v_lo, pv)
         pv = tl.dot(p_hi, v, pv)
         acc = acc + pv * (v_inv * (1.0 / 16384.0))[None, :]
+    elif DOT == 1:  # strict: the block's P·V in a fresh accumulator, then one add (blocked summation: the
+        # rounding error grows with BLOCK_N + Nk / BLOCK_N, not with Nk as one FMA chain over every key does)
+        acc = acc + _dot(p, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT)
     else:
         acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new
