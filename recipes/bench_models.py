@@ -135,27 +135,20 @@ def ab_build(name, dtype, batch, device):
     return model, lambda m: m(pixel_values=x).last_hidden_state
 
 
-_ATTN_KERNELS = ("attention", "fmha", "flash", "cudnn_generated", "elsa_fwd", "sdpa")
-
-
 def attention_share(fn) -> float:
-    """The share of one call's GPU kernel time spent in attention kernels (``torch.profiler``)."""
+    """The share of one native call's GPU time spent inside ``aten::scaled_dot_product_attention`` (whichever kernels
+    SDPA dispatched to, math included), from ``torch.profiler``: the op's device time over the sum of every kernel's
+    own device time."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total = attn = 0.0
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if ev.key.startswith("ProfilerStep") or t <= 0 or getattr(ev, "device_type", None) is not None \
-                and "CUDA" not in str(ev.device_type):
-            continue
-        total += t
-        if any(s in ev.key.lower() for s in _ATTN_KERNELS):
-            attn += t
+    events = prof.key_averages()
+    total = sum(getattr(ev, "self_device_time_total", 0.0) for ev in events)
+    attn = sum(getattr(ev, "device_time_total", 0.0) for ev in events if ev.key == "aten::scaled_dot_product_attention")
     return attn / total if total > 0 else float("nan")
 
 
