@@ -180,6 +180,20 @@ def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, wa
     return ms
 
 
+def interleaved_ms(fns: Dict[str, Callable[[], object]], rounds: int = 3, calls: int = 10,
+                   warmup: int = 3) -> Dict[str, float]:
+    """Median eager ms per call of each of ``fns``, timed in interleaved rounds (A/B/A/B...: clock and thermal drift
+    hit every side alike): each round runs every function ``calls`` times back to back (:func:`per_call_ms`,
+    host and GPU time), and the median over the rounds is reported."""
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        per_call_ms(fn, 1, warmup=warmup)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(per_call_ms(fn, calls, warmup=0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 # ratio field -> the peak it compares (allocated, requested, reserved: see PeakMemory)
 _PEAK_RATIOS = {"memory_vs_native": "peak_mib", "requested_memory_vs_native": "peak_requested_mib",
                 "reserved_memory_vs_native": "peak_reserved_mib"}

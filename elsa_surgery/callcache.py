@@ -9,7 +9,9 @@ the scalar arguments (``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``, `
 ``ELSA_FP32_PRECISION``, ``TRITON_INTERPRET``). :func:`prepare` keys on exactly those: the first call with a key
 runs both and keeps the outcome; later calls with the key rebuild the problem around their own tensors (the same
 views ``build_problem`` makes: 3-D inputs get their head axis, the mask its canonical 4-D view) and reuse the
-decision, which is still announced (recorded and logged) on every call.
+decision, which is still announced (recorded and logged) on every call. Under ``auto`` the first eager CUDA call of
+a signature may also race the kernels against PyTorch's SDPA (:mod:`elsa_surgery.autoselect`); the memo keeps the
+winner.
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), calls with
 ``q_lengths`` / ``kv_lengths`` (their values are checked), a tensor ``scale``, arguments of other types than plain
@@ -23,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import dispatch
+from . import autoselect, dispatch
 from .semantics import AttentionProblem, build_problem, canonical_mask
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
@@ -95,6 +97,8 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             STATS["misses"] += 1
             p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                                         precision, return_lse, None, None, windowed_mask)
+            d = autoselect.choose(p, d, lambda: _run_kernels(p, d), backend=backend, precision=precision,
+                                  return_lse=return_lse)
             if len(_entries) >= MAX_ENTRIES:
                 del _entries[next(iter(_entries))]
             _entries[key] = (p.squeeze_head, p.scale, p.is_causal, p.dropout_p, d)
@@ -110,6 +114,12 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             p = AttentionProblem(q, k, v, scale_, mask, causal, None, None, squeeze, dropout)
     dispatch.announce(d)
     return p, d
+
+
+def _run_kernels(p: AttentionProblem, d: dispatch.Decision):
+    """The ELSA kernels on a problem (autoselect's race)."""
+    return dispatch.kernels_module().attention(p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal,
+                                               precision=d.precision, return_lse=False)
 
 
 def _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,

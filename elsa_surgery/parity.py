@@ -130,6 +130,8 @@ class Scenario:
 SCENARIOS = {
     "regular": Scenario("regular", 1024, 64, "n=1024, d=64, Gaussian q/k/v (logit std 1)"),
     "long": Scenario("long", 8192, 64, "n=8192, d=64, Gaussian q/k/v (logit std 1)"),
+    "long16k": Scenario("long16k", 16384, 64, "n=16384, d=64, Gaussian q/k/v (logit std 1)"),
+    "long64k": Scenario("long64k", 65536, 64, "n=65536, d=64, Gaussian q/k/v (logit std 1)"),
     "stress": Scenario("stress", 4096, 64,
                        "n=4096, d=64, adversarial logits: std 12, and 16 clusters of 8 near-duplicate keys (1e-4 apart)",
                        logit_std=12.0, near_ties=True),

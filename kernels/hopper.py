@@ -356,7 +356,8 @@ if gluon is not None:
     def _elsa_fwd_sm90_fma(q_desc, k_desc, v_desc, o_ptr, s_ob, s_oh, s_on, lse_ptr, s_lb, s_lh, s_ln, Nq, Nk,
                            Hq, G, qk_scale, n_mblocks, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, STAGES: gl.constexpr,
-                           IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr):
+                           IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+                           COMPENSATED: gl.constexpr = True):
         """``strict`` fp32: the same fold with both products as IEEE FMAs (no tensor cores), blocked in registers.
 
         Each thread owns strided rows and key columns (rows ``r + 32·i``, keys ``c + 8·j``), so that
@@ -387,6 +388,7 @@ if gluon is not None:
         q_smem, k_ring, v_ring, bars, q_bar, n_full, n_tiles = _start(
             q_desc, k_desc, v_desc, b, h, hk, m0, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)
         m_i, l_i, acc, rows, cols = _row_state(m0, BLOCK_M, BLOCK_N, HEAD_DV, row_s, col_s, o_layout)
+        comp = gl.zeros([BLOCK_M, HEAD_DV], gl.float32, o_layout)
 
         for j in range(0, n_tiles):
             n0 = j * BLOCK_N
@@ -402,11 +404,22 @@ if gluon is not None:
             p = gl.exp2(s - gl.expand_dims(m_use, 1))
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_smem.store(p)
+            # the tile's P·V in a fresh accumulator, then one fused rescale-and-add: blocked summation, whose
+            # rounding error grows with BLOCK_N + Nk / BLOCK_N instead of with Nk (one FMA chain over every key)
+            pv = gl.zeros([BLOCK_M, HEAD_DV], gl.float32, o_layout)
             for c in gl.static_range(0, BLOCK_N, KC):
-                acc = gl.dot_fma(p_smem.slice(c, KC, 1).load(pa_layout), v_smem.slice(c, KC, 0).load(vb_layout),
-                                 acc)
+                pv = gl.dot_fma(p_smem.slice(c, KC, 1).load(pa_layout), v_smem.slice(c, KC, 0).load(vb_layout),
+                                pv)
+            alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if COMPENSATED:  # Kahan: the low-order bits that each add drops are carried into the next tile's add
+                acc = acc * alpha_o
+                y = pv - comp * alpha_o
+                t = acc + y
+                comp = (t - acc) - y
+                acc = t
+            else:
+                acc = acc * alpha_o + pv
             if j + STAGES < n_tiles:
                 _issue_kv(k_desc, v_desc, k_ring, v_ring, bars, b, hk, (j + STAGES) * BLOCK_N, st)
 
@@ -422,6 +435,8 @@ if gluon is not None:
             _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq)
 
 
+# strict: each key tile's P·V is added to the running output with Kahan compensation (benchmarks/lab/strict_accuracy.py)
+STRICT_COMPENSATED = True
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 HEAD_DIMS = (16, 32, 64, 128)  # D = 256 would not fit the registers at these tiles
 
@@ -593,6 +608,7 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
                   WRITE_LSE=lse is not None, num_warps=warps)
     if fma:
         kernel = _elsa_fwd_sm90_fma
+        consts["COMPENSATED"] = STRICT_COMPENSATED
     else:
         kernel = _elsa_fwd_sm90
         consts["TF32"] = kind == "tf32"

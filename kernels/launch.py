@@ -353,6 +353,7 @@ class LaunchPlan:
     staging: tuple
     hopper: bool
     hopper_mode: str
+    pack_rows: Optional[int] = None  # decode / short queries: rows per K/V head packed in a tile (scan's PACK)
 
     @property
     def split(self) -> bool:
@@ -380,14 +381,22 @@ def _dims(sig: CallSignature) -> Dims:
     return Dims(B, Hq, Hkv, Nq, Nk, D, Dv, Hq // Hkv, occ.block_dim(D), occ.block_dim(Dv), sig.varlen_dims is not None)
 
 
-def _tiles(sig: CallSignature, d: Dims, dot: int):
-    """(tile config, query blocks, partitions, keys per partition) for one dot kind."""
+def _tiles(sig: CallSignature, d: Dims, dot: int, pack_rows: Optional[int] = None):
+    """(tile config, query blocks, partitions, keys per partition) for one dot kind; ``pack_rows``: the packed
+    short-query kernel's rows per K/V head (its row tiles then count per (batch, K/V head))."""
     itemsize = sig.dtype.itemsize
-    cfg = occ.tile_config(dot, d.D, d.Dv, max(d.Nq, d.Nk), bh=d.BH, nq=d.Nq, device=sig.device,
-                          causal=sig.is_causal)
-    n_mb = -(-d.Nq // cfg.block_m) if d.Nq > 0 else 0
-    parts = occ.num_partitions(sig.device, tiles=n_mb * d.BH, n_k=d.Nk, block_n=cfg.block_n, rows=d.rows, dv=d.Dv,
-                               out_bytes=d.rows * d.Dv * itemsize, eta=sig.eta, forced=sig.num_partitions)
+    if pack_rows is not None:
+        cfg = occ.decode_tile_config(dot, d.D, d.Dv, pack_rows)
+        n_mb = -(-pack_rows // cfg.block_m)
+        tiles = n_mb * d.B * d.Hkv
+    else:
+        cfg = occ.tile_config(dot, d.D, d.Dv, max(d.Nq, d.Nk), bh=d.BH, nq=d.Nq, device=sig.device,
+                              causal=sig.is_causal)
+        n_mb = -(-d.Nq // cfg.block_m) if d.Nq > 0 else 0
+        tiles = n_mb * d.BH
+    parts = occ.num_partitions(sig.device, tiles=tiles, n_k=d.Nk, block_n=cfg.block_n, rows=d.rows, dv=d.Dv,
+                               out_bytes=d.rows * d.Dv * itemsize, eta=sig.eta, forced=sig.num_partitions,
+                               decode=pack_rows is not None)
     part_len = _partition_len(d.Nk, parts, cfg.block_n)
     return cfg, n_mb, max(1, -(-max(d.Nk, 1) // part_len)), part_len
 
@@ -432,6 +441,11 @@ def plan_launch(sig: CallSignature) -> LaunchPlan:
     hopper_mode = hopper.mode()  # read on every planning: a bad ELSA_HOPPER raises wherever the call would run
     d = _dims(sig)
     dot = _dot_kind(sig.dtype, sig.precision)
+    # decode / short queries: the GQA group's query rows packed into one row tile (scan.elsa_fwd's PACK)
+    pack_rows = occ.decode_rows(n_q=d.Nq, groups=d.groups, n_k=d.Nk, dot=dot, varlen=d.varlen)
+    if pack_rows is not None:
+        cfg, n_mb, parts, part_len = _tiles(sig, d, dot, pack_rows)
+        return LaunchPlan(d, dot, cfg, n_mb, parts, part_len, False, ("whole", 0), False, hopper_mode, pack_rows)
     split_dot = occ.precise_split(dot, _rows_per_kv(sig, d), eligible=not d.varlen and not sig.has_state,
                                   work=float(d.BH) * d.Nq * d.Nk * d.D)
     if split_dot == occ.DOT_F16X3V and (d.BD != d.D or d.BDV != d.Dv):
@@ -562,7 +576,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     else:
         pm = ps = pw = dummy
     write_state = parts > 1 or state is not None
-    n_mblocks = plan.n_mblocks
+    n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
 
     def fwd(q_, k_, v_, out_, lse_, mask_, koff, klim, part_len_, pm_, ps_, pw_, write_state_, chunked,
             split_=None):
@@ -576,21 +590,23 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         # in L2 (occupancy.causal_head_group)
         head_group = (occ.causal_head_group(q.device, n_k=min(klim, Nk - koff), kv_bytes_per_key=q.element_size()
                                             * (D + Dv), groups=groups, bh=B * hq, m_blocks=n_mblocks)
-                      if is_causal else 1)
+                      if is_causal and pack_rows is None else 1)
+        # packed: programs and state rows per (batch, K/V head), GROUPS * Nq rows each
+        bh_, rows_buf = (B * (hq // groups), pack_rows) if pack_rows is not None else (B * hq, Nq)
         replay.launch(
-            scan.elsa_fwd, (n_mblocks * B * hq, parts), q_, k_, v_, mask_t if mask_t is not None else dummy,
+            scan.elsa_fwd, (n_mblocks * bh_, parts), q_, k_, v_, mask_t if mask_t is not None else dummy,
             q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
             kl, ki, vl, vi,
-            float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, Nq, B * hq, period, koff, klim,
+            float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, rows_buf, bh_, period, koff, klim,
             head_group,
             *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *si, *sm,
             *so, *sl,
             D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
             HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
-            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked,
+            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -615,7 +631,15 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             replay.derived("v_staged", staged, lambda slots: _stage_v(slots["v"], varlen))
         v = staged
     fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args)
-    if parts > 1:
+    if parts > 1 and pack_rows is not None:  # few rows, many partitions: one program per row
+        fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
+        replay.launch(
+            scan.elsa_merge_rows, (BH * Nq,), pm, ps, pw, out if out is not None else dummy,
+            lse if want_lse and lse is not None else dummy, fm, fs, fw, Nq, Hq, Nq, BH, parts, *so, *sl,
+            DV=Dv, BLOCK_DV=BDV, BLOCK_P=min(occ.next_pow2(parts), occ.MERGE_PARTITIONS_PER_LOAD),
+            WRITE_STATE=state is not None, WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
+        )
+    elif parts > 1:
         merge_m = 64 if BDV <= 128 else 32
         nmb = -(-Nq // merge_m)
         fm, fs, fw = state if state is not None else (dummy, dummy, dummy)

@@ -31,6 +31,20 @@ MAX_PARTITIONS = 64
 # about TARGET_PROGRAMS_PER_SM programs per SM exist.
 FILL_PROGRAMS_PER_SM = 1
 TARGET_PROGRAMS_PER_SM = 2
+# Decode and short queries (scan.elsa_fwd's PACK): calls with at most DECODE_MAX_ROWS query rows per K/V head
+# (GQA group x queries) and at least DECODE_MIN_KEYS keys run one program per (batch, K/V head, row tile,
+# partition), the group's query heads packed into the row tile, so that each K/V tile is read once per group.
+# They are memory-bound: the keys are split until DECODE_PROGRAMS_PER_SM programs per SM are in flight, down to
+# DECODE_MIN_KEYS_PER_PARTITION keys per partition. Tiles and programs per SM from a sweep on an H100
+# (benchmarks/lab/decode_tiles.py, bf16, D=128, graph-replayed; docs/PERF.md "Decode path"): 64-key tiles, 4 warps,
+# 2 stages, 2 programs per SM were best or within 1 % of the best at B=1 32:8 32K (63.8 us, cuDNN 62.8), 131K,
+# B=16 32:8 4K and B=1 MHA 32K; 4 programs per SM and 3 stages cost 2-8 %.
+DECODE_MAX_ROWS = 64
+DECODE_MIN_KEYS = 512
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_MIN_KEYS_PER_PARTITION = 256
+DECODE_MAX_PARTITIONS = 128
+MERGE_PARTITIONS_PER_LOAD = 32  # scan.elsa_merge_rows: partitions read per [BLOCK_P, Dv] tile
 
 ENV_LEAN_ETA = "ELSA_LEAN_ETA"  # float >= 0: partition-state memory <= eta * (bytes of the output)
 ENV_PARTITIONS = "ELSA_NUM_PARTITIONS"  # force a partition count (testing / benchmarking)
@@ -162,6 +176,28 @@ def tile_config(dot: int, d: int, dv: int, n: int = 1 << 30, *, bh: Optional[int
     if small is not None and n <= _SMALL_GRID_MAX_N and cfg.block_m > small.block_m and waves < 1:
         return small
     return cfg
+
+
+def decode_rows(*, n_q: int, groups: int, n_k: int, dot: int, varlen: bool) -> Optional[int]:
+    """Query rows per K/V head of a call that the packed short-query kernel runs (decode, speculative
+    decoding, chunked prefill against a long cache), or None for the ordinary tiles."""
+    rows = n_q * groups
+    if varlen or dot in SPLIT_DOTS or rows > DECODE_MAX_ROWS or n_k < DECODE_MIN_KEYS or n_q < 1:
+        return None
+    return rows
+
+
+def decode_tile_config(dot: int, d: int, dv: int, rows: int) -> TileConfig:
+    """Tiles of the packed short-query kernel: the row tile holds the group's rows (at least 16, tl.dot's
+    minimum); key tiles as wide as the head dims allow."""
+    if _OVERRIDE is not None:
+        return _OVERRIDE
+    block_m = min(DECODE_MAX_ROWS, max(16, next_pow2(rows)))
+    if interpreting():
+        return TileConfig(block_m, 32, 4, 1)
+    width = max(block_dim(d), block_dim(dv))
+    block_n = 64 if width <= 128 else 32
+    return TileConfig(block_m, block_n, 4, 2)
 
 
 def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
@@ -443,7 +479,8 @@ def forced_partitions() -> Optional[int]:
 
 
 def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, rows: int, dv: int,
-                   out_bytes: int, eta: Optional[float] = None, forced: Optional[int] = None) -> int:
+                   out_bytes: int, eta: Optional[float] = None, forced: Optional[int] = None,
+                   decode: bool = False) -> int:
     """How many K-partitions phase 1 uses.
 
     ``tiles`` = programs of one partition (``B·H·ceil(Nq/BLOCK_M)``). When they cannot fill the SMs
@@ -451,7 +488,8 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
     reaches ``TARGET_PROGRAMS_PER_SM`` per SM, as long
     as each partition keeps ``MIN_KEYS_PER_PARTITION`` keys. ELSA-Lean: with ``eta`` the partition
     states (``partitions · rows · (Dv + 2)`` fp32) never exceed ``eta ·`` the bytes of the output;
-    ``eta = 0`` means one partition (no state buffers at all).
+    ``eta = 0`` means one partition (no state buffers at all). ``decode``: the packed short-query kernel's
+    rule (``DECODE_*`` above): memory-bound programs, more of them, on shorter partitions.
     """
     eta = lean_eta() if eta is None else check_eta(eta)
     if forced is None:
@@ -469,10 +507,13 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
     if device.type != "cuda":
         return 1
     n_sm = sm_count(_cuda_index(device))
-    if tiles >= n_sm * FILL_PROGRAMS_PER_SM:
+    if decode:
+        target, min_keys, max_parts = n_sm * DECODE_PROGRAMS_PER_SM, DECODE_MIN_KEYS_PER_PARTITION, DECODE_MAX_PARTITIONS
+    elif tiles >= n_sm * FILL_PROGRAMS_PER_SM:
         return 1
-    target = n_sm * TARGET_PROGRAMS_PER_SM
-    parts = min(-(-target // max(tiles, 1)), max(1, n_k // MIN_KEYS_PER_PARTITION), MAX_PARTITIONS)
+    else:
+        target, min_keys, max_parts = n_sm * TARGET_PROGRAMS_PER_SM, MIN_KEYS_PER_PARTITION, MAX_PARTITIONS
+    parts = min(-(-target // max(tiles, 1)), max(1, n_k // min_keys), max_parts)
     if eta is not None:
         per_part = rows * (dv + 2) * 4
         parts = min(parts, max(1, int(eta * out_bytes // max(per_part, 1))))

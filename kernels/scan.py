@@ -154,6 +154,9 @@ def _fold_block(
         pv = tl.dot(p_hi, v_lo, pv)
         pv = tl.dot(p_hi, v, pv)
         acc = acc + pv * (v_inv * (1.0 / 16384.0))[None, :]
+    elif DOT == 1:  # strict: the block's P·V in a fresh accumulator, then one add (blocked summation: the
+        # rounding error grows with BLOCK_N + Nk / BLOCK_N, not with Nk as one FMA chain over every key does)
+        acc = acc + _dot(p, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT)
     else:
         acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new
@@ -175,7 +178,7 @@ def elsa_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
     VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT: tl.constexpr,
-    CHUNKED: tl.constexpr,
+    CHUNKED: tl.constexpr, PACK: tl.constexpr = False,
 ):
     """Phase 1. Keys ``[koff, koff + klim)`` of each row (``koff = 0``, ``klim = Nk`` unless chunked).
 
@@ -183,6 +186,12 @@ def elsa_fwd(
     sequence of launches; it reads the row state left by the previous chunk and either writes it back or,
     in the rows' last chunk, finishes the rows. Chunked launches have one partition; the state's ``W`` lives
     in the fp32 output buffer (through its strides), ``m``/``S`` in ``PM``/``PS``.
+
+    ``PACK`` (decode and short queries): a program's rows are the ``GROUPS · Nq`` (query head, query) pairs of
+    one K/V head, row ``r`` being query ``r % Nq`` of head ``hk · GROUPS + r // Nq``, so that each K/V tile is
+    loaded once for the whole GQA group; ``BH`` and ``pid_bh`` then count (batch, K/V head) pairs and
+    ``n_rows_buf`` is ``GROUPS · Nq``: partition states land in the same ``[P, B, Hq, Nq]`` layout as unpacked
+    ones, so phase 2 merges them unchanged. Not combined with ``VARLEN`` or ``CHUNKED``.
     """
     pid = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -196,9 +205,14 @@ def elsa_fwd(
     else:
         pid_m = pid % n_mblocks
         pid_bh = pid // n_mblocks
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // GROUPS
+    if PACK:
+        b = pid_bh // (Hq // GROUPS)
+        hk = pid_bh % (Hq // GROUPS)
+        h = hk * GROUPS  # the group's first query head (scalar uses below are PACK-aware)
+    else:
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        hk = h // GROUPS
     b64 = b.to(tl.int64)
 
     if VARLEN:
@@ -217,6 +231,8 @@ def elsa_fwd(
         if HAS_KVLEN:
             kv_len = tl.load(KVLEN + b)
         store_rows = Nq
+        if PACK:
+            store_rows = Nq * GROUPS
         q_row0 = b64 * 0
         k_row0 = b64 * 0
     # key indices below are local to this launch's key range, which starts at koff
@@ -226,6 +242,12 @@ def elsa_fwd(
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    if PACK:  # each row's query head and query index (row_q: the causal frontier's row)
+        row_h = h + offs_m // Nq
+        row_q = offs_m % Nq
+    else:
+        row_h = offs_m * 0 + h
+        row_q = offs_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -240,8 +262,14 @@ def elsa_fwd(
     lo = tl.multiple_of(pid_p * part_len, BLOCK_N)  # part_len is a multiple of BLOCK_N (launch.py)
     hi = tl.minimum(lo + part_len, kv_len)
     if IS_CAUSAL:
-        hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)
-    if start_m >= q_len:
+        if PACK:  # the tile's rows may hold every query index
+            hi = tl.minimum(hi, q_len + causal_off)
+        else:
+            hi = tl.minimum(hi, tl.minimum(start_m + BLOCK_M, q_len) + causal_off)
+    if PACK:
+        if start_m >= store_rows:
+            hi = lo
+    elif start_m >= q_len:
         hi = lo
     if CHUNKED:
         # the last visible key of the tile's rows, relative to koff. In key order (CHUNKED == 1) the rows
@@ -267,12 +295,19 @@ def elsa_fwd(
     if MASK_KIND == 0:
         full_lim = hi
         if IS_CAUSAL:
-            full_lim = tl.minimum(full_lim, start_m + causal_off + 1)
+            if PACK:
+                full_lim = tl.minimum(full_lim, causal_off + 1)  # query 0 may be among the rows
+            else:
+                full_lim = tl.minimum(full_lim, start_m + causal_off + 1)
         full_hi = lo + tl.maximum(full_lim - lo, 0) // BLOCK_N * BLOCK_N
     else:
         full_hi = lo
 
-    q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
+    if PACK:
+        q_ptrs = (Q + b64 * stride_qb + row_h[:, None].to(tl.int64) * stride_qh
+                  + row_q[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd)
+    else:
+        q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
     q_ok = (offs_m[:, None] < store_rows) & (offs_d[None, :] < D)
     if CHUNKED:
         q_ok = tl.where(live, q_ok, False)  # (tl.where: the interpreter mis-types `tensor & scalar`)
@@ -297,14 +332,22 @@ def elsa_fwd(
         q_lo = q
         q_rowf = qk_scale
     mask_ptrs = MASK
-    mask_row_ok = offs_m < Nq
+    mask_row_ok = offs_m < store_rows
     if MASK_KIND != 0:
         mrow = (b % mask_period).to(tl.int64)
-        mask_ptrs = (MASK + mrow * stride_mp + h.to(tl.int64) * stride_mh
-                     + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn)
+        if PACK:
+            mask_ptrs = (MASK + mrow * stride_mp + row_h[:, None].to(tl.int64) * stride_mh
+                         + row_q[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn)
+        else:
+            mask_ptrs = (MASK + mrow * stride_mp + h.to(tl.int64) * stride_mh
+                         + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :].to(tl.int64) * stride_mn)
 
-    o_ptrs = (OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
-              + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
+    if PACK:
+        o_ptrs = (OUT + b64 * stride_ob + row_h[:, None].to(tl.int64) * stride_oh
+                  + row_q[:, None].to(tl.int64) * stride_on + offs_dv[None, :] * stride_od)
+    else:
+        o_ptrs = (OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
+                  + (q_row0 + offs_m[:, None]) * stride_on + offs_dv[None, :] * stride_od)
     if CHUNKED:  # the row states left by the previous key chunk (m, S in PM/PS; W in the fp32 output)
         crow = pid_bh.to(tl.int64) * n_rows_buf + offs_m
         c_ok = tl.where(resume, offs_m < store_rows, False)
@@ -319,18 +362,21 @@ def elsa_fwd(
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
             acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
-            start_n, offs_m, offs_n, offs_d, offs_dv,
+            start_n, row_q, offs_n, offs_d, offs_dv,
             kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
             D, DV, BLOCK_D, BLOCK_DV, False, IS_CAUSAL, MASK_KIND, DOT)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
             acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
-            start_n, offs_m, offs_n, offs_d, offs_dv,
+            start_n, row_q, offs_n, offs_d, offs_dv,
             kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
             D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT)
 
-    row_ok = offs_m < q_len
     row_store = offs_m < store_rows
+    if PACK:
+        row_ok = (row_q < q_len) & row_store
+    else:
+        row_ok = offs_m < q_len
     state_rows = row_store
     final_rows = row_store
     if CHUNKED:
@@ -368,7 +414,10 @@ def elsa_fwd(
             lse = tl.where(row_ok, lse, float("-inf"))
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=final_rows[:, None] & (offs_dv[None, :] < DV))
         if WRITE_LSE:
-            l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
+            if PACK:
+                l_ptrs = LSE + b64 * stride_lb + row_h.to(tl.int64) * stride_lh + row_q * stride_ln
+            else:
+                l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
             tl.store(l_ptrs, lse, mask=final_rows)
 
 
@@ -432,6 +481,57 @@ def elsa_merge(
             lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
             l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
             tl.store(l_ptrs, lse, mask=row_store)
+
+
+@triton.jit(do_not_specialize=["Nq", "n_rows_buf", "BH", "NUM_PART"])
+def elsa_merge_rows(
+    PM, PS, PW, OUT, LSE, FM, FS, FW,
+    Nq, Hq, n_rows_buf, BH, NUM_PART,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
+    WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Phase 2 for few rows over many partitions (the packed decode kernel's): one program per row, the
+    partitions read ``BLOCK_P`` at a time (a ``[BLOCK_P, Dv]`` tile) instead of one after another, so that a
+    decode step's merge costs a few loads per row rather than one dependent load per partition."""
+    pid = tl.program_id(0)
+    row = pid % Nq
+    pid_bh = pid // Nq
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    m = tl.max(tl.full([BLOCK_P], float("-inf"), dtype=tl.float32), 0)
+    s = tl.sum(tl.zeros([BLOCK_P], dtype=tl.float32), 0)
+    w = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for p0 in range(0, NUM_PART, BLOCK_P):
+        p_ok = p0 + offs_p < NUM_PART
+        srow = ((p0 + offs_p) * BH + pid_bh).to(tl.int64) * n_rows_buf + row
+        m_p = tl.load(PM + srow, mask=p_ok, other=float("-inf"))
+        s_p = tl.load(PS + srow, mask=p_ok, other=0.0)
+        w_p = tl.load(PW + srow[:, None] * DV + offs_dv[None, :], mask=p_ok[:, None] & dv_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_p, 0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - ref)
+        c = tl.exp(m_p - ref)  # partitions with no visible key (m_p = -inf) weigh 0
+        s = s * a + tl.sum(s_p * c, 0)
+        w = w * a + tl.sum(w_p * c[:, None], 0)
+        m = m_new
+    if WRITE_STATE:
+        frow = pid_bh.to(tl.int64) * n_rows_buf + row
+        tl.store(FM + frow, m)
+        tl.store(FS + frow, s)
+        tl.store(FW + frow * DV + offs_dv, w, mask=dv_ok)
+    else:
+        empty = s == 0.0
+        s_safe = tl.where(empty, 1.0, s)
+        o_ptrs = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + row * stride_on + offs_dv * stride_od
+        tl.store(o_ptrs, (w / s_safe).to(OUT.dtype.element_ty), mask=dv_ok)
+        if WRITE_LSE:
+            lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
+            tl.store(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + row * stride_ln, lse)
 
 
 @triton.jit

@@ -162,6 +162,78 @@ def dense_cell(dname, H, D, N, causal, baselines, B=1):
     return row
 
 
+def _unpacked(fn):
+    """``fn`` run on the ordinary (unpacked) tiles: the packing rule off, launch plans cleared around it."""
+    def run():
+        keep = occupancy.DECODE_MAX_ROWS
+        occupancy.DECODE_MAX_ROWS = 0
+        launch.replay.clear()
+        try:
+            return fn()
+        finally:
+            occupancy.DECODE_MAX_ROWS = keep
+            launch.replay.clear()
+    return run
+
+
+def decode_cell(dname, B, Hq, Hkv, D, nq, nk, rounds=5, calls=50):
+    """One decode / short-query call: ``nq`` queries against ``nk`` cached keys, GQA ``Hq/Hkv``.
+
+    Eager (the headline): ELSA (backend="elsa") and each SDPA backend timed back to back in interleaved rounds,
+    host and GPU time per call (``benchmark.per_call_ms``), median over the rounds. Graph-replayed kernel time
+    beside it, and ELSA's unpacked tiles (graph-replayed) to show what the packing gains."""
+    dtype, prec = DTYPES[dname]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hq, nq, D, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(B, Hkv, nk, D, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    row = {"dtype": dname, "B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "D": D, "Nq": nq, "Nk": nk, "N": nk,
+           "causal": False}
+    fns = {"elsa": lambda: elsa_surgery.attention(q, k, v, backend="elsa", precision=prec, enable_gqa=True)}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
+        if name in ("flash", "cudnn") and dtype == torch.float32:
+            continue
+
+        def run(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
+        try:
+            run()
+            fns[name] = run
+        except Exception as exc:  # a backend that cannot run this case
+            row[f"{name}_err"] = str(exc).splitlines()[0][:120]
+    ref = elsa_surgery.attention(q[:1, :Hq // Hkv].double(), k[:1, :1].double(), v[:1, :1].double(),
+                                 backend="reference", enable_gqa=True)
+    row["rel_err"] = rel(fns["elsa"]()[:1, :Hq // Hkv], ref)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(benchmark.per_call_ms(fn, calls))
+    for name, ts in times.items():
+        row[f"{name}_ms"] = sorted(ts)[len(ts) // 2]
+    for name in fns:
+        if name != "elsa":
+            row[f"ratio_{name}"] = row[f"{name}_ms"] / row["elsa_ms"]
+    sdpa_names = [n for n in fns if n != "elsa"]
+    if sdpa_names:
+        best = min(sdpa_names, key=lambda n: row[f"{n}_ms"])
+        row["fastest_sdpa"] = best
+        row["ratio_fastest"] = row[f"{best}_ms"] / row["elsa_ms"]
+    row["elsa_graph_ms"] = graph_ms(fns["elsa"])
+    row["elsa_unpacked_graph_ms"] = graph_ms(_unpacked(fns["elsa"]))
+    for name in sdpa_names:
+        try:
+            row[f"{name}_graph_ms"] = graph_ms(fns[name])
+            row[f"gratio_{name}"] = row[f"{name}_graph_ms"] / row["elsa_graph_ms"]
+        except Exception as exc:  # a backend that cannot be captured
+            row[f"{name}_graph_err"] = str(exc).splitlines()[0][:120]
+    bytes_kv = 2 * B * Hkv * nk * D * q.element_size()
+    row["elsa_graph_tbps"] = bytes_kv / row["elsa_graph_ms"] / 1e9
+    return row
+
+
 def varlen_cell(dname, H, D, causal, seed=0):
     """8 sequences of random length in [256, 1792]: packed ELSA, padded ELSA (lengths, zero-copy),
     padded SDPA (efficient, key-padding mask) incl. pad/unpad, and unpad -> flash varlen -> repad."""
@@ -285,6 +357,13 @@ def main(argv=None):
                          "against kernel, no launch overhead); with --sweep: time every tile that way")
     ap.add_argument("--lean", action="store_true", help="ELSA-Lean eta trade-off only")
     ap.add_argument("--json", default=None, help="append rows as JSON lines to this file")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode / short-query calls instead: --queries against --keys cached keys, GQA --gqa "
+                         "(Hq:Hkv list), --batch, head dims from --shapes' D")
+    ap.add_argument("--queries", default="1,8")
+    ap.add_argument("--keys", default="4096,32768,131072")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--gqa", default="32:4,32:8,32:32")
     a = ap.parse_args(argv)
     dnames = a.dtypes.split(",")
     ns = [int(x) for x in a.n.split(",")]
@@ -306,6 +385,27 @@ def main(argv=None):
     if a.lean:
         for dname in dnames:
             lean_tradeoff(dname)
+        return
+    if a.decode:
+        heads = [tuple(int(y) for y in s.split(":")) for s in a.gqa.split(",")]
+        for dname, D, (Hq, Hkv), B, nq, nk in itertools.product(
+                dnames, sorted({d for _, d in shapes}), heads, [int(x) for x in a.batch.split(",")],
+                [int(x) for x in a.queries.split(",")], [int(x) for x in a.keys.split(",")]):
+            try:
+                row = decode_cell(dname, B, Hq, Hkv, D, nq, nk)
+            except torch.cuda.OutOfMemoryError as exc:
+                print(f"DECODE {dname} B={B} {Hq}:{Hkv} D={D} Nq={nq} Nk={nk}: OOM ({exc})", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            ms = " ".join(f"{k[:-3]}={row[k]:.4f}" for k in row if k.endswith("_ms"))
+            print(f"DECODE {dname} B={B} {Hq}:{Hkv} D={D} Nq={nq} Nk={nk} {ms} fastest={row.get('fastest_sdpa')} "
+                  f"x_fastest={row.get('ratio_fastest', float('nan')):.2f} "
+                  f"x_eff={row.get('ratio_efficient', float('nan')):.2f} "
+                  f"g_TB/s={row['elsa_graph_tbps']:.2f} err={row['rel_err']:.1e}", flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+            torch.cuda.empty_cache()
         return
     if a.sweep:
         for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):

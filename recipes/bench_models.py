@@ -15,9 +15,20 @@ the mode's setup and first call (weights and the input excluded). The converted 
 checked against the native one on the benchmark inputs (relative max error) and its dispatch decisions are
 recorded: any fallback is printed and stored, never hidden.
 
+``--eager`` runs the never-slower suite instead: native and converted models held side by side in one process
+and timed in interleaved rounds (A/B/A/B, ``benchmark.interleaved_ms``: host and GPU time per eager call, median
+of the rounds), with PyTorch's default settings (IEEE fp32 matmuls; ``fp32-tf32`` turns TF32 on for both sides),
+over timm (ViT-B/16, ViT-L/14 CLIP 336, DeiT3-S, EVA02-B, Swin-T, SwinV2-T), Hugging Face LLaMA-13B- and
+Qwen2-7B-shaped 2-layer models (prefill), BERT-base with padding and the CLIP ViT-L/14 towers. Each cell prints
+native ms, converted ms, their ratio (> 1: the converted model is faster), the attention share of the native
+time (``torch.profiler``), the backends the converted calls ran, and the output difference; ``--out`` writes
+JSON and ``--plot`` a PNG heat map of the ratios (matplotlib).
+
 Examples::
 
     python recipes/bench_models.py --out bench_models.json                      # everything, eager + cudagraph
+    python recipes/bench_models.py --eager --workloads vit_b16,swin_t --dtypes fp32,bf16 --batches 1,8
+    python recipes/bench_models.py --eager --list
     python recipes/bench_models.py --models vit_l14_clip --sizes 336 --dtypes fp32 --modes eager,cudagraph,compile
     python recipes/bench_models.py --models swin_t --dtypes bf16 --batch 16
     python recipes/bench_models.py --list
@@ -45,8 +56,216 @@ MODELS = {
 MODES = ("eager", "cudagraph", "compile")
 
 
+# --eager: workload -> (family, what, default batches); the builders are in ab_build
+WORKLOADS = {
+    "vit_b16": ("timm", "vit_base_patch16_224", (1, 8, 64)),
+    "vit_l14_clip_336": ("timm", "vit_large_patch14_clip_336", (1, 8)),
+    "deit3_s": ("timm", "deit3_small_patch16_224", (1, 8, 64)),
+    "eva02_b": ("timm", "eva02_base_patch14_224", (1, 8)),
+    "swin_t": ("timm", "swin_tiny_patch4_window7_224", (1, 8, 64)),
+    "swinv2_t": ("timm", "swinv2_tiny_window8_256", (1, 8)),
+    "llama13b_2l_512": ("llama13b", 512, (1,)),
+    "llama13b_2l_4k": ("llama13b", 4096, (1,)),
+    "llama13b_2l_32k": ("llama13b", 32768, (1,)),
+    "qwen2_7b_2l_512": ("qwen2_7b", 512, (1,)),
+    "qwen2_7b_2l_4k": ("qwen2_7b", 4096, (1,)),
+    "qwen2_7b_2l_32k": ("qwen2_7b", 32768, (1,)),
+    "bert_base_128": ("bert", 128, (32,)),
+    "bert_base_512": ("bert", 512, (32,)),
+    "clip_l14_text": ("clip_text", 77, (1, 8, 64)),
+    "clip_l14_vision": ("clip_vision", 224, (1, 8)),
+}
+AB_DTYPES = {"fp32": (torch.float32, False), "fp32-tf32": (torch.float32, True), "bf16": (torch.bfloat16, False),
+             "fp16": (torch.float16, False)}
+HF_SHAPES = {  # 2-layer models of these shapes (random weights, no LM head)
+    "llama13b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=40,
+                     vocab_size=32000),
+    "qwen2_7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                     vocab_size=32000),
+}
+
+
+def ab_build(name, dtype, batch, device):
+    """``(model, call)``: the model (random weights, eval) and a zero-argument forward on fixed random inputs."""
+    family, what, _ = WORKLOADS[name]
+    g = torch.Generator(device=device).manual_seed(0)
+    torch.manual_seed(0)
+    if family == "timm":
+        import timm
+
+        model = timm.create_model(what, pretrained=False, device=device).eval().to(device, dtype)
+        size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype, generator=g)
+        return model, lambda m: m(x)
+    if family in HF_SHAPES:
+        import transformers
+
+        cls_cfg = transformers.LlamaConfig if family == "llama13b" else transformers.Qwen2Config
+        cls_model = transformers.LlamaModel if family == "llama13b" else transformers.Qwen2Model
+        cfg = cls_cfg(num_hidden_layers=2, max_position_embeddings=what + 1, attn_implementation="sdpa",
+                      **HF_SHAPES[family])
+        with torch.device(device):
+            model = cls_model(cfg).to(dtype).eval()
+        ids = torch.randint(0, cfg.vocab_size, (batch, what), device=device, generator=g)
+        return model, lambda m: m(input_ids=ids, use_cache=False).last_hidden_state
+    if family == "bert":
+        import transformers
+
+        cfg = transformers.BertConfig(attn_implementation="sdpa")  # BERT-base
+        with torch.device(device):
+            model = transformers.BertModel(cfg).to(dtype).eval()
+        ids = torch.randint(0, cfg.vocab_size, (batch, what), device=device, generator=g)
+        lengths = torch.randint(what // 4, what + 1, (batch,), device=device, generator=g)
+        am = (torch.arange(what, device=device)[None] < lengths[:, None]).long()  # right padding
+        return model, lambda m: m(input_ids=ids, attention_mask=am).last_hidden_state
+    import transformers
+
+    if family == "clip_text":
+        cfg = transformers.CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                          num_hidden_layers=12, attn_implementation="sdpa")
+        with torch.device(device):
+            model = transformers.CLIPTextModel(cfg).to(dtype).eval()
+        ids = torch.randint(0, cfg.vocab_size, (batch, what), device=device, generator=g)
+        return model, lambda m: m(input_ids=ids).last_hidden_state
+    cfg = transformers.CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                                        num_hidden_layers=24, patch_size=14, image_size=what, attn_implementation="sdpa")
+    with torch.device(device):
+        model = transformers.CLIPVisionModel(cfg).to(dtype).eval()
+    x = torch.randn(batch, 3, what, what, device=device, dtype=dtype, generator=g)
+    return model, lambda m: m(pixel_values=x).last_hidden_state
+
+
+def attention_share(fn) -> float:
+    """The share of one native call's GPU time spent inside ``aten::scaled_dot_product_attention`` (whichever kernels
+    SDPA dispatched to, math included), from ``torch.profiler``: the op's device time over the sum of every kernel's
+    own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(getattr(ev, "self_device_time_total", 0.0) for ev in events)
+    attn = sum(getattr(ev, "device_time_total", 0.0) for ev in events if ev.key == "aten::scaled_dot_product_attention")
+    return attn / total if total > 0 else float("nan")
+
+
+def ab_cell(name, dt, batch, args):
+    """One never-slower cell: native and converted (a deep copy) timed in interleaved rounds."""
+    import copy
+
+    import elsa_surgery
+
+    dtype, tf32 = AB_DTYPES[dt]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    rec = dict(workload=name, dtype=dt, batch=batch, backend=args.backend)
+    try:
+        native, call = ab_build(name, dtype, batch, "cuda")
+        converted = copy.deepcopy(native)
+        report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
+        rec["converted_modules"] = report.num_converted
+        with torch.inference_mode():
+            ref = call(native).float()
+            with elsa_surgery.dispatch.record() as log:
+                out = call(converted).float()
+            used = benchmark.dispatch_summary(log)
+            rec["backends_used"], rec["fallbacks"] = used["backends"], used["fallbacks"]
+            rec["reasons"] = sorted({d.reason for d in log})[:4]
+            rec["rel_err_vs_native"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+            del out, ref
+            times = benchmark.interleaved_ms({"native": lambda: call(native), "converted": lambda: call(converted)},
+                                             rounds=args.rounds, calls=args.calls)
+            rec["native_ms"], rec["converted_ms"] = times["native"], times["converted"]
+            rec["ratio"] = times["native"] / times["converted"]
+            if args.attn_share:
+                rec["attention_share"] = attention_share(lambda: call(native))
+    except Exception as exc:  # one cell failing (OOM) must not stop the sweep
+        rec["error"] = benchmark.error_text(exc)
+    finally:
+        native = converted = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rec
+
+
+def ab_main(args) -> int:
+    cells = [(w, d, b) for w in args.workloads for d in args.ab_dtypes
+             for b in (args.batches or WORKLOADS[w][2])]
+    if args.list:
+        for c in cells:
+            print(*c)
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_models.py --eager needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = benchmark.env_info("cuda")
+    print(f"# never-slower suite: {env.get('gpu')}, torch {env['torch']}; eager, interleaved rounds "
+          f"({args.rounds} x {args.calls} calls), ratio = native ms / converted ms", flush=True)
+    records = []
+    for w, d, b in cells:
+        t0 = time.perf_counter()
+        rec = ab_cell(w, d, b, args)
+        rec["wall_s"] = time.perf_counter() - t0
+        records.append(rec)
+        if "error" in rec:
+            print(f"{w} {d} b{b}: {rec['error'][:160]}", flush=True)
+        else:
+            share = rec.get("attention_share")
+            print(f"{w} {d} b{b}: native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
+                  f"ratio {rec['ratio']:.3f}" + (f", attention {share:.0%} of native" if share is not None else "")
+                  + f", {','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)",
+                  flush=True)
+        if args.out:
+            benchmark.write_json(args.out, dict(env=env, records=records), announce=False)
+    if args.plot:
+        ab_heatmap(records, args.plot)
+    return 0
+
+
+def ab_heatmap(records, path) -> None:
+    """A PNG heat map of the ratios: rows workload x batch, columns dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        return
+    rows = sorted({(r["workload"], r["batch"]) for r in records})
+    cols = [d for d in AB_DTYPES if any(r["dtype"] == d for r in records)]
+    grid = [[float("nan")] * len(cols) for _ in rows]
+    for r in records:
+        if "ratio" in r:
+            grid[rows.index((r["workload"], r["batch"]))][cols.index(r["dtype"])] = r["ratio"]
+    fig, ax = plt.subplots(figsize=(2 + 1.4 * len(cols), 1 + 0.32 * len(rows)))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.2, aspect="auto")
+    ax.set_xticks(range(len(cols)), cols)
+    ax.set_yticks(range(len(rows)), [f"{w} b{b}" for w, b in rows])
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, label="native ms / converted ms")
+    ax.set_title("converted vs native, eager")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--eager", action="store_true", help="the never-slower suite (interleaved native/converted A/B)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"--eager: comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--batches", default=None, help="--eager: comma list of batch sizes (default: each workload's)")
+    p.add_argument("--rounds", type=int, default=3, help="--eager: interleaved rounds (median reported)")
+    p.add_argument("--calls", type=int, default=10, help="--eager: back-to-back calls per side and round")
+    p.add_argument("--no-attn-share", dest="attn_share", action="store_false",
+                   help="--eager: skip the profiler run measuring attention's share of the native time")
+    p.add_argument("--plot", default=None, help="--eager: write a PNG heat map of the ratios here")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--sizes", default=None, help="comma list of image sizes (default: each model's own list)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
@@ -67,6 +286,13 @@ def parse_args(argv=None):
                    help="run the flow on the CPU (eager only, wall-clock timing of 3 calls, no memory numbers): "
                         "a check of this script, not a measurement")
     a = p.parse_args(argv)
+    if a.eager:
+        a.workloads = comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")
+        a.ab_dtypes = comma_list(p, "--dtypes", a.dtypes, AB_DTYPES, "dtype")
+        a.batches = None if a.batches is None else comma_list(p, "--batches", a.batches, type=int)
+        if a.rounds < 1 or a.calls < 1:
+            p.error("--rounds and --calls must be >= 1")
+        return a
     a.models = comma_list(p, "--models", a.models, MODELS, "model")
     a.dtypes = comma_list(p, "--dtypes", a.dtypes, DTYPES, "dtype")
     a.modes = comma_list(p, "--modes", a.modes, MODES, "mode")
@@ -201,6 +427,8 @@ def table(records):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.eager:
+        return ab_main(args)
     todo = [(n, s, d, m) for n, s, d in configs(args) for m in args.modes]
     if args.list:
         for t in todo:

@@ -4,7 +4,8 @@
     python recipes/drift_report.py --backend elsa --precision precise --device cuda
     python recipes/drift_report.py --backend elsa --dtype bf16 --device cuda --rows 1024 --json drift.json
 
-Prints, for each scenario (regular n=1024, long n=8192, stress n=4096 with adversarial logits), the six
+Prints, for each scenario (regular n=1024, long n=8192, stress n=4096 with adversarial logits; long16k and long64k
+on request: ``--scenarios regular,long,long16k,long64k``), the six
 metrics' median / p95 / p99 / max over sampled query rows (argmax: the disagreement rate).
 """
 

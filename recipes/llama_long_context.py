@@ -10,7 +10,15 @@ writes everything as JSON (``--json``). ``--offload`` keeps the weights on the C
 left is what the activations and attention need. ``--memory-gib`` caps the memory PyTorch may use, to ask
 "which lengths fit in the same memory".
 
+``--generate`` times greedy generation instead (``--new-tokens`` after a prompt of each ``--seq-lens`` length, HF
+``generate`` with the ``--cache`` implementations, dynamic and/or static): the native model and a converted deep copy
+held side by side and timed in interleaved rounds (A/B/A/B, ``--iters`` rounds, median), their greedy tokens
+compared; it prints native / converted seconds, the ratio (> 1: converted faster), decode tokens/s and whether the
+tokens are identical.
+
 Examples (the device):
+    python recipes/llama_long_context.py --generate --layers 2 --dtype bf16 --seq-lens 4096,32768 --cache dynamic,static
+    python recipes/llama_long_context.py --generate --shape qwen2-7b --layers 2 --dtype bf16 --seq-lens 4096
     python recipes/llama_long_context.py --json llama_13b_4l.json
     python recipes/llama_long_context.py --layers 2 --seq-lens 16384,32768,65536 --offload --json off.json
     python recipes/llama_long_context.py --shape tiny --device cpu --seq-lens 64,128 --iters 1   # smoke test
@@ -37,6 +45,9 @@ SHAPES = {
     "7b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
     "70b-gqa": dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000),
     "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=1000),
+    # Qwen2-7B's attention shape (GQA 28:4), built as a LLaMA (same attention; Qwen2's q/k/v biases aside)
+    "qwen2-7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                     vocab_size=32000),
 }
 
 
@@ -66,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--use-cache", action="store_true", help="build the KV cache during prefill (more memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--generate", action="store_true", help="time greedy generation, native vs converted (A/B)")
+    p.add_argument("--new-tokens", type=int, default=128, help="--generate: tokens generated after the prompt")
+    p.add_argument("--cache", default="dynamic,static", help="--generate: comma list of dynamic, static")
     return p.parse_args(argv)
 
 
@@ -197,6 +211,72 @@ def parity(model, n, args, device) -> Dict[str, Any]:
     return res
 
 
+def generate_ab(args, device) -> List[Dict[str, Any]]:
+    """--generate: native and converted LlamaForCausalLM (a deep copy) in interleaved rounds, per prompt length and
+    cache implementation."""
+    import copy
+
+    import elsa_surgery
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max(args.lengths) + args.new_tokens + 1,
+                      rope_theta=10000.0, attn_implementation="sdpa", **SHAPES[args.shape])
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        native = LlamaForCausalLM(cfg).to(_dtype(args.dtype)).eval()
+    converted = copy.deepcopy(native)
+    report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
+    print(f"# converted {report.num_converted} attention modules (backend={args.backend})", flush=True)
+    caches = [c.strip() for c in args.cache.split(",") if c.strip()]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    rows = []
+    for n in args.lengths:
+        ids = torch.randint(1, cfg.vocab_size, (args.batch, n), device=device, generator=g)
+        for cache in caches:
+            kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                      pad_token_id=0, attention_mask=torch.ones_like(ids))
+            if cache == "static":
+                kw["cache_implementation"] = "static"
+
+            def run(model):
+                with torch.inference_mode():
+                    return model.generate(ids, **kw)
+
+            row: Dict[str, Any] = {"seq_len": n, "cache": cache, "new_tokens": args.new_tokens}
+            try:
+                with elsa_surgery.dispatch.record() as log:
+                    out_c = run(converted)
+                out_n = run(native)
+                row["tokens_identical"] = bool(torch.equal(out_c, out_n))
+                row["tokens_agree"] = float((out_c[:, n:] == out_n[:, n:]).float().mean())
+                row["backends_used"] = sorted({d.backend + (f"/{d.precision}" if d.precision else "") for d in log})
+                times: Dict[str, List[float]] = {"native": [], "converted": []}
+                for _ in range(args.iters):
+                    for name, model in (("native", native), ("converted", converted)):
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        run(model)
+                        _sync(device)
+                        times[name].append(time.perf_counter() - t0)
+                for name, t in times.items():
+                    row[f"{name}_s"] = sorted(t)[len(t) // 2]
+                row["ratio"] = row["native_s"] / row["converted_s"]
+                row["status"] = "ok"
+            except Exception as exc:  # an OOM at one length must not stop the others
+                row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300])
+            rows.append(row)
+            if row["status"] == "ok":
+                print(f"generate {n:>6} + {args.new_tokens} {cache:7}: native {row['native_s']:.3f} s, converted "
+                      f"{row['converted_s']:.3f} s, ratio {row['ratio']:.3f}, tokens identical {row['tokens_identical']}"
+                      f" ({row['tokens_agree']:.0%} agree), {','.join(row['backends_used'])}", flush=True)
+            else:
+                print(f"generate {n:>6} {cache}: {row['error']}", flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.lengths = [int(x) for x in args.seq_lens.split(",") if x.strip()]
@@ -225,6 +305,12 @@ def main(argv=None) -> int:
             torch.cuda.set_per_process_memory_fraction(frac, device)
             info["memory_cap_gib"] = args.memory_gib
     print(f"# {json.dumps(info)}", flush=True)
+    if args.generate:
+        rows = generate_ab(args, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"info": info, "generate": rows}, f, indent=2)
+        return 0 if all(r["status"] == "ok" for r in rows) else 1
     t0 = time.perf_counter()
     model, cfg = build_model(args, device)
     info["build_s"] = time.perf_counter() - t0

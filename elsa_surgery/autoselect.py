@@ -1,0 +1,91 @@
+"""``auto``'s honest choice: an exact SDPA kernel where it is measurably faster than ELSA for a call signature.
+
+``auto`` exists to make the user's model faster. For most signatures the ELSA kernels are; for some (short eager
+calls whose time is host-bound, shapes where cuDNN's tiles beat ours) PyTorch's own SDPA kernel is. On the first
+eager CUDA call of a signature that PyTorch's SDPA answers with exactly our semantics (:func:`sdpa_reason`), both
+are timed back to back on the caller's own tensors (:func:`race`, :data:`CALLS` calls each, interleaved, host and
+GPU time: what an eager caller waits), and SDPA is kept only if it is faster by more than :data:`MIN_GAIN`. The
+choice is made once per signature (``elsa_surgery/callcache.py`` keeps it), and its :class:`~.dispatch.Decision`
+names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never
+races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
+
+SDPA is *exact* here in the sense the design asks: fp16/bf16 flash, cuDNN and memory-efficient kernels and fp32's
+memory-efficient kernel all compute softmax attention with fp32 accumulation; fp32 races only while PyTorch's
+matmuls are IEEE (``torch.backends.cuda.matmul.allow_tf32`` off), since SDPA's fp32 math path would otherwise run
+TF32 products.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from . import sdpa
+from .dispatch import Decision
+
+logger = logging.getLogger("elsa_surgery")
+
+CALLS = 10  # at most this many timed calls of each side per round (fewer for long calls: BUDGET_MS)
+BUDGET_MS = 2.0  # a round of one side takes about this long (at least one call)
+ROUNDS = 3  # interleaved rounds; the median round counts
+MIN_GAIN = 1.05  # SDPA is taken only when ELSA's time is more than 5 % above SDPA's
+ENABLED = True  # tests and benchmarks may turn the race off
+
+
+def _eager_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def sdpa_reason(p, d: Decision, *, backend: str, precision: Optional[str], return_lse: bool) -> Optional[str]:
+    """None when SDPA may replace the kernels for this problem, else why not (kept for the log only)."""
+    if not ENABLED:
+        return "the race is off"
+    if d.backend != "elsa" or backend not in ("auto", None) or precision is not None:
+        return "not an automatic ELSA decision"
+    if not _eager_cuda(p.q):
+        return "not an eager CUDA call"
+    if return_lse or p.dropout_p or p.q_lengths is not None or p.kv_lengths is not None:
+        return "lse, dropout or padded lengths: SDPA has no equivalent"
+    if p.mask is not None:
+        return "masked: SDPA differs on rows with no visible key"
+    if p.is_causal and p.q.shape[2] != p.k.shape[2]:
+        return "causal with Nq != Nk: SDPA aligns top-left"
+    if p.q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "fp32 with TF32 matmuls on: SDPA's math path would not be exact"
+    return None
+
+
+def _per_call_ms(fn: Callable[[], object], calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float, float]:
+    """``(elsa_ms, sdpa_ms)`` per call: both warmed up, then timed in interleaved rounds (median round) of up to
+    :data:`CALLS` back-to-back calls, as many as fit :data:`BUDGET_MS`: a long call is timed a few times only."""
+    sdpa()
+    calls = max(1, min(CALLS, int(BUDGET_MS / max(_per_call_ms(elsa, 1), 1e-3))))
+    times = ([], [])
+    for _ in range(ROUNDS):
+        times[0].append(_per_call_ms(elsa, calls))
+        times[1].append(_per_call_ms(sdpa, calls))
+    return tuple(sorted(t)[len(t) // 2] for t in times)
+
+
+def choose(p, d: Decision, elsa: Callable[[], object], *, backend, precision, return_lse) -> Decision:
+    """``d``, or an SDPA decision naming both timings when SDPA is faster by more than :data:`MIN_GAIN`."""
+    if sdpa_reason(p, d, backend=backend, precision=precision, return_lse=return_lse) is not None:
+        return d
+    elsa_ms, sdpa_ms = race(elsa, lambda: sdpa.run(p))
+    verdict = (f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per eager call for this "
+               f"signature (measured once, median of {ROUNDS} interleaved rounds)")
+    if elsa_ms > MIN_GAIN * sdpa_ms:
+        return Decision("sdpa", None, f"auto: PyTorch SDPA, faster here: {verdict}; backend='elsa' runs ELSA")
+    return Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)

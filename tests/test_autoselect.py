@@ -1,0 +1,109 @@
+"""auto's per-signature race between the ELSA kernels and PyTorch's SDPA (elsa_surgery/autoselect.py).
+
+On the CPU the kernels run in the Triton interpreter; the race's clock and its CUDA-only gate are replaced by
+stand-ins (the GPU test at the end runs the real race), so that the decision, its reason and the report are
+checked on every machine.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import elsa_surgery  # noqa: E402
+from elsa_surgery import autoselect, callcache, dispatch  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def racing(monkeypatch):
+    """auto runs the kernels on this device, the race is allowed here, and its clock says ``times[0]``."""
+    times = [(0.2, 0.1)]
+    monkeypatch.setattr(dispatch, "auto_runs_kernels_on", lambda device: True)
+    monkeypatch.setattr(autoselect, "_eager_cuda", lambda t: True)
+    monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (elsa(), sdpa(), times[0])[-1])
+    callcache.clear()
+    yield times
+    callcache.clear()
+
+
+def _qkv(b=2, h=2, n=40, d=16):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(b, h, n, d, generator=g).to(DEV) for _ in range(3))
+
+
+def test_sdpa_taken_when_faster_and_named_with_both_timings(racing):
+    q, k, v = _qkv()
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(q, k, v, is_causal=True)
+        out2 = elsa_surgery.attention(q, k, v, is_causal=True)  # the memo: no second race
+    assert [d.backend for d in log] == ["sdpa", "sdpa"]
+    assert "ELSA 200.0 us vs PyTorch SDPA 100.0 us" in log[0].reason and "backend='elsa'" in log[0].reason
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, ref) and torch.equal(out2, ref)
+
+
+def test_elsa_kept_when_sdpa_is_not_faster_enough(racing):
+    racing[0] = (0.104, 0.1)  # 4 % apart: under MIN_GAIN
+    q, k, v = _qkv()
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v)
+    assert log[0].backend == "elsa" and "ELSA 104.0 us vs PyTorch SDPA 100.0 us" in log[0].reason
+
+
+@pytest.mark.parametrize("kw", [dict(backend="elsa"), dict(precision="strict"), dict(return_lse=True),
+                                dict(is_causal=True, kv_rows=30), dict(mask=True), dict(kv_lengths=True)])
+def test_no_race_where_sdpa_differs_or_elsa_was_asked_for(racing, kw):
+    q, k, v = _qkv()
+    kw = dict(kw)
+    if kw.pop("kv_rows", None):
+        k, v = k[:, :, :30], v[:, :, :30]
+    if kw.pop("mask", None):
+        kw["attn_mask"] = torch.ones(40, 40, dtype=torch.bool, device=DEV).tril()
+    if kw.pop("kv_lengths", None):
+        kw["kv_lengths"] = torch.tensor([40, 20], device=DEV)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v, **kw)
+    assert log[0].backend == "elsa" and "PyTorch SDPA" not in log[0].reason
+
+
+def test_fp32_race_only_with_ieee_matmuls(racing):
+    keep = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        q, k, v = _qkv()
+        with dispatch.record() as log:
+            elsa_surgery.attention(q, k, v)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = keep
+    assert log[0].backend == "elsa" and "PyTorch SDPA" not in log[0].reason
+
+
+def test_the_report_shows_the_choice(racing):
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=16, num_classes=3).eval().to(DEV)
+    report = elsa_surgery.convert(model, example_inputs=(torch.randn(2, 3, 32, 32, device=DEV),))
+    assert report.parity.passed
+    assert report.backends_used.get("sdpa", 0) > 0, report.backends_used
+    assert any("ELSA 200.0 us vs PyTorch SDPA 100.0 us" in r for r in report.dispatch_reasons)
+
+
+@pytest.mark.gpu
+def test_real_race_on_the_gpu_is_recorded_and_exact():
+    """A ViT-B/16 attention call (bf16, batch 8): whichever wins, the decision names both timings, and the output is
+    SDPA's within bf16 rounding."""
+    callcache.clear()
+    q, k, v = (torch.randn(8, 12, 197, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(q, k, v)
+    assert "PyTorch SDPA" in log[0].reason and " us" in log[0].reason, log[0].reason
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v, backend="elsa")
+    assert log[0].backend == "elsa"
