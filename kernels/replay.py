@@ -12,7 +12,8 @@ usual while this module records what it launches:
   by identity, or a same-size dtype view of one, as the bool mask's ``uint8`` view) or a tensor the planner
   registered with :func:`allocated` (outputs and partition states it creates) or :func:`derived` (V staged
   transposed); host tensor descriptors (Gluon's TMA descriptors) over a slot are recorded as their fields;
-* every environment variable the planner reads goes through :func:`env` and is recorded with its value.
+* every environment variable the planner reads is recorded with its value: the ``ELSA_*`` knobs as ``knobs.get``
+  reads them (the registry reports each read while a plan records), other variables through :func:`env`.
 
 A call that launches anything else (K/V pieces staged into carved buffers, head or key slices: the big staged
 fp32 calls, whose host cost is small beside their kernels) is marked not replayable and keeps the planner. Later calls with the
