@@ -21,10 +21,10 @@ def test_python_gate_picks_the_private_store_only_where_checked(fresh_gate, capl
     checked = internals.CHECKED_PYTHON[0]
     store, encode = internals.environ_store(checked)
     if isinstance(getattr(os.environ, "_data", None), dict):
-        assert store is os.environ._data and encode("ELSA_X") == os.environ.encodekey("ELSA_X")
+        assert store is os.environ._data and encode("ELSA_HOPPER") == os.environ.encodekey("ELSA_HOPPER")
     with caplog.at_level(logging.INFO, logger="elsa_surgery"):
         store, encode = internals.environ_store((3, 99))
-        assert store is os.environ and encode("ELSA_X") == "ELSA_X"
+        assert store is os.environ and encode("ELSA_HOPPER") == "ELSA_HOPPER"
         internals.environ_store((3, 99))
         internals.python_private_ok((3, 98))
     lines = [r.getMessage() for r in caplog.records if "not checked" in r.getMessage()]
