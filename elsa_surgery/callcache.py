@@ -20,22 +20,21 @@ tensors, bools, numbers and strings (tensor subclasses, NumPy scalars), and call
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
 from . import autoselect, dispatch
+from .kernels import internals
 from .semantics import AttentionProblem, build_problem, canonical_mask
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
 _ENV_NAMES = (dispatch.ENV_BACKEND, dispatch.ENV_PRECISION, "TRITON_INTERPRET")
-_RAW = getattr(os.environ, "_data", None)  # CPython's encoded store behind os.environ (kept in step by its setters)
-if isinstance(_RAW, dict) and callable(getattr(os.environ, "encodekey", None)):
-    _ENV_KEYS = tuple(os.environ.encodekey(n) for n in _ENV_NAMES)
-else:  # pragma: no cover - other Pythons
-    _RAW, _ENV_KEYS = os.environ, _ENV_NAMES
+# the raw values, from the environment's store (CPython's encoded one where checked: kernels/internals.py); the knobs'
+# values are validated by the dispatch (kernels/knobs.py)
+_RAW = internals.ENVIRON
+_ENV_KEYS = tuple(internals.ENCODE(n) for n in _ENV_NAMES)
 
 _entries: dict = {}
 STATS = {"hits": 0, "misses": 0, "bypassed": 0}

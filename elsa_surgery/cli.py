@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bench-iters", type=int, default=None, help=argparse.SUPPRESS)
     out = p.add_argument_group("output")
     out.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
+    out.add_argument("--show-config", action="store_true",
+                     help="print the ELSA_* environment settings in effect and exit (docs/configuration.md)")
     out.add_argument("--save", metavar="DIR", help="save weights (safetensors), config and elsa_surgery.json")
     out.add_argument("--max-shard-size", default="5GB", help="shard saved weights above this size (default 5GB)")
     out.add_argument("--quiet", "-q", action="store_true", help="print only errors and the final line")
@@ -707,6 +709,11 @@ def _json_default(o):
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.show_config:
+        from . import config
+
+        config.show()
+        return EXIT_OK
     console = Console(args.quiet)
     logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING, format="%(message)s")
     if args.quiet:
@@ -724,7 +731,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted", 130, args)
     except Exception as exc:  # one line, no traceback (ELSA_DEBUG=1 shows it)
-        if os.environ.get("ELSA_DEBUG"):
+        from .kernels import knobs
+
+        if knobs.get(knobs.DEBUG):
             raise
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return _fail(f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__, EXIT_ERROR, args)

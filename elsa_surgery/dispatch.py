@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from dataclasses import dataclass, asdict
 from typing import List, Optional
 
 import torch
 
+from .kernels import knobs
+
 logger = logging.getLogger("elsa_surgery")
 
 BACKENDS = ("auto", "elsa", "reference", "sdpa")
 PRECISIONS = ("strict", "precise", "turbo")
-ENV_BACKEND = "ELSA_BACKEND"
-ENV_PRECISION = "ELSA_FP32_PRECISION"
+ENV_BACKEND = knobs.BACKEND
+ENV_PRECISION = knobs.FP32_PRECISION
 
 
 class BackendUnavailable(RuntimeError):
@@ -53,9 +54,8 @@ def requested_backend(backend: Optional[str]) -> str:
     backend = "auto" if backend is None else backend
     _check_choice("backend", backend, BACKENDS)
     if backend == "auto":
-        env = os.environ.get(ENV_BACKEND, "").strip().lower()
+        env = knobs.get(ENV_BACKEND)
         if env:
-            _check_choice(f"environment variable {ENV_BACKEND}", env, BACKENDS)
             return env
     return backend
 
@@ -64,11 +64,7 @@ def requested_precision(precision: Optional[str]) -> Optional[str]:
     if precision is not None:
         _check_choice("precision", precision, PRECISIONS)
         return precision
-    env = os.environ.get(ENV_PRECISION, "").strip().lower()
-    if env:
-        _check_choice(f"environment variable {ENV_PRECISION}", env, PRECISIONS)
-        return env
-    return None
+    return knobs.get(ENV_PRECISION)
 
 
 def default_precision(device: torch.device) -> str:
@@ -89,6 +85,7 @@ def kernels_module():
     if _KERNELS is None:
         from . import kernels
 
+        kernels.load()  # binds the interface's names (the package imports it lazily)
         _KERNELS = kernels
     return _KERNELS
 

@@ -3,7 +3,8 @@
 The interface the framework calls is in :mod:`elsa_surgery.kernels.interface` (re-exported here):
 ``unsupported_reason``, ``attention``, ``attention_state``, ``attention_varlen``. Files: ``scan.py`` the
 Triton kernels, ``launch.py`` the launchers, ``occupancy.py`` the tile table and partition model
-(ELSA-Lean knob ``ELSA_LEAN_ETA``), ``ops.py`` the ``torch.library`` custom ops.
+(ELSA-Lean knob ``ELSA_LEAN_ETA``), ``ops.py`` the ``torch.library`` custom ops,
+``knobs.py`` every ``ELSA_*`` environment variable, ``internals.py`` the private Triton / CPython code.
 
 From a source checkout this folder can also be found as a top-level ``kernels`` (transformers probes for
 Hugging Face's ``kernels`` package with a bare ``import kernels``). Imported under any name but
@@ -11,8 +12,21 @@ Hugging Face's ``kernels`` package with a bare ``import kernels``). Imported und
 dispatcher entries that the first registration's op handles point to (a segfault at the next call).
 """
 
+_INTERFACE = ("MAX_HEAD_DIM", "MIN_HEAD_DIM", "SUPPORTED_DTYPES", "attention", "attention_state", "attention_varlen",
+              "launch", "ops", "unsupported_reason")
+
 if __name__ == "elsa_surgery.kernels":
-    from .interface import (  # noqa: F401  (explicit: the names the framework and tests use)
-        MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_state, attention_varlen, launch,
-        ops, unsupported_reason,
-    )
+    def load():
+        """Imports the interface (Triton, the custom ops) and binds its names here; ``import elsa_surgery.kernels``
+        alone imports nothing heavy, so that the framework can read its knobs (``knobs.py``) without Triton."""
+        from . import interface
+
+        g = globals()
+        for name in _INTERFACE:
+            g[name] = getattr(interface, name)
+
+    def __getattr__(name):
+        if name in _INTERFACE:
+            load()
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

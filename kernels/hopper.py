@@ -3,12 +3,12 @@
 * fp16/bf16 and fp32 ``turbo`` (``_elsa_fwd_sm90``): asynchronous wgmma, TMA loads of K/V tiles into a ring of
   shared-memory stages completing on mbarriers, and (fp16/bf16) two or three CTAs per SM so one CTA's softmax
   overlaps another's tensor-core products. Triton's own code generation stops at 0.71-0.76x SDPA cuDNN for this
-  loop at D=128 (docs/PERF.md, v9); the explicit schedule here is what moves it. For ``turbo`` (TF32 products)
+  loop at D=128 (docs/perf/history.md, v9); the explicit schedule here is what moves it. For ``turbo`` (TF32 products)
   each V tile is transposed in shared memory, as a TF32 wgmma reads K-major operands only: the portable kernel
   had to stage V transposed in memory for that (v5), and reached 4.0-4.4x ME-SDPA at D=128 16K causal vs 5.2x.
 * fp32 ``strict`` (``_elsa_fwd_sm90_fma``): both products as IEEE FMAs, register-blocked with layouts chosen so
   that the shared-memory reads of the TMA tiles are free of bank conflicts; 37-40 TFLOP/s on an H100 at N >= 4K
-  where Triton's FMA dot reached 12-19.5 (docs/PERF.md, v8 and v12).
+  where Triton's FMA dot reached 12-19.5 (docs/perf/history.md, v8 and v12).
 
 Each program folds the key tiles of its row block into per-row ``(m, S, W)`` on chip and finalises them, as
 ``scan.elsa_fwd`` does with one partition.
@@ -26,12 +26,11 @@ is tested on the GPU only (tests/test_kernels_gpu.py); every CPU test runs ``sca
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from . import replay
+from . import knobs, replay
 from .occupancy import _cuda_index, _sms, capability, causal_head_group
 
 LOG2E = 1.4426950408889634
@@ -54,14 +53,14 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon's Hopper API is not importable from this Triton ({type(e).__name__}: {e})"
 
 # "0": off (the portable kernel runs); "1" or unset: by size (see MIN_WORK); "force": whenever in scope
-ENV = "ELSA_HOPPER"
-_ENV_VALUES = ("0", "1", "force")
+ENV = knobs.HOPPER
+_ENV_VALUES = knobs.KNOBS[ENV].choices
 # Eager calls with less work than these (B·H·Nq·Nk·D, halved when causal) run the portable kernel when their Gluon
 # launch costs more host time than the portable one's: without launch plans, or with a Triton whose descriptor
 # launch replay.encodes_descriptors does not reproduce. With launch plans replaying encoded TMA maps (version 16)
 # the Gluon launch costs no more (H100, launcher alone per call, medians: 28-29 vs 34-37 µs), and eager calls take
-# the Gluon kernel at every size: it was faster in 100 of 106 cells timed eagerly (recipes/eager_thresholds.py,
-# best of 2-3 rounds, docs/perf/eager_thresholds_h100_v16*.jsonl; 8e6 to 1.7e10 of work, N = 77 to 4K,
+# the Gluon kernel at every size: it was faster in 100 of 106 cells timed eagerly (benchmarks/lab/eager_thresholds.py,
+# best of 2-3 rounds, docs/perf/raw/eager_thresholds_h100_v16*.jsonl; 8e6 to 1.7e10 of work, N = 77 to 4K,
 # bf16/fp16/strict/turbo), slower at N = 197 D = 64 non-causal (bf16/fp16 13.5-14.2 vs 12.8-13.1 µs with the
 # 128-row tiles of then; see SHORT_KEYS) and strict 1x2x1024x128 (220 vs 198-199 µs: 32 programs), even (within
 # 1%) at fp16 N = 197 and strict N = 77 causal. Without encoded maps, from session 10 (bf16: the Gluon launch ~30 µs
@@ -72,7 +71,7 @@ MIN_WORK = 1e10
 # H100 (session 11, medians of 3 rounds of 200): work 1.1e9 (1x32x512x128) portable 376 us vs Gluon 226 us;
 # 5.4e8: 310 vs 239 us (8x16x257x64) but 203 vs 236 us (1x8x1024x64); 2.4e8-2.7e8: 181-187 vs 217-226 us.
 # With launch plans (session 13, kernels/replay.py: both launches cost about the same host time), eager do_bench
-# medians of 2 rounds (docs/perf/thresholds_eager_h100_v14.jsonl): 2.7e8 1x4x1024x64 168-214 vs 116 us, 1x8x1024x64
+# medians of 2 rounds (docs/perf/raw/thresholds_eager_h100_v14.jsonl): 2.7e8 1x4x1024x64 168-214 vs 116 us, 1x8x1024x64
 # causal 181 vs 110 us, but 1x2x1024x128 200 vs 221 us; 1.3e8 1x4x1024x64 causal 182 vs 105 us but 1x8x512x64 88 vs
 # 111-115 us: work alone does not separate them below ~2.5e8
 MIN_WORK_FP32 = 2.5e8
@@ -87,7 +86,7 @@ MIN_WORK_TF32 = 2e9
 # and lse = m + log2(S) as before. After the first tiles a row's max rarely grows that much, and a warp whose rows
 # all keep their max skips the accumulator's rescale (64 multiplies a thread and key tile at 128 x 64 tiles,
 # D = 128): the decision is a warp vote, in PTX, since Gluon has no warp-level branch (a CTA-wide vote through
-# shared memory cost what it saved, docs/PERF.md v11). Measured on an H100 (v17): D = 128 non-causal 2-6 % faster.
+# shared memory cost what it saved, docs/perf/history.md v11). Measured on an H100 (v17): D = 128 non-causal 2-6 % faster.
 # The vote and its branch cost a few instructions a tile and split ptxas's scheduling region, which pays off once a
 # row block folds enough key tiles for its max to settle: graph-replayed A/B on an H100 (v17), lazy against eager
 # rescale: 16 tiles (D = 128 non-causal 1K) and more 1-6 % faster; 8 (D = 128 causal 1K, D = 64 1K) 0.7-2.4 % slower.
@@ -95,16 +94,13 @@ RESCALE_SLACK = 8.0
 LAZY_MIN_TILES = 16
 # "0": rescale the accumulator on every key tile; "1" or unset: lazily from LAZY_MIN_TILES key tiles a row block
 # (half of them for causal calls); "force": lazily at every size
-ENV_LAZY = "ELSA_HOPPER_LAZY"
-_LAZY_VALUES = ("0", "1", "force")
+ENV_LAZY = knobs.HOPPER_LAZY
+_LAZY_VALUES = knobs.KNOBS[ENV_LAZY].choices
 
 
 def lazy_rescale(n_k: int, block_n: int, is_causal: bool) -> bool:
     """Whether the fp16/bf16 kernel rescales lazily (``RESCALE_SLACK``) for ``n_k`` keys in tiles of ``block_n``."""
-    how = replay.env(ENV_LAZY).strip().lower() or "1"
-    if how not in _LAZY_VALUES:
-        raise ValueError(f"{ENV_LAZY} must be one of {_LAZY_VALUES} (never, from {LAZY_MIN_TILES} key tiles a row "
-                         f"block, always), got {how!r}")
+    how = knobs.get(ENV_LAZY)
     if how != "1":
         return how == "force"
     return -(-n_k // block_n) / (2 if is_causal else 1) >= LAZY_MIN_TILES
@@ -442,10 +438,7 @@ HEAD_DIMS = (16, 32, 64, 128)  # D = 256 would not fit the registers at these ti
 
 
 def mode() -> str:
-    value = replay.env(ENV).strip().lower() or "1"
-    if value not in _ENV_VALUES:
-        raise ValueError(f"{ENV} must be one of {_ENV_VALUES} (off, by size, whenever in scope), got {value!r}")
-    return value
+    return knobs.get(ENV)
 
 
 @functools.lru_cache(maxsize=None)
@@ -504,18 +497,18 @@ def eligible(q, k, v, out, *, mask, q_lengths, kv_lengths, varlen: bool, state, 
     return None
 
 
-ENV_TILES = "ELSA_HOPPER_TILES"  # "BLOCK_M,BLOCK_N,STAGES,num_warps", for tile sweeps (recipes/bench_attention.py)
+ENV_TILES = knobs.HOPPER_TILES  # "BLOCK_M,BLOCK_N,STAGES,num_warps", for tile sweeps (recipes/bench_attention.py)
 
 
 # Grids of fewer 128-row programs than this many per SM take 64-row tiles (more, smaller programs balance
-# better on 132 SMs), measured on an H100 in session 10 (bf16, graph-replayed, docs/PERF.md v11): non-causal
+# better on 132 SMs), measured on an H100 in session 10 (bf16, graph-replayed, docs/perf/history.md v11): non-causal
 # D=128 N=1K H=8 (64 programs) 1.04x cuDNN vs 0.84x; causal D=128 N=1K H=32 (256) 0.95x vs 0.91x, but at
 # N=4K H=32 (1024) 128-row tiles: 0.89x vs 0.85x; non-causal D=64 N=2K H=8 (128) 1.00x vs 0.81x, N=4K H=8 (256)
 # 128-row tiles: 0.99x vs 0.90x
 SMALL_GRID_PER_SM = 1
 CAUSAL_SMALL_GRID_PER_SM = 4
 # Non-causal calls with narrow heads and at most this many keys take 64-row tiles at every grid size (version 16,
-# H100, graph-replayed, `recipes/sweep_short_tiles.py --group vit-hopper`, docs/perf/hopper_short_tiles_h100_v16.log):
+# H100, graph-replayed, `benchmarks/lab/sweep_short_tiles.py --group vit-hopper`, docs/perf/raw/hopper_short_tiles_h100_v16.log):
 # ViT shapes at batch 8, N = 197 to 1601, 64 x 128 tiles took 0.88-1.01x the time of 128 x 128 (N = 197: 12.8 vs
 # 14.2 µs; N = 785: 52.6 vs 59.6), N = 2048 0.92-0.99x; from 3072 keys 128 x 128 is faster (N = 4096 B = 1: 80.9
 # vs 89.9 µs)
@@ -525,18 +518,12 @@ FMA_WIDE_GRID_PER_SM = 4
 
 
 def _forced_tiles():
-    forced = replay.env(ENV_TILES).strip()
-    if not forced:
-        return None
-    parts = forced.split(",")
-    if len(parts) != 4 or not all(p.strip().isdecimal() for p in parts):
-        raise ValueError(f"{ENV_TILES} must be 'BLOCK_M,BLOCK_N,STAGES,num_warps' (integers), got {forced!r}")
-    return tuple(int(p) for p in parts)
+    return knobs.get(ENV_TILES)
 
 
 def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132, n_k: Optional[int] = None):
     """``(BLOCK_M, BLOCK_N, STAGES, num_warps)``, shared memory under 113 KB so that two CTAs share an SM.
-    ``tiles_128``: programs of the grid with 128-row tiles. Measured on an H100 (docs/PERF.md, sessions 9-10):
+    ``tiles_128``: programs of the grid with 128-row tiles. Measured on an H100 (docs/perf/history.md, sessions 9-10):
     128 x 64 at D = 128, 128 x 128 for narrower heads; 64-row tiles for small grids; 64 x 128 (three CTAs per
     SM) for causal calls with narrow heads at every size (N=4K H=8 D=64 1.14x cuDNN, 64 x 64: 0.90x), and for
     non-causal ones over at most ``SHORT_KEYS`` keys (``n_k``)."""
@@ -555,7 +542,7 @@ def tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 13
 
 def fma_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
     """``(BLOCK_M, BLOCK_N, STAGES, num_warps)`` of the fp32 (``strict``) kernel; ``ELSA_HOPPER_TILES`` forces
-    them as for :func:`tiles`. Measured on an H100 (docs/PERF.md, v12): 64 x 64 with four warps for D <= 64 (two
+    them as for :func:`tiles`. Measured on an H100 (docs/perf/history.md, v12): 64 x 64 with four warps for D <= 64 (two
     CTAs an SM); for wider heads 32-key tiles (shared memory), 128 rows with eight warps on large grids."""
     forced = _forced_tiles()
     if forced:
@@ -568,7 +555,7 @@ def fma_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int 
 def tf32_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int = 132):
     """``(BLOCK_M, BLOCK_N, STAGES, num_warps)`` of the TF32 (``turbo``) kernel; ``ELSA_HOPPER_TILES`` forces them
     as for :func:`tiles`. fp32 tiles take twice the shared memory of fp16 ones: 128 x 64 with eight warps (224 KB
-    at D = 128, one CTA an SM) was the fastest tile from 1K to 16K keys on an H100 (docs/PERF.md, v13), except on
+    at D = 128, one CTA an SM) was the fastest tile from 1K to 16K keys on an H100 (docs/perf/history.md, v13), except on
     grids too small to fill the SMs (64 rows) and narrow-head causal grids under 4 programs an SM (64 x 64)."""
     forced = _forced_tiles()
     if forced:
@@ -612,7 +599,7 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
     else:
         kernel = _elsa_fwd_sm90
         consts["TF32"] = kind == "tf32"
-        # fp16/bf16 only: at TF32 it measured 0-7 % slower at D = 64 and mixed at D = 128 (docs/PERF.md, v17)
+        # fp16/bf16 only: at TF32 it measured 0-7 % slower at D = 64 and mixed at D = 128 (docs/perf/history.md, v17)
         consts["LAZY"] = kind == "lowp" and lazy_rescale(Nk, bn, is_causal)
         if warps >= 8 and kind == "lowp":
             # at most 128 registers a thread, so that two CTAs of eight warps (or one of sixteen) share an SM
@@ -626,7 +613,7 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
 
         if isinstance(e, OutOfResources) and _forced_tiles():
             # nothing was launched: the caller's tensors are as they were
-            raise ValueError(f"{ENV_TILES}={os.environ[ENV_TILES]!r} does not fit this GPU's {e.name} for "
+            raise ValueError(f"{ENV_TILES}={knobs.raw(ENV_TILES)!r} does not fit this GPU's {e.name} for "
                              f"{q.dtype} ({kind}) at D={D}, Dv={Dv}: {e.required} needed, {e.limit} available; "
                              "use smaller tiles or unset it") from e
         raise

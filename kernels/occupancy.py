@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import replay
+from . import knobs, replay
 
 # Dot-product kinds understood by the kernels (see scan.py).
 DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3, DOT_F16X3V = 0, 1, 2, 3, 4, 5, 6
@@ -46,10 +46,10 @@ DECODE_MIN_KEYS_PER_PARTITION = 256
 DECODE_MAX_PARTITIONS = 128
 MERGE_PARTITIONS_PER_LOAD = 32  # scan.elsa_merge_rows: partitions read per [BLOCK_P, Dv] tile
 
-ENV_LEAN_ETA = "ELSA_LEAN_ETA"  # float >= 0: partition-state memory <= eta * (bytes of the output)
-ENV_PARTITIONS = "ELSA_NUM_PARTITIONS"  # force a partition count (testing / benchmarking)
+ENV_LEAN_ETA = knobs.LEAN_ETA  # float >= 0: partition-state memory <= eta * (bytes of the output)
+ENV_PARTITIONS = knobs.NUM_PARTITIONS  # force a partition count (testing / benchmarking)
 # "0" turns off staging V transposed for the fp32 tensor-core modes (see stage_operands)
-ENV_STAGE = "ELSA_STAGE_OPERANDS"
+ENV_STAGE = knobs.STAGE_OPERANDS
 # Staging copies V once per call; it pays only when every key block is reused by enough query rows
 # (decode steps and short queries read K/V once and stay memory-bound, so they run unstaged).
 MIN_ROWS_PER_KV_HEAD_TO_STAGE = 1024
@@ -80,10 +80,10 @@ MIN_CAUSAL_SPLIT_CHUNK_WORK = 1e10
 LONG_STAGE_CHUNK_KEYS = 4096
 MAX_HEAD_GROUP_WAVE_WASTE = 0.05
 CHUNKED_STAGING_MIN_PROGRAMS_PER_SM = 4
-ENV_STAGE_PLAN = "ELSA_STAGE_PLAN"  # testing / benchmarking: "whole", "heads:G", "keys:N" or "rkeys:N"
+ENV_STAGE_PLAN = knobs.STAGE_PLAN  # testing / benchmarking: "whole", "heads:G", "keys:N" or "rkeys:N"
 # "precise" on long dense calls: "f16" (three fp16 products, K/V split by the launcher; see precise_split),
 # "f16k" (the same with V split in the kernel), "tf32" (Triton's 3xTF32), unset = chosen by shape
-ENV_PRECISE_SPLIT = "ELSA_PRECISE_SPLIT"
+ENV_PRECISE_SPLIT = knobs.PRECISE_SPLIT
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -130,7 +130,7 @@ _TABLE = {
 }
 # Grids that cannot fill the GPU once with the ``<= 2,048`` bucket's 128-row tiles (``B·H·ceil(Nq/128)`` below
 # the SM count: one 1K-token sequence with 8 heads gives 64 programs on 132 SMs) run 64-row tiles, twice the
-# programs. Measured (H100, CUDA graphs, B=1, H=8, D=64, N=1K; docs/PERF.md, "N = 1K"): bf16 0.0208 -> 0.0167 ms
+# programs. Measured (H100, CUDA graphs, B=1, H=8, D=64, N=1K; docs/perf/history.md, "N = 1K"): bf16 0.0208 -> 0.0167 ms
 # (cuDNN 0.0169), causal 0.0212 -> 0.0169; 3xTF32 0.0761 -> 0.0649; TF32 0.0339 -> 0.0309. H=32, D=128 fills
 # the GPU (256 programs) and keeps its tile.
 _SMALL_GRID = {"lowp": TileConfig(64, 64, 4, 3), "tf32": TileConfig(64, 32, 4, 3), "tf32x3": TileConfig(64, 64, 4, 2),
@@ -139,7 +139,7 @@ _SMALL_GRID_MAX_WIDTH, _SMALL_GRID_MAX_N = 64, 2048
 # Causal fp16/bf16 calls with head dims up to 64, sequences past the ``<= 2,048`` bucket and a grid of 128-row
 # tiles under CAUSAL_SMALL_GRID_WAVES waves of the SMs run 64x64 tiles: the rows of a causal grid have unequal
 # lengths, and shorter row tiles even out the last wave. Measured (H100, CUDA graphs, B=1, H=8, D=64, bf16;
-# docs/PERF.md, "Version 8"): N=4K (256 programs) 0.0916 -> 0.0734 ms; N=16K (1,024) 0.780 -> 0.773 ms, no real
+# docs/perf/history.md, "Version 8"): N=4K (256 programs) 0.0916 -> 0.0734 ms; N=16K (1,024) 0.780 -> 0.773 ms, no real
 # gain; N=65K (4,096) 10.3 -> 11.0 ms, a loss. At D=128 the 128-row tile stays faster (H=32, N=4K: 0.344 vs 0.391).
 _CAUSAL_LOWP = TileConfig(64, 64, 4, 3)
 CAUSAL_SMALL_GRID_WAVES = 4
@@ -213,7 +213,7 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
     """
     if dot not in (DOT_TF32, DOT_TF32X3):
         return False
-    if replay.env(ENV_STAGE).strip() == "0":
+    if knobs.get(ENV_STAGE) == "0":
         return False
     return rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE
 
@@ -253,10 +253,7 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
 
 
 def _precise_split_env() -> str:
-    env = replay.env(ENV_PRECISE_SPLIT).strip()
-    if env not in ("", "f16", "f16k", "tf32"):
-        raise ValueError(f"{ENV_PRECISE_SPLIT} must be 'f16', 'f16k' or 'tf32', got {env!r}")
-    return env
+    return knobs.get(ENV_PRECISE_SPLIT) or ""
 
 
 def split_forced() -> bool:
@@ -277,15 +274,7 @@ def _sms(device: torch.device) -> int:
 def _forced_stage_plan() -> Optional[Tuple[str, int]]:
     """``ELSA_STAGE_PLAN`` parsed: ``None`` when unset, else ``(kind, N)`` with kind ``whole`` (N 0), ``heads``,
     ``keys`` or ``rkeys`` (N > 0)."""
-    env = replay.env(ENV_STAGE_PLAN).strip()
-    if not env:
-        return None
-    kind, _, num = env.partition(":")
-    if kind == "whole" and not num:
-        return "whole", 0
-    if kind in ("heads", "keys", "rkeys") and num.isdecimal() and int(num) > 0:
-        return kind, int(num)
-    raise ValueError(f"{ENV_STAGE_PLAN} must be 'whole', 'heads:G', 'keys:N' or 'rkeys:N' with G, N > 0, got {env!r}")
+    return knobs.get(ENV_STAGE_PLAN)
 
 
 def stage_plan(device: torch.device, *, n_k: int, block_n: int, batch: int, kv_heads: int, groups: int,
@@ -430,25 +419,23 @@ CAUSAL_L2_SHARE = 0.5
 CAUSAL_BALANCE_PROGRAMS_PER_SM = 4
 # the CPU interpreter (and a torch without ``L2_cache_size``): an H100's L2, so that CPU tests take the same groups
 DEFAULT_L2_BYTES = 50 * 2**20
-ENV_HEAD_GROUP = "ELSA_CAUSAL_HEAD_GROUP"  # force the group (tests, measurements)
+ENV_HEAD_GROUP = knobs.CAUSAL_HEAD_GROUP  # force the group (tests, measurements)
 
 
 def causal_head_group(device: torch.device, *, n_k: int, kv_bytes_per_key: int, groups: int, bh: int,
                       m_blocks: int) -> int:
     """Query heads (of the ``bh`` = batch x heads of a launch, ``m_blocks`` row blocks each) whose causal row blocks
     are ordered heaviest first together (see CAUSAL_L2_SHARE); ``groups`` query heads share one K/V head."""
-    forced = replay.env(ENV_HEAD_GROUP).strip()
+    forced = knobs.get(ENV_HEAD_GROUP)
     if forced:
-        if not forced.isdecimal() or int(forced) < 1:
-            raise ValueError(f"{ENV_HEAD_GROUP} must be an integer >= 1, got {forced!r}")
-        return max(1, min(bh, int(forced)))
+        return max(1, min(bh, forced))
     l2 = DEFAULT_L2_BYTES if device.type != "cuda" else _l2_bytes(_cuda_index(device))
     kv_heads = int(l2 * CAUSAL_L2_SHARE) // max(1, n_k * kv_bytes_per_key)
     balance = CAUSAL_BALANCE_PROGRAMS_PER_SM * _sms(device) // max(1, m_blocks)
     return max(1, min(bh, max(kv_heads * groups, balance)))
 
 
-_ETA_RANGE = "a finite number >= 0 (partition-state bytes per output byte; 0 = one partition)"
+_ETA_RANGE = knobs.KNOBS[knobs.LEAN_ETA].allowed
 
 
 def check_eta(eta, name: str = "eta") -> float:
@@ -460,22 +447,11 @@ def check_eta(eta, name: str = "eta") -> float:
 
 
 def lean_eta() -> Optional[float]:
-    raw = replay.env(ENV_LEAN_ETA).strip()
-    if not raw:
-        return None
-    try:
-        return check_eta(float(raw))
-    except ValueError:  # not a number, or out of range
-        raise ValueError(f"environment variable {ENV_LEAN_ETA} must be {_ETA_RANGE}, got {raw!r}") from None
+    return knobs.get(ENV_LEAN_ETA)
 
 
 def forced_partitions() -> Optional[int]:
-    raw = replay.env(ENV_PARTITIONS).strip()
-    if not raw:
-        return None
-    if not raw.isdecimal() or int(raw) < 1:
-        raise ValueError(f"environment variable {ENV_PARTITIONS} must be an integer >= 1, got {raw!r}")
-    return int(raw)
+    return knobs.get(ENV_PARTITIONS)
 
 
 def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, rows: int, dv: int,

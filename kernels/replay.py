@@ -3,7 +3,7 @@
 An eager call spends most of its host time before the GPU sees anything: planning it (dtype kind, tiles,
 partitions, staging, which kernel; ``launch._run``) and Triton's launch path (binding and specialising some 60
 arguments). On an H100 that was 150-220 µs per ``launch.attention`` call at N = 1K, against a 15-50 µs kernel
-(docs/PERF.md, version 14). Both depend only on the call's signature: shapes, strides, dtypes, 16-byte
+(docs/perf/history.md, version 14). Both depend only on the call's signature: shapes, strides, dtypes, 16-byte
 alignment of every pointer, scalars, flags, the environment knobs the planner reads, the current device and
 whether the stream is capturing. ``launch`` builds that key; on the first call with a key the planner runs as
 usual while this module records what it launches:
@@ -12,7 +12,8 @@ usual while this module records what it launches:
   by identity, or a same-size dtype view of one, as the bool mask's ``uint8`` view) or a tensor the planner
   registered with :func:`allocated` (outputs and partition states it creates) or :func:`derived` (V staged
   transposed); host tensor descriptors (Gluon's TMA descriptors) over a slot are recorded as their fields;
-* every environment variable the planner reads goes through :func:`env` and is recorded with its value.
+* every environment variable the planner reads is recorded with its value: the ``ELSA_*`` knobs as ``knobs.get``
+  reads them (the registry reports each read while a plan records), other variables through :func:`env`.
 
 A call that launches anything else (K/V pieces staged into carved buffers, head or key slices: the big staged
 fp32 calls, whose host cost is small beside their kernels) is marked not replayable and keeps the planner. Later calls with the
@@ -31,15 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
-import os
 import threading
 from typing import Callable, Dict, Optional
 
 import torch
 
-ENV = "ELSA_LAUNCH_PLANS"
+from . import internals, knobs
+
+ENV = knobs.LAUNCH_PLANS
 MAX_PLANS = 4096  # signatures kept (least recently recorded dropped first)
 
 _local = threading.local()
@@ -47,39 +48,51 @@ _plans: Dict[tuple, "Plan"] = {}
 STATS = {"recorded": 0, "replayed": 0, "not_replayable": 0}
 
 
-# os.environ's own store (CPython: encoded names to encoded values, kept in step by os.environ's setters and
-# deleters): a replay checks its recorded variables there, ~20x faster than os.environ.get (decoding)
-_RAW = getattr(os.environ, "_data", None)
-_ENCODE = getattr(os.environ, "encodekey", None)
-if not (isinstance(_RAW, dict) and callable(_ENCODE)):  # pragma: no cover - other Pythons
-    _RAW, _ENCODE = os.environ, lambda name: name
-_ENV_KEY = _ENCODE(ENV)
+# os.environ's own store (CPython's, where checked: kernels/internals.py): a replay checks its recorded variables
+# there, ~20x faster than os.environ.get (decoding)
+_RAW, _ENCODE = internals.ENVIRON, internals.ENCODE
+
+
+def _observe_read(name: str, key, raw) -> None:
+    rec = getattr(_local, "rec", None)
+    if rec is not None and name not in rec.env:
+        rec.env[name] = (key, raw)
+    reads = getattr(_local, "reads", None)
+    if reads is not None and name not in reads:
+        reads[name] = (key, raw)
+
+
+_recording = [0]  # plans being recorded or planned (reading_env), every thread: knob reads are observed only then
+_recording_lock = threading.Lock()
+
+
+def _observe(delta: int) -> None:
+    with _recording_lock:
+        _recording[0] += delta
+        knobs.set_observer(_observe_read if _recording[0] else None)
 
 
 def env(name: str) -> str:
-    """``os.environ.get(name, "")``, recorded in the plan being recorded: a later call replays only while
-    every variable its planning read still has the recorded value."""
-    value = os.environ.get(name, "")
-    rec = getattr(_local, "rec", None)
-    if rec is not None and name not in rec.env:
-        key = _ENCODE(name)
-        rec.env[name] = (key, _RAW.get(key))
-    reads = getattr(_local, "reads", None)
-    if reads is not None and name not in reads:
-        key = _ENCODE(name)
-        reads[name] = (key, _RAW.get(key))
-    return value
+    """A variable that is not an ``ELSA_*`` knob (``TRITON_INTERPRET``), as a string ("" when unset), recorded in
+    the plan being recorded: a later call replays only while every variable its planning read (knobs included,
+    through ``knobs.get``) still has the recorded value."""
+    key = _ENCODE(name)
+    raw = _RAW.get(key)
+    _observe_read(name, key, raw)
+    return "" if raw is None else knobs.decode(raw)
 
 
 @contextlib.contextmanager
 def reading_env():
-    """``with reading_env() as read:`` collects ``{name: (key, raw value)}`` of every :func:`env` call inside the
-    block (``launch.cached_plan`` keeps a plan while those values hold: :func:`env_unchanged`)."""
+    """``with reading_env() as read:`` collects ``{name: (key, raw value)}`` of every variable read inside the block
+    (:func:`env` and ``knobs.get``; ``launch.cached_plan`` keeps a plan while those values hold: :func:`env_unchanged`)."""
     prev = getattr(_local, "reads", None)
     _local.reads = reads = {}
+    _observe(1)
     try:
         yield reads
     finally:
+        _observe(-1)
         _local.reads = prev
         if prev is not None:
             for name, entry in reads.items():
@@ -101,24 +114,17 @@ def reread_env(names) -> None:
 
 def wanted(t: torch.Tensor) -> bool:
     """Whether calls on ``t``'s device use plans (``ELSA_LAUNCH_PLANS``, see the module docstring)."""
-    raw = _RAW.get(_ENV_KEY)
-    if raw is None:
-        return t.is_cuda
-    value = os.environ.get(ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"environment variable {ENV} must be 0 or 1 (or unset: on for CUDA tensors), got {value!r}")
-    return value == "1" or (value == "" and t.is_cuda)
+    value = knobs.get(ENV)
+    return value == "1" or (value is None and t.is_cuda)
 
 
 def encodes_descriptors(t: torch.Tensor) -> bool:
     """Whether replayed calls on ``t``'s device launch Gluon kernels with TMA maps encoded here (launch plans on,
     and the installed Triton's launcher as ``_DESC_SOURCE`` expects): their host cost is then the portable kernel's,
     and the Hopper kernels need no size threshold for eager calls (``kernels/hopper.py``)."""
-    if not wanted(t):
+    if not wanted(t) or not internals.triton_private_ok():
         return False
-    from triton.runtime import driver
-
-    return _desc_module(driver.active.launcher_cls) is not None
+    return _desc_module(internals.launcher_cls()) is not None
 
 
 CLEAR_HOOKS = []  # called by clear(): caches of what the planner decided (launch.clear_plans)
@@ -169,10 +175,12 @@ def run(key: tuple, slots: Dict[str, Optional[torch.Tensor]], plan_and_run: Call
         return plan.replay(slots)
     rec = _Recorder(slots, aliases)
     _local.rec = rec
+    _observe(1)
     try:
         result = plan_and_run()
     finally:
         _local.rec = None
+        _observe(-1)
     plan = rec.finish(result)
     STATS["recorded" if plan.launches is not None else "not_replayable"] += 1
     if len(_plans) >= MAX_PLANS and key not in _plans:
@@ -200,80 +208,11 @@ def _params(fn):
     return got[1]
 
 
-# The launch statements of Triton's JITFunction.run (Triton 3.4 to 3.9 at least) that a direct replay repeats
-_RUN_SOURCE = ("launch_metadata = kernel.launch_metadata(grid, stream, *bound_args.values())",
-               "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,",
-               "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())")
-
-
-@functools.lru_cache(maxsize=None)
-def _launches_as_recorded(cls: type) -> bool:
-    """Whether ``cls.run`` (a Triton JIT function class) launches with the statements a direct replay repeats."""
-    try:
-        src = " ".join(inspect.getsource(cls.run).split())
-    except (AttributeError, OSError, TypeError):
-        return False
-    return all(s in src for s in _RUN_SOURCE)
-
-
-@functools.lru_cache(maxsize=None)
-def _metadata_needs_hook(cls: type) -> bool:
-    """Whether ``cls.launch_metadata`` (Triton's CompiledKernel) returns None when no launch-enter hook is set, as
-    Triton 3.4 to 3.9 do: a launch with no hook to call (None, or Triton 3.6's empty hook chains, see
-    :func:`_idle`) then replays with None for the metadata and both hooks, the combination Triton itself passes
-    when no enter hook is set, and skips building the metadata (a dict over ~70 arguments) and calling the chains."""
-    try:
-        src = " ".join(inspect.getsource(cls.launch_metadata).split())
-    except (AttributeError, OSError, TypeError):
-        return False
-    return "if knobs.runtime.launch_enter_hook is None: return None" in src
-
-
-# Gluon kernels take host TMA descriptors. Triton 3.6's launcher turns each into a CUtensorMap through Python on every
-# launch: TensorDescriptor's checks, wrap_handle_tensordesc's loop over every argument, make_tensordesc_arg. A
-# replay's key fixes each descriptor's shape, strides, block, dtype and 16-byte alignment, so a replay encodes the
-# maps itself (the same fill_tma_descriptor call) and calls the compiled C launcher with the arguments expanded as
-# make_tensordesc_arg expands them: the statements below, checked against the installed Triton's source once. Where
-# they differ (Triton 3.8 reorganised this code), a replay builds the descriptors and calls the kernel's launcher.
-_DESC_SOURCE = {
-    "make_tensordesc_arg": (
-        "cu_tensor_map=triton.runtime.driver.active.utils.fill_tma_descriptor(arg.base.data_ptr(),swizzle,elem_size,"
-        "TMA_DTYPE_DEVICE_TO_HOST[elem_type],block_size,shape,strides,padding,)",
-        "return[cu_tensor_map,*shape,*strides]", "padding=1ifarg.padding==\"nan\"else0"),
-    "wrap_handle_tensordesc": (
-        "final_args=list(args[:_BASE_ARGS_FORMAT_LEN])",
-        "final_args.extend(make_tensordesc_arg(arg,tensordesc_meta[tensordesc_idx]))",
-        "final_args.append(arg)", "returnlauncher(*final_args)"),
-    "CudaLauncher.__call__": (
-        "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,global_scratch,"
-        "profile_scratch,*args)",),
-}
-_DESC_UNEXPECTED = ("round_f32_to_tf32", "im2col")  # descriptor features the statements above do not reproduce
-_BASE_ARGS = 13  # gridX ... profile_scratch, packed metadata, launch metadata, both hooks
-
-
-@functools.lru_cache(maxsize=None)
-def _desc_module(cls: type):
-    """The driver module of ``cls`` (a compiled kernel's launcher class) when it expands host descriptors with the
-    statements of ``_DESC_SOURCE``, else None."""
-    module = inspect.getmodule(cls)
-    try:
-        parts = {"make_tensordesc_arg": module.make_tensordesc_arg, "wrap_handle_tensordesc":
-                 module.wrap_handle_tensordesc, "CudaLauncher.__call__": cls.__call__}
-        src = {name: "".join(inspect.getsource(f).split()) for name, f in parts.items()}
-        table, base = module.TMA_DTYPE_DEVICE_TO_HOST, module._BASE_ARGS_FORMAT_LEN
-    except (AttributeError, OSError, TypeError):
-        return None
-    if base != _BASE_ARGS or not isinstance(table, dict):
-        return None
-    if any(bad in src["make_tensordesc_arg"] for bad in _DESC_UNEXPECTED):
-        return None
-    return module if all(s in src[name] for name, stmts in _DESC_SOURCE.items() for s in stmts) else None
-
-
-def _closure(fn) -> dict:
-    cells = getattr(fn, "__closure__", None) or ()
-    return dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), (c.cell_contents for c in cells)))
+# Triton's private launch path (kernels/internals.py, behind its version gate); the names tests and recipes patch
+_launches_as_recorded = internals.launches_as_recorded
+_metadata_needs_hook = internals.metadata_needs_hook
+_desc_module = internals.desc_module
+_idle = internals.idle
 
 
 def _direct_ok(fn, kernel) -> bool:
@@ -360,7 +299,7 @@ class _Recorder:
                 val = None
             vals.append(val)
         options = {n: v for n, v in kwargs.items() if n not in names}
-        direct = kernel is not None and _direct_ok(fn, kernel)
+        direct = kernel is not None and _direct_ok(fn, kernel) and internals.triton_private_ok()
         self.launches.append(_Launch(fn, kernel if direct else None, tuple(grid), vals, subs, descs, options))
 
     def _name(self, t):
@@ -383,18 +322,11 @@ _TRITON = []  # (get_current_device, get_current_stream, knobs.runtime) of the i
 
 def _triton():
     if not _TRITON:
-        from triton import knobs
-        from triton.runtime import driver
-
-        _TRITON.append((driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime))
+        _TRITON.append(internals.runtime())
     return _TRITON[0]
 
 
-def _fill_tma():
-    """Triton's ``fill_tma_descriptor`` (the CUtensorMap encoder its launcher calls for host descriptors)."""
-    from triton.runtime import driver
-
-    return driver.active.utils.fill_tma_descriptor
+_fill_tma = internals.fill_tma
 
 
 STATS_DESC = {"encoded": 0, "through_triton": 0}  # replayed launches with host descriptors, by route
@@ -411,59 +343,9 @@ class _Launch:
         self.expanded = None if descs and kernel is not None else False  # None: not tried yet
 
     def _expand(self):
-        """``(C launcher, map encoder, cooperative, pdl, template, tensor positions, descriptor positions)``: the
-        kernel's arguments expanded as Triton's launcher expands them, around placeholders for the call's tensors
-        and maps (each descriptor position with its encoder arguments and its maps by base address); False when
-        this Triton or kernel does not allow it (see ``_DESC_SOURCE``)."""
-        launcher = self.kernel.run
-        module = _desc_module(type(launcher))
-        scratch = getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
-        if module is None or scratch:
-            return False
-        inner = launcher.launch
-        free = _closure(inner)
-        raw, metas = free.get("launcher"), free.get("tensordesc_meta")
-        if getattr(inner, "__name__", "") != "inner" or not callable(raw) or not metas or len(metas) != len(self.descs):
-            return False
-        descs = {i: (name, fields) for i, name, _, fields in self.descs}
-        subs = {i: (name, view) for i, name, view in self.subs}
-        template, at_tensor, at_desc, metas = [], [], [], iter(metas)
-        for i, val in enumerate(self.vals):
-            if i in descs:
-                name, fields = descs[i]
-                meta = next(metas)
-                if (meta is None or meta.get("fp4_padded") or fields.get("padding", "zero") != "zero"
-                        or meta.get("elem_type") not in module.TMA_DTYPE_DEVICE_TO_HOST):
-                    return False
-                shape, strides = list(fields["shape"]), list(fields["strides"])
-                static = (meta["swizzle"], meta["elem_size"], module.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
-                          meta["block_size"], shape, strides, 0)
-                at_desc.append((len(template), name, static, {}))
-                template += [None, *shape, *strides]
-            elif i in subs:
-                at_tensor.append((len(template), *subs[i]))
-                template.append(None)
-            else:
-                template.append(val)
-        return (raw, _fill_tma(), launcher.launch_cooperative_grid, launcher.launch_pdl, template, tuple(at_tensor),
-                tuple(at_desc))
-
-    def _run_expanded(self, slots, kernel, how, stream):
-        raw, fill, coop, pdl, template, at_tensor, at_desc = how
-        args = template.copy()
-        for pos, name, view in at_tensor:
-            args[pos] = slots[name] if view is None else slots[name].view(view)
-        for pos, name, static, maps in at_desc:
-            ptr = slots[name].data_ptr()
-            m = maps.get(ptr)
-            if m is None:  # a map depends only on the base address and the (keyed) geometry
-                if len(maps) >= MAPS_PER_DESCRIPTOR:
-                    maps.clear()
-                m = maps[ptr] = fill(ptr, *static)
-            args[pos] = m
-        g0, g1, g2 = self.grid3
-        raw(g0, g1, g2, stream, kernel.function, coop, pdl, None, None, kernel.packed_metadata, None, None, None,
-            *args)
+        """How this launch's host descriptors are expanded for Triton's compiled launcher, or False (see
+        ``internals.expand_descriptors``)."""
+        return internals.expand_descriptors(self.kernel, self.vals, self.subs, self.descs, _desc_module, _fill_tma)
 
     def __call__(self, slots):
         kernel = self.kernel
@@ -474,24 +356,18 @@ class _Launch:
         device, stream, hooks = _triton()
         stream = stream(device())
         enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-        # no hook to call: the launch takes None for the hooks and their metadata, as Triton's own launch does when
-        # no enter hook is set (checked by _metadata_needs_hook); Triton 3.6 keeps empty hook chains instead of None
-        quiet = _idle(enter) and _idle(leave) and _metadata_needs_hook(type(kernel))
+        quiet = internals.quiet(kernel, enter, leave)
         if quiet and self.expanded is not False:
             if self.expanded is None:
                 self.expanded = self._expand()
             if self.expanded:
                 STATS_DESC["encoded"] += 1
-                return self._run_expanded(slots, kernel, self.expanded, stream)
+                return internals.launch_expanded(self.expanded, kernel, self.grid3, stream, slots,
+                                                 MAPS_PER_DESCRIPTOR)
         vals = self._vals(slots)
         if self.descs:
             STATS_DESC["through_triton"] += 1
-        if quiet:
-            meta = enter = leave = None
-        else:
-            meta = kernel.launch_metadata(self.grid, stream, *vals)
-        g0, g1, g2 = self.grid3
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *vals)
+        internals.launch_compiled(kernel, self.grid, self.grid3, stream, None if quiet else (enter, leave), vals)
 
     def _vals(self, slots):
         vals = self.vals.copy()
@@ -500,12 +376,6 @@ class _Launch:
         for i, name, cls, fields in self.descs:
             vals[i] = cls(slots[name], **fields)
         return vals
-
-
-def _idle(hook) -> bool:
-    """Whether a launch hook calls nothing: None, or an empty HookChain (Triton 3.6's default)."""
-    return hook is None or (type(hook).__name__ == "HookChain" and type(getattr(hook, "calls", None)) is list
-                            and not hook.calls)
 
 
 class Plan:

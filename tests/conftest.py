@@ -48,11 +48,14 @@ def _fresh_launch_plans():
 
 @pytest.fixture
 def load_recipe():
-    """``load_recipe(name)``: ``recipes/<name>.py`` imported as a module (recipes/ is not a package)."""
-    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    """``load_recipe(name)``: ``recipes/<name>.py`` or ``benchmarks/lab/<name>.py`` imported as a module (neither
+    folder is a package)."""
+    root = Path(__file__).resolve().parents[1]
 
     def load(name):
-        spec = importlib.util.spec_from_file_location(f"_recipe_{name}", recipes / f"{name}.py")
+        path = next(p for p in (root / "recipes" / f"{name}.py", root / "benchmarks" / "lab" / f"{name}.py")
+                    if p.exists())
+        spec = importlib.util.spec_from_file_location(f"_recipe_{name}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

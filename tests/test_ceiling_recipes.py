@@ -1,7 +1,7 @@
-"""The ceiling recipes compute what they time: the plain Triton GEMM (``recipes/gemm_ceiling.py``), the IEEE
-attention variants (``recipes/strict_variants.py``) and the bare FlashAttention loop (``recipes/lowp_ceiling.py``,
+"""The ceiling recipes compute what they time: the plain Triton GEMM (``benchmarks/lab/gemm_ceiling.py``), the IEEE
+attention variants (``benchmarks/lab/strict_variants.py``) and the bare FlashAttention loop (``benchmarks/lab/lowp_ceiling.py``,
 one or two row sub-tiles) match float64 under the CPU interpreter, in every cut of their dots, so the rates they
-report on the GPU are rates of correct kernels; the Gluon warp-specialised prototype (``recipes/gluon_ws_ceiling.py``)
+report on the GPU are rates of correct kernels; the Gluon warp-specialised prototype (``benchmarks/lab/gluon_ws_ceiling.py``)
 on the GPU, as the interpreter cannot run Gluon."""
 
 import pytest
@@ -42,7 +42,7 @@ def test_lowp_ceiling_loop_matches_float64(cfg, load_recipe):
 
 @pytest.mark.gpu
 def test_gluon_ws_ceiling_kernels_match_float64(load_recipe):
-    """The warp-specialised prototype whose timings docs/PERF.md (v15) reports computes the right thing: both
+    """The warp-specialised prototype whose timings docs/perf/history.md (v15) reports computes the right thing: both
     schedules, both key tiles, fp16/bf16, ragged N, Nq != Nk both ways, GQA, causal rows with no key (its own check
     raises SystemExit on a wrong output, lse or NaN)."""
     if torch.cuda.get_device_capability()[0] != 9:

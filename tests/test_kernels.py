@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # before the kernels are decorated (kernels/s
 
 import elsa_surgery
 from elsa_surgery import dispatch, monoid
-from elsa_surgery.kernels import launch, unsupported_reason
+from elsa_surgery.kernels import knobs, launch, unsupported_reason
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
@@ -361,7 +361,7 @@ def test_compile_does_not_recompile_across_lengths(kind):
     assert counters["stats"]["unique_graphs"] <= 2, (kind, dict(counters["stats"]))
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("ELSA_TEST_RANDOM_CASES", "8"))))
+@pytest.mark.parametrize("seed", range(knobs.get(knobs.TEST_RANDOM_CASES)))
 def test_random_feature_combinations(seed):
     """Fresh random problems mixing GQA, strides, masks, causal, padded lengths and forced K-partitions."""
     g = torch.Generator().manual_seed(1000 + seed)

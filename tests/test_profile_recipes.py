@@ -1,5 +1,5 @@
-"""The profiling recipes' own logic, on the CPU: ``recipes/ncu_profile.py`` splits ncu's rows into calls at the
-marker kernels and reads its metrics and stall reasons; ``recipes/membar_probe.py`` removes from a kernel loop's PTX
+"""The profiling recipes' own logic, on the CPU: ``benchmarks/lab/ncu_profile.py`` splits ncu's rows into calls at the
+marker kernels and reads its metrics and stall reasons; ``benchmarks/lab/membar_probe.py`` removes from a kernel loop's PTX
 exactly the barriers it names (the wait's and the TMA copies'), never the one that guards the stage's refill; and
 ``benchmark.environ``, the recipes' switch of the kernels' knobs."""
 

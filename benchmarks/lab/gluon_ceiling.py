@@ -1,12 +1,15 @@
-"""Beyond Triton's ceiling at bf16/fp16 D=128: a FlashAttention loop written in Gluon (Triton's explicit
+"""Lab: Can a FlashAttention loop written in Gluon (explicit wgmma, TMA, mbarriers) pass Triton's 0.71-0.75x SDPA cuDNN ceiling at bf16/fp16 D = 128?
+Answered in docs/perf/history.md, section "Version 10". A one-off investigation, not a recipe.
+
+Beyond Triton's ceiling at bf16/fp16 D=128: a FlashAttention loop written in Gluon (Triton's explicit
 dialect) with Hopper's asynchronous wgmma, TMA loads into a ring of shared-memory stages, and the softmax of
 key tile j overlapped with the P·V product of tile j-1 (FlashAttention-3's intra-warpgroup pipelining),
-against SDPA cuDNN on the same inputs. ``recipes/lowp_ceiling.py`` measured that Triton's own code
+against SDPA cuDNN on the same inputs. ``benchmarks/lab/lowp_ceiling.py`` measured that Triton's own code
 generation stops at 0.74-0.76x cuDNN for this loop; this script measures whether the explicit schedule
 moves that ceiling.
 
-    python recipes/gluon_ceiling.py                 # bf16, non-causal, (H=32, N=4K), (H=8, N=16K), D=128
-    python recipes/gluon_ceiling.py --check-only    # correctness vs float64 on small shapes
+    python benchmarks/lab/gluon_ceiling.py                 # bf16, non-causal, (H=32, N=4K), (H=8, N=16K), D=128
+    python benchmarks/lab/gluon_ceiling.py --check-only    # correctness vs float64 on small shapes
 
 Needs a Hopper GPU (sm_90) and Triton >= 3.6 (Gluon). Prototype: B·H·N·D contiguous, N a multiple of the
 tiles, no masks, no causal.

@@ -1,4 +1,7 @@
-"""The toolchain's own ceiling: a plain Triton GEMM against cuBLAS, per operand precision.
+"""Lab: What fraction of cuBLAS does a plain Triton GEMM reach, per operand precision (the toolchain's ceiling for strict)?
+Answered in docs/perf/history.md, section "Version 8". A one-off investigation, not a recipe.
+
+The toolchain's own ceiling: a plain Triton GEMM against cuBLAS, per operand precision.
 
 ELSA's ``strict`` mode is two IEEE-fp32 products per attention block, computed by Triton's FMA lowering of
 ``tl.dot(..., input_precision="ieee")``; its bf16 path is two ``wgmma`` products around the softmax. This
@@ -6,8 +9,8 @@ script measures what the same Triton (same ``tl.dot``, no softmax, no state) rea
 sweep of tiles, next to cuBLAS (``torch.matmul``; TF32 off for fp32). If a bare Triton IEEE GEMM cannot reach
 a fraction of SGEMM, neither can an attention kernel built from the same dot plus a softmax.
 
-    python recipes/gemm_ceiling.py                       # fp32 IEEE and bf16, square and attention shapes
-    python recipes/gemm_ceiling.py --dtypes ieee --json out.jsonl
+    python benchmarks/lab/gemm_ceiling.py                       # fp32 IEEE and bf16, square and attention shapes
+    python benchmarks/lab/gemm_ceiling.py --dtypes ieee --json out.jsonl
 
 Shapes: ``4096^3`` (a square GEMM) and the score product of one attention head batch, ``[B·H, N, D] x
 [B·H, D, N]`` with ``B·H = 8, N = 4096, D = 64`` and ``B·H = 32, N = 4096, D = 128`` (the benchmark's cells).

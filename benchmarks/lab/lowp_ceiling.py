@@ -1,12 +1,15 @@
-"""The Triton ceiling behind the bf16 D=128 cell: a bare FlashAttention loop (no masks, no partitions, no
+"""Lab: How fast can Triton's own code generation run a bare FlashAttention loop at bf16 D = 128 (the ceiling of the portable kernel)?
+Answered in docs/perf/history.md, section "Version 9". A one-off investigation, not a recipe.
+
+The Triton ceiling behind the bf16 D=128 cell: a bare FlashAttention loop (no masks, no partitions, no
 ragged lengths) against SDPA cuDNN and flash, and the same loop with two independent row sub-tiles per program
 (``SUB=2``: one sub-tile's softmax may overlap the other's tensor-core products, the intra-warpgroup overlap
 of FlashAttention-3) over a sweep of tiles. If the bare loop cannot reach 0.9x cuDNN, neither can ELSA's
 kernel, which is the same loop plus masking and state logic.
 
-    python recipes/lowp_ceiling.py          # bf16, non-causal, (H=32, N=4K) and (H=8, N=16K), D=128, B=1
+    python benchmarks/lab/lowp_ceiling.py          # bf16, non-causal, (H=32, N=4K) and (H=8, N=16K), D=128, B=1
 
-Needs a CUDA GPU. docs/PERF.md, "Version 9", has its output on an H100.
+Needs a CUDA GPU. docs/perf/history.md, "Version 9", has its output on an H100.
 """
 
 from __future__ import annotations

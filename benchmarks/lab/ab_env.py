@@ -1,9 +1,12 @@
-"""A/B of an environment knob of the kernels, kernel against kernel: each value of the variable and SDPA's
+"""Lab: Is one value of a kernel knob faster than another, kernel against kernel in one process (e.g. ELSA_HOPPER_LAZY)?
+Answered in docs/perf/history.md, section "Version 17". A one-off investigation, not a recipe.
+
+A/B of an environment knob of the kernels, kernel against kernel: each value of the variable and SDPA's
 baseline (cuDNN for fp16/bf16, memory-efficient for fp32) timed from CUDA-graph replays, in interleaved rounds in
 one process, on the same inputs.
 
-    python recipes/ab_env.py --env ELSA_HOPPER_LAZY --values 1,0                  # bf16 32x128, 4K and 16K
-    python recipes/ab_env.py --env ELSA_HOPPER_LAZY --values 1,0 --dtypes bf16,fp32-turbo --shapes 8x64,32x128 \\
+    python benchmarks/lab/ab_env.py --env ELSA_HOPPER_LAZY --values 1,0                  # bf16 32x128, 4K and 16K
+    python benchmarks/lab/ab_env.py --env ELSA_HOPPER_LAZY --values 1,0 --dtypes bf16,fp32-turbo --shapes 8x64,32x128 \\
         --n 1024,4096 --causal 0,1 --rounds 3
 
 Each value's call is captured while the variable holds it (the launcher reads it when planning, so each graph
@@ -22,7 +25,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes"))
 import bench_attention as ba  # noqa: E402
 
 import elsa_surgery  # noqa: E402

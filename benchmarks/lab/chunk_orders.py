@@ -1,11 +1,14 @@
-"""Causal fp32 tensor-core calls (``precise``, ``turbo``) at N=16K: key chunks in reverse order staged in the
+"""Lab: Do causal fp32 tensor-core calls at N = 16K run faster with their key chunks in reverse order, staged in the output?
+Answered in docs/perf/history.md, section "Version 9". A one-off investigation, not a recipe.
+
+Causal fp32 tensor-core calls (``precise``, ``turbo``) at N=16K: key chunks in reverse order staged in the
 output (v9, the default), key chunks in key order (v8's plan: the reverse plan turned off), and V/K staged whole
 (no memory bound), timed in one run against ME-SDPA fp32.
 
-    python recipes/chunk_orders.py           # B=1, (H=8, D=64) and (H=32, D=128), N=16K, causal
-    python recipes/chunk_orders.py --host    # also: host time per call without syncs, eager and graph-replayed
+    python benchmarks/lab/chunk_orders.py           # B=1, (H=8, D=64) and (H=32, D=128), N=16K, causal
+    python benchmarks/lab/chunk_orders.py --host    # also: host time per call without syncs, eager and graph-replayed
 
-Needs a CUDA GPU. docs/PERF.md, "Version 9", has its output on an H100.
+Needs a CUDA GPU. docs/perf/history.md, "Version 9", has its output on an H100.
 """
 
 import argparse

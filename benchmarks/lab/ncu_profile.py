@@ -1,8 +1,11 @@
-"""Nsight Compute counters of ELSA's kernel against SDPA's on the same call: where the time of the cells that miss
+"""Lab: Where does the time of the cells that miss their target go (pipes, issue slots, warp stalls), against SDPA on the same call?
+Answered in docs/perf/history.md, section "Version 17". A one-off investigation, not a recipe.
+
+Nsight Compute counters of ELSA's kernel against SDPA's on the same call: where the time of the cells that miss
 their target goes (pipe utilisation, issue slots, warp stall reasons, occupancy).
 
-    python recipes/ncu_profile.py                         # bf16 / fp16 32x128 1K and 4K vs cuDNN, strict 1K vs ME
-    python recipes/ncu_profile.py --cells bf16:1x32x4096x128:0 --csv rows.csv
+    python benchmarks/lab/ncu_profile.py                         # bf16 / fp16 32x128 1K and 4K vs cuDNN, strict 1K vs ME
+    python benchmarks/lab/ncu_profile.py --cells bf16:1x32x4096x128:0 --csv rows.csv
 
 Each cell (``dtype:BxHxNxD:causal``) runs ``elsa_surgery.attention(..., backend="elsa")`` and the SDPA backend it
 is compared with (cuDNN for fp16/bf16, memory-efficient for fp32), warmed up, then once each inside a profiler
@@ -23,7 +26,9 @@ import shutil
 import subprocess
 import sys
 
-CHILD = "ELSA_NCU_CHILD"
+from elsa_surgery.kernels import knobs
+
+CHILD = knobs.NCU_CHILD
 CELLS = ("bf16:1x32x1024x128:0", "fp16:1x32x1024x128:0", "bf16:1x32x4096x128:0", "fp16:1x32x4096x128:0",
          "fp32-strict:1x32x1024x128:0")
 DTYPES = {"bf16": ("bfloat16", None), "fp16": ("float16", None), "fp32-strict": ("float32", "strict"),
@@ -69,7 +74,7 @@ def parse_cell(text):
 
 def child(cells, ws=False):
     """Warm every call, then run each once after a marker kernel inside one profiler range. ``ws``: fp16/bf16
-    cells also run the warp-specialised kernel of ``recipes/gluon_ws_ceiling.py`` (plain, 128-key tiles)."""
+    cells also run the warp-specialised kernel of ``benchmarks/lab/gluon_ws_ceiling.py`` (plain, 128-key tiles)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -169,12 +174,12 @@ def main(argv=None):
     ap.add_argument("--cells", default=",".join(CELLS), help="comma list of dtype:BxHxNxD:causal")
     ap.add_argument("--csv", help="also write ncu's raw CSV here")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
-    ap.add_argument("--ws", action="store_true", help="also profile recipes/gluon_ws_ceiling.py's plain kernel")
+    ap.add_argument("--ws", action="store_true", help="also profile benchmarks/lab/gluon_ws_ceiling.py's plain kernel")
     args = ap.parse_args(argv)
     cells = [c for c in args.cells.split(",") if c]
     for c in cells:
         parse_cell(c)
-    if os.environ.get(CHILD):
+    if knobs.get(CHILD):
         return child(cells, ws=args.ws)
     if not shutil.which(args.ncu):
         raise SystemExit(f"--ncu: {args.ncu!r} not found (Nsight Compute's command line is needed)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
-# fits one 10-minute call. Usage (from the repository root): bash recipes/gpu_suite.sh PART [OUTDIR]
+# fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | exec (then: OUTDIR COMMAND...,
 #   run with the package mapped). tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests),
 #   tests-tiles (those) and tests-rest (every other GPU test): each part fits one call, the whole suite does not

@@ -1,7 +1,10 @@
-"""Which kernel should an eager call of a given size take on Hopper: the Gluon kernel or the portable one?
+"""Lab: From what size should an eager call on Hopper take the Gluon kernel rather than the portable one?
+Answered in docs/perf/history.md, section "Version 16". A one-off investigation, not a recipe.
 
-    python recipes/eager_thresholds.py                          # bf16, strict, turbo on the default shapes
-    python recipes/eager_thresholds.py --kinds bf16 --shapes 1x32x1024x128 --rounds 3 --json rows.jsonl
+Which kernel should an eager call of a given size take on Hopper: the Gluon kernel or the portable one?
+
+    python benchmarks/lab/eager_thresholds.py                          # bf16, strict, turbo on the default shapes
+    python benchmarks/lab/eager_thresholds.py --kinds bf16 --shapes 1x32x1024x128 --rounds 3 --json rows.jsonl
 
 For each shape (``BxHxNxD``), causal or not, and dtype kind, the public call ``elsa_surgery.attention(...,
 backend="elsa")`` is timed eagerly (``do_bench`` median: host-bound calls read as their host time) with

@@ -1,15 +1,18 @@
-"""Tile sweep at model shapes (batch 8): ViT/BERT token counts and Swin windows with their per-window mask.
+"""Lab: Which tiles are fastest at model shapes (ViT/BERT token counts, Swin windows with their mask)?
+Answered in docs/perf/history.md, section "Version 16 (and Versions 5-6)". A one-off investigation, not a recipe.
+
+Tile sweep at model shapes (batch 8): ViT/BERT token counts and Swin windows with their per-window mask.
 
 For each shape: SDPA's backends (auto, flash, efficient, cuDNN) and the ELSA kernel under every tile config
 of the sweep space, each call captured in a CUDA graph and replayed (``triton.testing.do_bench`` median), so
 the numbers are GPU time without Python launch cost. ``default`` is what the tile table picks today. This is
-the measurement behind the length buckets of ``kernels/occupancy._TABLE`` (docs/perf/tiles_h200_v5.log).
+the measurement behind the length buckets of ``kernels/occupancy._TABLE`` (docs/perf/raw/tiles_h200_v5.log).
 
-    python recipes/sweep_short_tiles.py --group vit      # bf16 ViT token counts, D=64
-    python recipes/sweep_short_tiles.py --group swin     # bf16 Swin windows (49, 144 tokens) with masks
-    python recipes/sweep_short_tiles.py --group fp32     # fp32 precise/turbo/strict, ViT and Swin shapes
-    python recipes/sweep_short_tiles.py --group n1k      # bench_attention's N=1K cells (B=1), causal and not
-    python recipes/sweep_short_tiles.py --group vit-hopper   # ViT token counts on the Hopper (Gluon) kernel's tiles
+    python benchmarks/lab/sweep_short_tiles.py --group vit      # bf16 ViT token counts, D=64
+    python benchmarks/lab/sweep_short_tiles.py --group swin     # bf16 Swin windows (49, 144 tokens) with masks
+    python benchmarks/lab/sweep_short_tiles.py --group fp32     # fp32 precise/turbo/strict, ViT and Swin shapes
+    python benchmarks/lab/sweep_short_tiles.py --group n1k      # bench_attention's N=1K cells (B=1), causal and not
+    python benchmarks/lab/sweep_short_tiles.py --group vit-hopper   # ViT token counts on the Hopper (Gluon) kernel's tiles
 
 ``vit-hopper`` times the Gluon kernel (``kernels/hopper.py``) under each of its tile configurations
 (``ELSA_HOPPER_TILES``), and the portable kernel's default (``ELSA_HOPPER=0``), at the ViT shapes, fp16/bf16.

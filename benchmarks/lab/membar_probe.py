@@ -1,7 +1,10 @@
-"""What do the CTA barriers that Triton 3.6 puts around the mbarrier and TMA operations of the Hopper kernel's key
+"""Lab: What do the CTA barriers Triton 3.6 puts around the Hopper kernel's mbarrier and TMA operations cost?
+Answered in docs/perf/history.md, section "Version 17". A one-off investigation, not a recipe.
+
+What do the CTA barriers that Triton 3.6 puts around the mbarrier and TMA operations of the Hopper kernel's key
 loop cost? A measurement, not a fix.
 
-    python recipes/membar_probe.py                          # bf16 1x32xNx128, N = 1K/4K/16K, against cuDNN
+    python benchmarks/lab/membar_probe.py                          # bf16 1x32xNx128, N = 1K/4K/16K, against cuDNN
 
 Triton 3.6's shared-memory barrier analysis treats mbarrier waits, ``expect`` and TMA copies as ordinary reads and
 writes of shared memory, so the fp16/bf16 kernel's loop (``kernels/hopper._elsa_fwd_sm90``) holds four
@@ -13,7 +16,7 @@ The recipe compiles the kernel once with Triton's IR dump on, removes the "top" 
 PTX, and times ``recipes/bench_attention.py`` with the original kernel and with the edited one
 (``TRITON_KERNEL_OVERRIDE``), each in a fresh process with its own kernel cache; the bench checks the output against
 float64 too. fp16 cells are not edited: they are the run-to-run control. Needs an sm_90 GPU and Triton 3.6 (the
-dump and override knobs). Measured (docs/PERF.md, v17): no change.
+dump and override knobs). Measured (docs/perf/history.md, v17): no change.
 """
 
 from __future__ import annotations

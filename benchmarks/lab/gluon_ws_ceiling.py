@@ -1,16 +1,19 @@
-"""FlashAttention-3's structure in Gluon, measured: a warp-specialised ELSA fold (one TMA loader warp, two
+"""Lab: Does FlashAttention-3's warp-specialised structure (loader warp, two consumer warpgroups) make the Gluon ELSA fold faster than the launcher's kernel?
+Answered in docs/perf/history.md, section "Version 15". A one-off investigation, not a recipe.
+
+FlashAttention-3's structure in Gluon, measured: a warp-specialised ELSA fold (one TMA loader warp, two
 consumer warpgroups of 64 query rows each, registers reallocated to the consumers with ``gl.warp_specialize``),
 with and without ping-pong scheduling of the two consumers, against the kernel the launcher runs
 (``kernels/hopper.py``: eight warps, two CTAs an SM, no specialisation) and SDPA cuDNN, all replayed from CUDA
 graphs on the same inputs.
 
-    python recipes/gluon_ws_ceiling.py                # bf16 and fp16, D = 128, H = 32, N = 1K/4K/16K, causal or not
-    python recipes/gluon_ws_ceiling.py --check-only   # correctness vs float64 (ragged N, Nq != Nk, GQA, causal)
+    python benchmarks/lab/gluon_ws_ceiling.py                # bf16 and fp16, D = 128, H = 32, N = 1K/4K/16K, causal or not
+    python benchmarks/lab/gluon_ws_ceiling.py --check-only   # correctness vs float64 (ragged N, Nq != Nk, GQA, causal)
 
 Ping-pong (``--modes``, 1): each consumer issues P·V of tile j-1 and Q·Kᵀ of tile j together on its turn and
 passes the turn on (two mbarriers), so one consumer's softmax runs under the other's products. Plain (0): each
 consumer folds its rows alone; K and V arrive on their own barriers, a stage is refilled once both consumers
-released it. Measured on an H100 (docs/PERF.md, version 15): neither beats the kernel the launcher runs at
+released it. Measured on an H100 (docs/perf/history.md, version 15): neither beats the kernel the launcher runs at
 D = 128 non-causal; the plain variant gains 2-4 % at 16K causal. Kept as the measured negative.
 
 Needs a Hopper GPU (sm_90) and Triton >= 3.6 (Gluon's ``warp_specialize``). Dense q/k/v with TMA-compatible

@@ -1,6 +1,9 @@
-"""The ceiling behind ``strict``'s rate: a plain IEEE-fp32 (FMA) attention loop in Triton, in every cut of its dots.
+"""Lab: Does cutting the two dots of an IEEE-fp32 attention loop the way a fast GEMM cuts its K loop lift strict's rate?
+Answered in docs/perf/history.md, section "Version 8". A one-off investigation, not a recipe.
 
-A bare Triton IEEE GEMM reaches 82 % of cuBLAS SGEMM on the H100 (``recipes/gemm_ceiling.py``), so this script asks
+The ceiling behind ``strict``'s rate: a plain IEEE-fp32 (FMA) attention loop in Triton, in every cut of its dots.
+
+A bare Triton IEEE GEMM reaches 82 % of cuBLAS SGEMM on the H100 (``benchmarks/lab/gemm_ceiling.py``), so this script asks
 whether cutting attention's two dots the way a fast GEMM cuts its K loop lifts ELSA's ``strict`` rate (35 % of
 SGEMM). Non-causal, dense, N=4096, H=8 D=64 and H=32 D=128, checked against float64, timed with ``do_bench``:
 
@@ -9,8 +12,8 @@ SGEMM). Non-causal, dense, N=4096, H=8 D=64 and H=32 D=128, checked against floa
 * ``PV``: 0 = one dot over the BN keys; 2 = P split in registers into KC-key chunks, V's rows loaded per chunk;
 * tiles BM x BN, 4/8 warps, 1/2 stages.
 
-    python recipes/strict_variants.py            # the full sweep (~7 min on an H100)
-    python recipes/strict_variants.py quick      # every ~12th variant
+    python benchmarks/lab/strict_variants.py            # the full sweep (~7 min on an H100)
+    python benchmarks/lab/strict_variants.py quick      # every ~12th variant
 
 This is a measurement of alternatives, not the package's kernel (``kernels/scan.py``).
 """
@@ -123,7 +126,11 @@ def run(q, k, v, o, cfg):
 
 
 def main():
-    quick = len(sys.argv) > 1
+    import argparse
+
+    ap = argparse.ArgumentParser(description="IEEE-fp32 attention loop variants against float64, timed on a GPU")
+    ap.add_argument("quick", nargs="?", help="any value: every ~12th variant only")
+    quick = ap.parse_args().quick is not None
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
     for H, D in ((8, 64), (32, 128)):
         N = 4096
