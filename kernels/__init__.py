@@ -13,6 +13,6 @@ dispatcher entries that the first registration's op handles point to (a segfault
 
 if __name__ == "elsa_surgery.kernels":
     from .interface import (  # noqa: F401  (explicit: the names the framework and tests use)
-        MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_state, attention_varlen, launch,
-        ops, unsupported_reason,
+        MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_state, attention_varlen, default_precision,
+        launch, ops, unsupported_reason,
     )

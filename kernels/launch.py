@@ -24,13 +24,22 @@ def _scan():
     return scan
 
 
-def _dot_kind(dtype: torch.dtype, precision: Optional[str]) -> int:
+def default_precision(device: torch.device) -> str:
+    """What ``precision=None`` means for fp32 at every layer (this launcher, the custom ops, and
+    ``elsa_surgery.attention`` through its dispatch, which reads this rule): ``precise`` (3xTF32) where the tensor
+    cores do TF32 (CUDA sm80+), ``strict`` (IEEE fp32) elsewhere, the CPU interpreter included."""
+    if device.type == "cuda" and occ.capability(occ._cuda_index(device))[0] >= 8:
+        return "precise"
+    return "strict"
+
+
+def _dot_kind(dtype: torch.dtype, precision: Optional[str], device: torch.device) -> int:
     if dtype == torch.bfloat16 and occ.interpreting():
         return occ.DOT_INTERP_BF16
     if dtype in (torch.float16, torch.bfloat16):
         return occ.DOT_LOWP
     if dtype == torch.float32:
-        return occ.DOT_OF_PRECISION[precision or "strict"]
+        return occ.DOT_OF_PRECISION[precision or default_precision(device)]
     raise TypeError(f"the ELSA kernels take float16, bfloat16 or float32 tensors, got {dtype}")
 
 
@@ -259,7 +268,7 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
 
     hopper_mode = hopper.mode()  # read on every call: a bad ELSA_HOPPER raises wherever the call would run
 
-    dot = _dot_kind(q.dtype, precision)
+    dot = _dot_kind(q.dtype, precision, q.device)
     varlen = varlen_dims is not None
     if varlen:
         B, Nq, Nk = varlen_dims
