@@ -8,7 +8,8 @@ the scalar arguments (``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``, `
 ``precision``, ``return_lse``) and the environment variables the dispatch reads (``ELSA_BACKEND``,
 ``ELSA_FP32_PRECISION``, ``TRITON_INTERPRET``). :func:`prepare` keys on exactly those: the first call with a key
 runs both and keeps the outcome; later calls with the key rebuild the problem around their own tensors (the same
-views ``build_problem`` makes: 3-D inputs get their head axis, the mask its canonical 4-D view) and reuse the
+views ``build_problem`` makes: 3-D inputs get their head axis, size-1 batch and head axes are broadcast, the
+mask gets its canonical 4-D view) and reuse the
 decision, which is still announced (recorded and logged) on every call.
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), calls with
@@ -24,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import dispatch
-from .semantics import AttentionProblem, build_problem, canonical_mask
+from .semantics import AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_mask
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
@@ -103,6 +104,7 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             squeeze, scale_, causal, dropout, d = hit
             if squeeze:
                 q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+            q, k, v = broadcast_batch_and_heads(q, k, v, enable_gqa)
             mask = None
             if attn_mask is not None:
                 mask = canonical_mask(attn_mask, batch=q.shape[0], heads_q=q.shape[1], n_q=q.shape[2],
