@@ -47,7 +47,7 @@ def clear() -> None:
 
 
 def _tensor_sig(t):
-    if type(t) is not torch.Tensor:  # noqa: E721 - subclasses (and non-tensors) take the full path
+    if type(t) is not torch.Tensor or t.is_nested:  # noqa: E721 - subclasses, nested and non-tensors: full path
         return None
     return t.shape, t.dtype, t.device
 

@@ -151,6 +151,9 @@ def _shape(t: torch.Tensor) -> str:
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise TypeError(f"{name} is a nested tensor: ELSA takes dense tensors (SDPA's nested inputs map onto "
+                        f"elsa_surgery.attention_varlen's packed layout with cu_seqlens)")
     if not t.is_floating_point():
         raise TypeError(
             f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
@@ -352,7 +355,8 @@ def causal_bias(bias, q, k, v, *, is_causal, windowed, lengths):
     then sets ``is_causal``. Keys are sliced (views), nothing is materialised."""
     Nq, Nk = q.shape[2], k.shape[2]
     if is_causal:
-        raise ValueError("attn_mask=CausalBias cannot be combined with is_causal=True (as in SDPA): pass one of them")
+        raise ValueError("CausalBias should not be used with causal=True (SDPA's words: attn_mask=CausalBias and "
+                         "is_causal=True ask for causality twice; pass one of them)")
     if windowed or lengths:
         raise ValueError("attn_mask=CausalBias cannot be combined with windowed_mask, q_lengths or kv_lengths; "
                          "pass is_causal=True instead")

@@ -181,3 +181,9 @@ def test_ranks_sdpa_takes_but_we_refuse(shape):
     t = torch.randn(shape)
     with pytest.raises(ValueError, match=r"q must have shape \[B, H, N, D\] \(or \[B, N, D\]\)"):
         elsa_surgery.attention(t, t, t)
+
+
+def test_nested_tensors_are_refused_naming_the_argument():
+    q = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])
+    with pytest.raises(TypeError, match="q is a nested tensor: ELSA takes dense tensors"):
+        elsa_surgery.attention(q, q, q)

@@ -436,7 +436,7 @@ def test_causal_bias_attention_state_and_3d(variant):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(is_causal=True), "cannot be combined with is_causal=True"),
+    (dict(is_causal=True), "CausalBias should not be used with causal=True"),
     (dict(kv_lengths=[5, 5]), "cannot be combined with windowed_mask, q_lengths or kv_lengths"),
 ])
 def test_causal_bias_refusals_name_the_argument(kw, match):
