@@ -41,13 +41,16 @@ def attention(
         q, k, v: ``[B, Hq, Nq, D]``, ``[B, Hkv, Nk, D]``, ``[B, Hkv, Nk, Dv]`` (or 3-D ``[B, N, D]``).
         attn_mask: bool (True = attend, SDPA's polarity) or additive float, broadcastable to
             ``[B, Hq, Nq, Nk]``; with ``windowed_mask=True``, ``[nW, Hq|1, Nq, Nk]`` applied to batch row
-            ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``).
+            ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``). PyTorch's
+            ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` / ``causal_lower_right``) is honoured on
+            every backend and device, without building a mask.
         dropout_p: attention dropout in [0, 1], as SDPA's. The ELSA kernels implement none: a call with
             ``dropout_p > 0`` runs on the reference backend under ``auto`` (the reason is logged and
             recorded), and raises under ``backend="elsa"``.
         is_causal: bottom-right aligned when ``Nq != Nk`` (query i sees keys ``j <= i + Nk - Nq``).
         scale: defaults to ``D ** -0.5``.
-        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made).
+        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made). Size-1 batch and head
+            axes broadcast as in SDPA (one kv head serves every query head even without it).
         backend: ``"auto"`` | ``"elsa"`` | ``"reference"`` | ``"sdpa"`` (or ``ELSA_BACKEND``).
         precision: fp32 mode ``"strict"`` | ``"precise"`` | ``"turbo"`` (or ``ELSA_FP32_PRECISION``).
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` (fp32; -inf for rows with no key).
@@ -55,7 +58,7 @@ def attention(
 
     Returns:
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
-        Rows with no visible key are zeros.
+        Rows with no visible key are zeros. Deliberate differences from SDPA: docs/fidelity.md.
     """
     # build_problem + dispatch.decide (+ announce), memoised per signature: see callcache.py
     p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
