@@ -268,6 +268,8 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
 
     hopper_mode = hopper.mode()  # read on every call: a bad ELSA_HOPPER raises wherever the call would run
 
+    if q.dtype == torch.float32 and precision is None:  # resolved once: the Hopper path below reads it too
+        precision = default_precision(q.device)
     dot = _dot_kind(q.dtype, precision, q.device)
     varlen = varlen_dims is not None
     if varlen:
