@@ -117,13 +117,24 @@ def elsa_attention_forward(
     mask = attention_mask
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
-        # packed sequences (DataCollatorWithFlattening's flash-attention kwargs): the packed varlen path, as
-        # transformers' flash-attention integration does (the cu_seqlens define the sequences, no mask)
-        _note_call(module, "packed")
+    packed = cu_q is not None and cu_k is not None and query.shape[0] == 1
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if packed:
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(max_q) if max_q is not None else int(cu_q.diff().max())
         max_k = int(max_k) if max_k is not None else int(cu_k.diff().max())
+    if packed and window is not None and max_k > window:  # (query i sees key j when i - j < window)
+        # the packed path has no window (issue 30: it was silently dropped): the mask transformers built from
+        # the position_ids holds both the sequence boundaries and the window
+        if mask is None or mask.dim() != 4:
+            raise UnsupportedAttention(
+                f"packed sequences (cu_seq_lens_q) with a sliding window ({window}) and no 4-D attention mask: "
+                "ELSA's packed path has no window; pass the attention mask, or keep this model on 'sdpa'")
+        packed = False
+    if packed:
+        # packed sequences (DataCollatorWithFlattening's flash-attention kwargs): the packed varlen path, as
+        # transformers' flash-attention integration does (the cu_seqlens define the sequences, no mask)
+        _note_call(module, "packed")
         out = elsa_surgery.attention_varlen(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
             cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,

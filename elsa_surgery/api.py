@@ -41,13 +41,16 @@ def attention(
         q, k, v: ``[B, Hq, Nq, D]``, ``[B, Hkv, Nk, D]``, ``[B, Hkv, Nk, Dv]`` (or 3-D ``[B, N, D]``).
         attn_mask: bool (True = attend, SDPA's polarity) or additive float, broadcastable to
             ``[B, Hq, Nq, Nk]``; with ``windowed_mask=True``, ``[nW, Hq|1, Nq, Nk]`` applied to batch row
-            ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``).
+            ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``). PyTorch's
+            ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` / ``causal_lower_right``) is honoured on
+            every backend and device, without building a mask.
         dropout_p: attention dropout in [0, 1], as SDPA's. The ELSA kernels implement none: a call with
             ``dropout_p > 0`` runs on the reference backend under ``auto`` (the reason is logged and
             recorded), and raises under ``backend="elsa"``.
         is_causal: bottom-right aligned when ``Nq != Nk`` (query i sees keys ``j <= i + Nk - Nq``).
         scale: defaults to ``D ** -0.5``.
-        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made).
+        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made). Size-1 batch and head
+            axes broadcast as in SDPA (one kv head serves every query head even without it).
         backend: ``"auto"`` | ``"elsa"`` | ``"reference"`` | ``"sdpa"`` (or ``ELSA_BACKEND``).
         precision: fp32 mode ``"strict"`` | ``"precise"`` | ``"turbo"`` (or ``ELSA_FP32_PRECISION``).
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` (fp32; -inf for rows with no key).
@@ -55,23 +58,33 @@ def attention(
 
     Returns:
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
-        Rows with no visible key are zeros.
+        Rows with no visible key are zeros. Deliberate differences from SDPA: docs/fidelity.md.
     """
     # build_problem + dispatch.decide (+ announce), memoised per signature: see callcache.py
     p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
                              precision=precision, return_lse=return_lse, q_lengths=q_lengths,
                              kv_lengths=kv_lengths, windowed_mask=windowed_mask)
+    pieces = [_run(piece, d, return_lse) for piece in p.row_pieces()]  # one, but for upper-left CausalBias
+    out, lse = pieces[0] if len(pieces) == 1 else _cat_rows(pieces)
+    out, lse = p.restore_shape(out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _run(p, d, return_lse: bool):
+    """``(out, lse or None)`` of one canonical problem on the decided backend."""
     if d.backend == "elsa":
-        out, lse = _kernels().attention(
+        return _kernels().attention(
             p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
             kv_lengths=p.kv_lengths, precision=d.precision, return_lse=return_lse,
         )
-    elif d.backend == "sdpa":
-        out, lse = sdpa.run(p), None
-    else:
-        out, lse = reference_ops.run(p, return_lse=return_lse)
-    out, lse = p.restore_shape(out, lse)
-    return (out, lse) if return_lse else out
+    if d.backend == "sdpa":
+        return sdpa.run(p), None
+    return reference_ops.run(p, return_lse=return_lse)
+
+
+def _cat_rows(pieces):
+    """Per-piece results (tuples of tensors over query rows, or None) joined along the row axis (dim 2)."""
+    return tuple(None if parts[0] is None else torch.cat(parts, dim=2) for parts in zip(*pieces))
 
 
 def attention_state(
@@ -90,16 +103,20 @@ def attention_state(
                       q_lengths=q_lengths, kv_lengths=kv_lengths, windowed_mask=windowed_mask)
     d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=True)
     dispatch.announce(d)
-    if d.backend == "elsa":
-        state = monoid.State(*_kernels().attention_state(
-            p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
-            kv_lengths=p.kv_lengths, precision=d.precision,
-        ))
-    else:
-        state = reference_ops.run_state(p)
+    pieces = [_run_state(piece, d) for piece in p.row_pieces()]  # one, but for upper-left CausalBias
+    state = monoid.State(*(pieces[0] if len(pieces) == 1 else _cat_rows(pieces)))
     if p.squeeze_head:
         state = monoid.State(state.m.squeeze(1), state.S.squeeze(1), state.W.squeeze(1))
     return state
+
+
+def _run_state(p, d):
+    if d.backend == "elsa":
+        return tuple(_kernels().attention_state(
+            p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
+            kv_lengths=p.kv_lengths, precision=d.precision,
+        ))
+    return tuple(reference_ops.run_state(p))
 
 
 def attention_varlen(

@@ -8,10 +8,10 @@ the scalar arguments (``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``, `
 ``precision``, ``return_lse``) and the environment variables the dispatch reads (``ELSA_BACKEND``,
 ``ELSA_FP32_PRECISION``, ``TRITON_INTERPRET``). :func:`prepare` keys on exactly those: the first call with a key
 runs both and keeps the outcome; later calls with the key rebuild the problem around their own tensors (the same
-views ``build_problem`` makes: 3-D inputs get their head axis, the mask its canonical 4-D view) and reuse the
-decision, which is still announced (recorded and logged) on every call. Under ``auto`` the first eager CUDA call of
-a signature may also race the kernels against PyTorch's SDPA (:mod:`elsa_surgery.autoselect`); the memo keeps the
-winner.
+views ``build_problem`` makes: 3-D inputs get their head axis, size-1 batch and head axes are broadcast, the
+mask gets its canonical 4-D view) and reuse the decision, which is still announced (recorded and logged) on every
+call. Under ``auto`` the first eager CUDA call of a signature may also race the kernels against PyTorch's SDPA
+(:mod:`elsa_surgery.autoselect`); the memo keeps the winner.
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), calls with
 ``q_lengths`` / ``kv_lengths`` (their values are checked), a tensor ``scale``, arguments of other types than plain
@@ -26,7 +26,7 @@ import torch
 
 from . import autoselect, dispatch
 from .kernels import internals
-from .semantics import AttentionProblem, build_problem, canonical_mask
+from .semantics import AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_mask
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
@@ -47,7 +47,7 @@ def clear() -> None:
 
 
 def _tensor_sig(t):
-    if type(t) is not torch.Tensor:  # noqa: E721 - subclasses (and non-tensors) take the full path
+    if type(t) is not torch.Tensor or t.is_nested:  # noqa: E721 - subclasses, nested and non-tensors: full path
         return None
     return t.shape, t.dtype, t.device
 
@@ -106,6 +106,7 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             squeeze, scale_, causal, dropout, d = hit
             if squeeze:
                 q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+            q, k, v = broadcast_batch_and_heads(q, k, v, enable_gqa)
             mask = None
             if attn_mask is not None:
                 mask = canonical_mask(attn_mask, batch=q.shape[0], heads_q=q.shape[1], n_q=q.shape[2],

@@ -68,10 +68,9 @@ def requested_precision(precision: Optional[str]) -> Optional[str]:
 
 
 def default_precision(device: torch.device) -> str:
-    """fp32 default: ``precise`` (3xTF32) where tensor cores do TF32 (sm80+), ``strict`` elsewhere."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-        return "precise"
-    return "strict"
+    """fp32 default when neither ``precision=`` nor ``ELSA_FP32_PRECISION`` names a mode: the kernels' own rule
+    (``elsa_surgery.kernels.default_precision``: ``precise`` on sm80+, ``strict`` elsewhere), stated once there."""
+    return kernels_module().default_precision(device)
 
 
 _KERNELS = None

@@ -10,7 +10,13 @@ canonicalisation and the meaning of every argument live in this file and nowhere
   (broadcast axes have stride 0, nothing is copied); batch row ``b`` reads mask row ``b % P``. ``P`` is
   1 or ``B`` for an ordinary broadcast mask, or ``nW`` for a per-window (Swin) mask.
 * ``is_causal``: bottom-right aligned; with padded lengths, aligned to each row's own valid lengths:
-  query ``i`` sees key ``j`` iff ``j <= i + kv_len[b] - q_len[b]``.
+  query ``i`` sees key ``j`` iff ``j <= i + kv_len[b] - q_len[b]``. Together with ``attn_mask`` the two
+  intersect (SDPA raises there: a deliberate extension, docs/fidelity.md).
+* ``attn_mask`` may also be PyTorch's ``torch.nn.attention.bias.CausalBias`` (no dense mask is built, and its
+  own device does not matter): ``causal_lower_right`` is ``is_causal``; ``causal_upper_left`` (query ``i``
+  sees keys ``j <= i``) is ``is_causal`` over the first ``Nq`` keys when ``Nq <= Nk`` (later keys are never
+  visible), and when ``Nq > Nk`` a causal square over the first ``Nk`` query rows plus rows that see every
+  key (:meth:`AttentionProblem.row_pieces`: backends run each piece as an ordinary problem).
 * ``q_lengths`` / ``kv_lengths``: per-batch valid lengths (``int32 [B]``). Keys ``j >= kv_len[b]`` are
   never attended; query rows ``i >= q_len[b]`` are padding and return zeros.
 * A query row with no visible key returns zeros (and ``lse = -inf``), never NaN. An additive ``-inf``
@@ -23,12 +29,14 @@ canonicalisation and the meaning of every argument live in this file and nowhere
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 Lengths = Union[torch.Tensor, Sequence[int], None]
 
@@ -47,6 +55,19 @@ class AttentionProblem:
     kv_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
     squeeze_head: bool = False  # the caller passed 3-D tensors; the output drops the head axis
     dropout_p: float = 0.0  # attention-probability dropout (SDPA's; reference and sdpa backends only)
+    causal_rows: Optional[int] = None  # upper-left CausalBias with Nq > Nk: only rows < causal_rows are causal
+
+    def row_pieces(self) -> list:
+        """The problem as consecutive blocks of query rows, each an ordinary problem that every backend runs
+        as is; the outputs (and lse) concatenate along the row axis. One piece, except for an upper-left
+        ``CausalBias`` with ``Nq > Nk``: the first ``Nk`` rows are a causal square (bottom-right = upper-left
+        there), the rows below see every key."""
+        n = self.causal_rows
+        if n is None:
+            return [self]
+        top = dataclasses.replace(self, q=self.q[:, :, :n], is_causal=True, causal_rows=None)
+        rest = dataclasses.replace(self, q=self.q[:, :, n:], is_causal=False, causal_rows=None)
+        return [top, rest]
 
     @property
     def batch(self) -> int:
@@ -130,6 +151,9 @@ def _shape(t: torch.Tensor) -> str:
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise TypeError(f"{name} is a nested tensor: ELSA takes dense tensors (SDPA's nested inputs map onto "
+                        f"elsa_surgery.attention_varlen's packed layout with cu_seqlens)")
     if not t.is_floating_point():
         raise TypeError(
             f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
@@ -272,6 +296,27 @@ def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, w
     return m4.expand(shape4[0], shape4[1], n_q, n_k)
 
 
+def broadcast_batch_and_heads(q, k, v, enable_gqa):
+    """SDPA broadcasts size-1 batch and head axes of q, k and v: the same here, as stride-0 views (no copies).
+
+    A single kv head serves every query head without ``enable_gqa`` (SDPA's broadcast; the kernels read it as
+    MQA); a single query head is expanded to the kv heads (SDPA's output has that many heads)."""
+    def common(name, sizes):
+        big = {n for n in sizes if n != 1}
+        if len(big) > 1:
+            raise ValueError(f"q, k and v must share the {name} (or have 1 there, which broadcasts), "
+                             f"got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+        return big.pop() if big else 1
+
+    B = common("batch size B", (q.shape[0], k.shape[0], v.shape[0]))
+    Hkv = common("number of kv heads", (k.shape[1], v.shape[1]))
+    Hq = q.shape[1]
+    if Hq == 1 and Hkv > 1 and not enable_gqa:
+        Hq = Hkv
+    grow = lambda t, h: t if t.shape[:2] == (B, h) else t.expand(B, h, *t.shape[2:])
+    return grow(q, Hq), grow(k, Hkv), grow(v, Hkv)
+
+
 def build_problem(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
     *, q_lengths: Lengths = None, kv_lengths: Lengths = None, windowed_mask: bool = False,
@@ -282,23 +327,49 @@ def build_problem(
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"q, k and v must share the batch size B, got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    q, k, v = broadcast_batch_and_heads(q, k, v, enable_gqa)
     check_heads_and_dims(q, k, v, head_axis=1, seq_axis=2)
-    if q.shape[1] != k.shape[1] and not enable_gqa:
+    if q.shape[1] != k.shape[1] and k.shape[1] != 1 and not enable_gqa:
         raise ValueError(
             f"q has {q.shape[1]} heads but k/v have {k.shape[1]}: pass enable_gqa=True for grouped-query "
             f"attention (Hq must be a multiple of Hkv)"
         )
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
+    causal_rows = None
+    if isinstance(attn_mask, CausalBias):
+        k, v, causal_rows = causal_bias(attn_mask, q, k, v, is_causal=is_causal, windowed=windowed_mask,
+                                        lengths=q_lengths is not None or kv_lengths is not None)
+        attn_mask, is_causal = None, True
     mask = canonical_mask(attn_mask, batch=B, heads_q=Hq, n_q=Nq, n_k=Nk, windowed=windowed_mask, device=q.device)
     ql = canonical_lengths("q_lengths", q_lengths, B, Nq, q.device)
     kl = canonical_lengths("kv_lengths", kv_lengths, B, Nk, q.device)
     return AttentionProblem(
         q=q, k=k, v=v, scale=resolve_scale(scale, D), mask=mask, is_causal=bool(is_causal),
-        q_lengths=ql, kv_lengths=kl, squeeze_head=squeeze, dropout_p=dropout_p,
+        q_lengths=ql, kv_lengths=kl, squeeze_head=squeeze, dropout_p=dropout_p, causal_rows=causal_rows,
     )
+
+
+def causal_bias(bias, q, k, v, *, is_causal, windowed, lengths):
+    """``(k, v, causal_rows)`` of a call whose ``attn_mask`` is a ``CausalBias`` (module docstring); the caller
+    then sets ``is_causal``. Keys are sliced (views), nothing is materialised."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    if is_causal:
+        raise ValueError("CausalBias should not be used with causal=True (SDPA's words: attn_mask=CausalBias and "
+                         "is_causal=True ask for causality twice; pass one of them)")
+    if windowed or lengths:
+        raise ValueError("attn_mask=CausalBias cannot be combined with windowed_mask, q_lengths or kv_lengths; "
+                         "pass is_causal=True instead")
+    if (bias.seq_len_q, bias.seq_len_kv) != (Nq, Nk):
+        raise ValueError(f"attn_mask=CausalBias was made for (seq_len_q, seq_len_kv) = ({bias.seq_len_q}, "
+                         f"{bias.seq_len_kv}) but q and k have Nq={Nq} and Nk={Nk}")
+    if bias.variant == CausalVariant.LOWER_RIGHT:
+        return k, v, None
+    if bias.variant != CausalVariant.UPPER_LEFT:
+        raise ValueError(f"attn_mask=CausalBias has an unknown variant {bias.variant!r}")
+    if Nq <= Nk:  # query i sees keys j <= i < Nq: a causal square over the first Nq keys
+        return k[:, :, :Nq], v[:, :, :Nq], None
+    return k, v, Nk
 
 
 @dataclass

@@ -13,7 +13,7 @@ dispatcher entries that the first registration's op handles point to (a segfault
 """
 
 _INTERFACE = ("MAX_HEAD_DIM", "MIN_HEAD_DIM", "SUPPORTED_DTYPES", "attention", "attention_state", "attention_varlen",
-              "launch", "ops", "unsupported_reason")
+              "default_precision", "launch", "ops", "unsupported_reason")
 
 if __name__ == "elsa_surgery.kernels":
     def load():

@@ -65,6 +65,7 @@ def unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
 
 
 from . import launch, ops  # noqa: E402,F401  (torch only; triton is imported by launch on the first launch)
+from .launch import default_precision  # noqa: E402,F401  (what precision=None means, stated once)
 
 
 def _ops():

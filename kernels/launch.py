@@ -32,13 +32,22 @@ def _scan():
     return scan
 
 
-def _dot_kind(dtype: torch.dtype, precision: Optional[str]) -> int:
+def default_precision(device: torch.device) -> str:
+    """What ``precision=None`` means for fp32 at every layer (this launcher, the custom ops, and
+    ``elsa_surgery.attention`` through its dispatch, which reads this rule): ``precise`` (3xTF32) where the tensor
+    cores do TF32 (CUDA sm80+), ``strict`` (IEEE fp32) elsewhere, the CPU interpreter included."""
+    if device.type == "cuda" and occ.capability(occ._cuda_index(device))[0] >= 8:
+        return "precise"
+    return "strict"
+
+
+def _dot_kind(dtype: torch.dtype, precision: Optional[str], device: torch.device) -> int:
     if dtype == torch.bfloat16 and occ.interpreting():
         return occ.DOT_INTERP_BF16
     if dtype in (torch.float16, torch.bfloat16):
         return occ.DOT_LOWP
     if dtype == torch.float32:
-        return occ.DOT_OF_PRECISION[precision or "strict"]
+        return occ.DOT_OF_PRECISION[precision or default_precision(device)]
     raise TypeError(f"the ELSA kernels take float16, bfloat16 or float32 tensors, got {dtype}")
 
 
@@ -440,7 +449,7 @@ def plan_launch(sig: CallSignature) -> LaunchPlan:
 
     hopper_mode = hopper.mode()  # read on every planning: a bad ELSA_HOPPER raises wherever the call would run
     d = _dims(sig)
-    dot = _dot_kind(sig.dtype, sig.precision)
+    dot = _dot_kind(sig.dtype, sig.precision, sig.device)
     # decode / short queries: the GQA group's query rows packed into one row tile (scan.elsa_fwd's PACK)
     pack_rows = occ.decode_rows(n_q=d.Nq, groups=d.groups, n_k=d.Nk, dot=dot, varlen=d.varlen)
     if pack_rows is not None:
@@ -524,6 +533,8 @@ def _plan_run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_length
               num_partitions=None, eta=None):
     """Plans a call and runs it (see :func:`_run`): allocate the outputs, plan (pure, cached), execute."""
     _scan()  # after TRITON_INTERPRET has been decided
+    if q.dtype == torch.float32 and precision is None:  # resolved once: the Hopper path reads it too
+        precision = default_precision(q.device)
     out, lse = _outputs(q, k, v, varlen_dims=varlen_dims, out=out, lse=lse, state=state, want_lse=want_lse)
     sig = call_signature(q, k, v, out if state is None else None, precision=precision, mask=mask,
                          q_lengths=q_lengths, kv_lengths=kv_lengths, is_causal=is_causal, varlen_dims=varlen_dims,

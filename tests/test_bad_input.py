@@ -33,9 +33,9 @@ def test_mixed_dtypes_raise():
 
 @pytest.mark.parametrize("bad,match", [
     (dict(q=torch.randn(3, 2, 8, 16)), "batch size"),
+    (dict(v=torch.randn(2, 3, 8, 16)), "number of kv heads"),
     (dict(k=torch.randn(2, 2, 8, 12)), "head dim D"),
     (dict(v=torch.randn(2, 2, 9, 16)), "same sequence length"),
-    (dict(v=torch.randn(2, 1, 8, 16)), "same number of heads"),
     (dict(q=torch.randn(2, 8, 16)), "same rank"),
     (dict(q=torch.randn(8, 16)), r"q must have shape"),
 ])
@@ -161,3 +161,29 @@ def test_errors_leave_inputs_untouched():
     elsa_surgery.attention(q, k, v, is_causal=True, q_lengths=[8, 3], kv_lengths=[8, 5], backend="reference")
     for t, s in zip((q, k, v), saved):
         assert torch.equal(t, s)
+
+
+@pytest.mark.parametrize("D", [4, 12, 264])
+def test_head_dim_outside_the_kernels_range(D):
+    """backend='elsa' refuses naming D; auto answers (on CUDA: a fallback that says why, tests/test_sdpa_fidelity.py)."""
+    q, k, v = qkv(D=D)
+    saved = [t.clone() for t in (q, k, v)]
+    with pytest.raises(elsa_surgery.dispatch.BackendUnavailable, match=rf"D={D}: the kernels take head dims"):
+        elsa_surgery.attention(q, k, v, backend="elsa")
+    assert elsa_surgery.attention(q, k, v).shape == (2, 2, 8, D)
+    for t, s in zip((q, k, v), saved):
+        assert torch.equal(t, s)
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (1, 2, 2, 8, 16)])
+def test_ranks_sdpa_takes_but_we_refuse(shape):
+    """SDPA takes any number of leading axes; ELSA takes 3-D and 4-D (docs/fidelity.md) and says so."""
+    t = torch.randn(shape)
+    with pytest.raises(ValueError, match=r"q must have shape \[B, H, N, D\] \(or \[B, N, D\]\)"):
+        elsa_surgery.attention(t, t, t)
+
+
+def test_nested_tensors_are_refused_naming_the_argument():
+    q = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])
+    with pytest.raises(TypeError, match="q is a nested tensor: ELSA takes dense tensors"):
+        elsa_surgery.attention(q, q, q)

@@ -36,6 +36,22 @@ def test_precision_from_environment(monkeypatch):
         dispatch.requested_precision(None)
 
 
+@pytest.mark.parametrize("cap,mode", [((9, 0), "precise"), ((8, 0), "precise"), ((7, 5), "strict"), (None, "strict")])
+def test_precision_none_means_one_mode_at_every_layer(monkeypatch, cap, mode):
+    """precision=None: the same fp32 mode in elsa_surgery.attention's dispatch and in the kernels' launcher
+    (issue 30: it was precise in the one and strict in the other on sm80+)."""
+    from elsa_surgery.kernels import launch, occupancy
+
+    dev = torch.device("cuda", 0) if cap else torch.device("cpu")
+    monkeypatch.setattr(occupancy, "capability", lambda index: cap)
+    monkeypatch.delenv("ELSA_FP32_PRECISION", raising=False)
+    assert dispatch.default_precision(dev) == mode
+    assert launch._dot_kind(torch.float32, None, dev) == occupancy.DOT_OF_PRECISION[mode]
+    q = _t(1, 2, 8, 16)
+    if dev.type == "cpu":  # the whole decision too (a CUDA device cannot be faked for decide's tensors)
+        assert dispatch.decide(q, q, q, backend="elsa").precision == mode
+
+
 def test_forced_elsa_without_cuda_or_interpreter_raises(monkeypatch):
     dispatch.kernels_module()  # triton is imported with the interpreter on (conftest), as later tests need it
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

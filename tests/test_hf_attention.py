@@ -414,3 +414,75 @@ def test_convert_include_exclude_selects_modules():
     elsa_surgery.revert(model)
     assert model.config._attn_implementation == "sdpa"
     assert not any(ta.PASS_ATTR in m.__dict__ for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------------
+# drop-in fidelity (issue 30): the masks transformers' attention interface builds, drawn at random
+# ---------------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, note, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_MODELS = {}
+
+
+def _tiny(kind):
+    """One tiny model per kind, built once (random weights): llama (GQA) and mistral (sliding window 3, MQA)."""
+    if kind not in _MODELS:
+        if kind == "llama":
+            _MODELS[kind] = _tiny_llama()
+        else:
+            from transformers import MistralConfig, MistralForCausalLM
+
+            cfg = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=1, sliding_window=3,
+                                max_position_embeddings=64, pad_token_id=0, attn_implementation="sdpa")
+            torch.manual_seed(0)
+            _MODELS[kind] = MistralForCausalLM(cfg).eval()
+    return _MODELS[kind]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["llama", "mistral"]), n=st.integers(1, 10), seed=st.integers(1, 1000),
+       pads=st.lists(st.tuples(st.sampled_from(["left", "right"]), st.integers(0, 9)), min_size=1, max_size=3))
+def test_fuzz_hf_padding_and_windows(kind, n, seed, pads):
+    """Random left / right / mixed padding per row (at least one real token a row), with and without a sliding
+    window: converted logits equal transformers' SDPA on every real token."""
+    model = _tiny(kind)
+    ids = _ids(len(pads), n, 97, seed=seed)
+    am = torch.ones(len(pads), n, dtype=torch.long)
+    for row, (side, amount) in enumerate(pads):
+        amount = min(amount, n - 1)
+        if amount:
+            am[row, :amount] = 0 if side == "left" else 1
+            am[row, n - amount:] = 0 if side == "right" else am[row, n - amount:]
+    note(f"attention_mask={am.tolist()}")
+    ta.ensure_registered()
+    ref, _, _ = _run(model, "sdpa", {"input_ids": ids, "attention_mask": am})
+    out, paths, _ = _run(model, "elsa", {"input_ids": ids, "attention_mask": am})
+    model.set_attn_implementation("sdpa")
+    real = am.bool()
+    err = (out.logits[real] - ref.logits[real]).abs().max().item()
+    assert err <= ATOL * max(1.0, ref.logits[real].abs().max().item()), err
+    assert torch.isfinite(out.logits).all()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 6), min_size=1, max_size=4), kind=st.sampled_from(["llama", "mistral"]))
+def test_fuzz_hf_packed_sequences(lens, kind):
+    """Packed sequences (position_ids restart, cu_seqlens kwargs): equal to SDPA's block-causal mask and to each
+    sequence run alone, with and without a sliding window."""
+    model = _tiny(kind)
+    ids = _ids(1, sum(lens), 97, seed=len(lens))
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    ta.ensure_registered()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        alone = [model(input_ids=ids[:, a:b]).logits for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        model.set_attn_implementation("elsa")
+        out = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens),
+                    max_length_k=max(lens), use_cache=False).logits
+        model.set_attn_implementation("sdpa")
+    for (a, b), x in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), alone):
+        assert (out[:, a:b] - x).abs().max() < 1e-4

@@ -1,0 +1,515 @@
+"""Drop-in fidelity (issue 30): a differential fuzzer of ``elsa_surgery.attention`` against PyTorch's SDPA in float64.
+
+Hypothesis draws calls from the argument space SDPA accepts (shapes with GQA/MQA, Nq != Nk, N = 1, head dims
+inside and outside the kernels' range; contiguous, transposed, sliced and stride-0 expanded tensors; bool and
+additive masks of every broadcastable shape, expanded masks, -inf and large finite values, fully masked rows,
+``CausalBias`` of both alignments; ``is_causal``, ``scale``, ``return_lse``; fp32/bf16/fp16/fp64) and runs each
+on every backend this machine has. :func:`check` decides a case:
+
+* SDPA refuses it: ELSA must refuse it too, unless the call is one of our listed extensions (``EXTENSIONS``);
+* ELSA refuses it: allowed only where SDPA refuses too, or for ``backend="elsa"`` / ``"sdpa"`` with an error
+  that names the argument (``auto`` and ``reference`` must answer every call SDPA answers);
+* ELSA answers: within the dtype's tolerance of SDPA computed in float64 (the bound is the larger of a fixed
+  per-dtype floor and a few times SDPA's own error in the input dtype), with the deliberate differences of
+  docs/fidelity.md applied to the float64 answer explicitly (bottom-right ``is_causal``, ``is_causal`` with a
+  mask intersects, rows with no visible key are zeros); the recorded dispatch decision names the backend
+  that ran, and a fallback says why.
+
+A failure prints ``check(Case(...))``: paste it into a test to replay the shrunk case.
+
+Budgets: CI (CPU) runs ``FUZZ_EXAMPLES_CPU`` cases of the PyTorch backends and ``FUZZ_EXAMPLES_INTERP`` of the
+Triton kernels in the interpreter; the GPU-marked test runs ``SDPA_FUZZ_EXAMPLES`` (default 10,000) on CUDA with
+the real kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
+from torch.nn.attention.bias import CausalBias, causal_lower_right, causal_upper_left
+
+import elsa_surgery
+from elsa_surgery import dispatch
+
+FUZZ_EXAMPLES_CPU = 500
+FUZZ_EXAMPLES_INTERP = 200
+GPU_EXAMPLES = int(os.environ.get("SDPA_FUZZ_EXAMPLES", "10000"))
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# the floor of the output tolerance (max abs error; values are N(0, 1)) and of the lse's (relative to 1 + |lse|)
+OUT_FLOOR = {"float64": 1e-10, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+LSE_FLOOR = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+NATIVE_FACTOR = 4.0  # ELSA may be this many times less accurate than SDPA in the input dtype (plus the floor)
+LSE_CLAMP = -1e37  # the kernels clamp finite mask values below -2.3e38 (semantics.py): such rows' lse reads ~-2.3e38
+
+# calls SDPA refuses that ELSA answers on purpose (docs/fidelity.md): name -> predicate on the case
+EXTENSIONS = {
+    "is_causal together with attn_mask (intersected)":
+        lambda c: c.is_causal and c.mask in ("bool", "additive"),
+    "an additive mask of another float dtype than q (float64 with lower-precision q)":
+        lambda c: c.mask == "additive" and c.mask_dtype == "float64" and c.dtype != "float64",
+}
+ARGUMENT_NAMES = r"\b(q|k|v|attn_mask|mask|dropout_p|is_causal|scale|enable_gqa|precision|return_lse|D|Dv)\b"
+
+
+def names_argument(exc) -> bool:
+    """Whether an error names the argument at fault (the backend it was asked of does not count)."""
+    return re.search(ARGUMENT_NAMES, re.sub(r"backend='\w+'", "", str(exc))) is not None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One SDPA call, rebuilt deterministically from ``seed`` (its repr is the repro)."""
+
+    B: int = 1
+    Hq: int = 1
+    Hkv: int = 1
+    Nq: int = 4
+    Nk: int = 4
+    D: int = 16
+    Dv: int = 16
+    dtype: str = "float32"
+    layouts: Tuple[str, str, str] = ("contiguous", "contiguous", "contiguous")  # of q, k, v
+    mask: str = "none"  # none | bool | additive | causal_upper_left | causal_lower_right
+    mask_shape: Tuple[int, ...] = ()  # broadcastable to [B, Hq, Nq, Nk], rank 2 to 4
+    mask_expanded: bool = False  # the mask is a stride-0 expand of its size-1 axes to the full sizes
+    mask_dtype: str = "same"  # additive masks: same (as q) | float32 | float64
+    large: str = "-1e9"  # the large finite value of an additive mask: -1e4 | -1e9 | min (finfo of its dtype)
+    empty_rows: Tuple[int, ...] = ()  # mask rows that hide every key
+    is_causal: bool = False
+    scale: Optional[float] = None
+    enable_gqa: bool = False
+    return_lse: bool = False
+    backend: str = "reference"
+    device: str = "cpu"
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------------------------------
+# building a case's tensors
+# --------------------------------------------------------------------------------------------------
+
+def _tensor(gen, shape, layout, dtype, device):
+    B, H, N, X = shape
+    if layout == "transposed":  # a [B, N, H, X] buffer seen as [B, H, N, X]
+        t = torch.randn(B, N, H, X, generator=gen, dtype=torch.float64).transpose(1, 2)
+    elif layout == "sliced":  # every other row of a wider buffer: strides on N and the row
+        t = torch.randn(B, H, 2 * N + 1, X + 8, generator=gen, dtype=torch.float64)[:, :, 1::2, :X]
+    elif layout == "expanded":  # stride 0 on the batch axis
+        t = torch.randn(1, H, N, X, generator=gen, dtype=torch.float64).expand(B, H, N, X)
+    else:
+        t = torch.randn(B, H, N, X, generator=gen, dtype=torch.float64)
+    return _keep_layout(t, dtype, device)
+
+
+def _keep_layout(t, dtype, device):
+    """``t`` cast and moved with its strides (a new buffer of the base's shape, then the same view)."""
+    if t.is_contiguous():
+        return t.to(device=device, dtype=dtype)
+    if 0 in t.stride():
+        return t[:1].to(device=device, dtype=dtype).expand(t.shape)
+    # transposed / sliced: rebuild the view on a cast copy of its base
+    base = t._base if t._base is not None else t
+    nb = base.to(device=device, dtype=dtype)
+    return nb.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _mask_dtype(case, qdtype):
+    return {"same": qdtype, "float32": torch.float32, "float64": torch.float64}[case.mask_dtype]
+
+
+def _mask(case, gen, device):
+    if case.mask == "causal_upper_left":
+        return causal_upper_left(case.Nq, case.Nk)
+    if case.mask == "causal_lower_right":
+        with warnings.catch_warnings():  # "will produce NaNs when seq_len_q > seq_len_kv": ours are zeros
+            warnings.simplefilter("ignore")
+            return causal_lower_right(case.Nq, case.Nk)
+    if case.mask == "none":
+        return None
+    shape = case.mask_shape
+    u = torch.rand(shape, generator=gen, dtype=torch.float64)
+    if case.mask == "bool":
+        m = u < 0.75
+        fill = False
+    else:
+        dt = _mask_dtype(case, DTYPES[case.dtype])
+        large = torch.finfo(dt if dt != torch.float64 else torch.float32).min if case.large == "min" else float(case.large)
+        m = torch.randn(shape, generator=gen, dtype=torch.float64) * 3
+        m = torch.where(u < 0.3, torch.zeros_like(m), m)
+        m = torch.where((u >= 0.75) & (u < 0.9), torch.full_like(m, float("-inf")), m)
+        m = torch.where(u >= 0.9, torch.full_like(m, large), m)
+        m = m.to(dt)
+        fill = float("-inf")
+    for r in case.empty_rows:
+        m[..., r % shape[-2], :] = fill
+    m = m.to(device)
+    if case.mask_expanded:
+        full = (case.B, case.Hq, case.Nq, case.Nk)[4 - len(shape):]
+        m = m.expand(full)
+    return m
+
+
+def build(case: Case):
+    dev, dt = torch.device(case.device), DTYPES[case.dtype]
+    gen = torch.Generator().manual_seed(case.seed)
+    lq, lk, lv = case.layouts
+    q = _tensor(gen, (case.B, case.Hq, case.Nq, case.D), lq, dt, dev)
+    k = _tensor(gen, (case.B, case.Hkv, case.Nk, case.D), lk, dt, dev)
+    v = _tensor(gen, (case.B, case.Hkv, case.Nk, case.Dv), lv, dt, dev)
+    return q, k, v, _mask(case, gen, dev)
+
+
+# --------------------------------------------------------------------------------------------------
+# the float64 answer, with the deliberate differences applied explicitly
+# --------------------------------------------------------------------------------------------------
+
+def effective_mask(case, mask, device, float_dtype):
+    """The mask ELSA's semantics mean for the case, as a bool or ``float_dtype`` additive tensor (or a CausalBias,
+    or None): bottom-right ``is_causal`` (SDPA: top-left), intersected with attn_mask (SDPA: refuses)."""
+    if isinstance(mask, CausalBias) or not case.is_causal:
+        return mask if mask is None or isinstance(mask, CausalBias) or mask.dtype == torch.bool else mask.to(float_dtype)
+    tri = torch.ones(case.Nq, case.Nk, dtype=torch.bool, device=device).tril(case.Nk - case.Nq)
+    if mask is None:
+        return tri
+    if mask.dtype == torch.bool:
+        return mask & tri
+    return mask.to(float_dtype).masked_fill(~tri, float("-inf"))
+
+
+def visible_rows(case, eff) -> torch.Tensor:
+    """``[B, Hq, Nq]`` bool: the query rows that see at least one key."""
+    shape = (case.B, case.Hq, case.Nq)
+    if eff is None:
+        return torch.full(shape, case.Nk > 0)
+    if isinstance(eff, CausalBias):
+        eff = eff._materialize("cpu")
+    eff = eff.cpu()
+    seen = eff if eff.dtype == torch.bool else eff > float("-inf")
+    return seen.any(-1).expand(shape)
+
+
+def expected(case, q, k, v, mask):
+    """(out, lse) in float64: SDPA's math on the float64 values of the inputs, with ELSA's documented semantics."""
+    qd, kd, vd = q.double(), k.double(), v.double()
+    eff = effective_mask(case, mask, q.device, torch.float64)
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=eff, scale=case.scale, enable_gqa=case.Hq != case.Hkv)
+    seen = visible_rows(case, eff).to(q.device)
+    out = torch.where(seen.unsqueeze(-1), out, torch.zeros_like(out))  # no visible key: zeros (SDPA: NaN or 0)
+    g = case.Hq // case.Hkv
+    scale = case.D ** -0.5 if case.scale is None else case.scale
+    s = qd @ kd.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    m = eff._materialize(q.device) if isinstance(eff, CausalBias) else eff
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+    return out, torch.logsumexp(s, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the comparator
+# --------------------------------------------------------------------------------------------------
+
+def _call(fn):
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - the comparator judges every refusal
+        return None, exc
+
+
+def _native(case, q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
+                                          enable_gqa=case.enable_gqa)
+
+
+def _native_equivalent(case, q, k, v, mask):
+    """SDPA on the call ELSA's semantics mean, in the input dtype (bottom-right causal and its intersection with
+    the mask made explicit, additive masks in float32: the form SDPA takes for every input dtype)."""
+    if isinstance(mask, CausalBias) and case.is_causal:  # not an extension: refused as SDPA does
+        return _native(case, q, k, v, mask)
+    eff = effective_mask(case, mask, q.device, torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=eff, scale=case.scale, enable_gqa=case.enable_gqa)
+
+
+def _native_error(native, ref_out, seen):
+    """SDPA's own max error in the input dtype, on the rows that see a key."""
+    if native is None or native.dtype == torch.float64:
+        return 0.0
+    d = (native.double() - ref_out).abs().amax(-1)[seen]
+    return float(d.nan_to_num(0.0).max()) if d.numel() else 0.0
+
+
+def _fail(case, why):
+    raise AssertionError(f"{why}\nrepro (paste into a test):\n    check({case!r})")
+
+
+def check(case: Case) -> str:
+    """Run one case on ELSA and SDPA and judge it (module docstring); returns the outcome's name."""
+    q, k, v, mask = build(case)
+    before = [t.clone() for t in (q, k, v) + ((mask,) if isinstance(mask, torch.Tensor) and type(mask) is torch.Tensor else ())]
+    _, sdpa_exc = _call(lambda: _native(case, q, k, v, mask))
+    native, equiv_exc = _call(lambda: _native_equivalent(case, q, k, v, mask))
+    with dispatch.record() as log:
+        got, exc = _call(lambda: elsa_surgery.attention(
+            q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.enable_gqa,
+            backend=case.backend, return_lse=case.return_lse))
+    for t0, t in zip(before, (q, k, v, mask)):
+        if not torch.equal(t0.nan_to_num(), t.nan_to_num()):
+            _fail(case, "ELSA modified an input tensor")
+    # SDPA refuses the call itself but answers its meaning under our semantics: one of the listed extensions
+    extension = sdpa_exc is not None and equiv_exc is None
+    if extension and not any(applies(case) for applies in EXTENSIONS.values()):
+        _fail(case, f"SDPA refuses this call ({sdpa_exc}) for a reason outside the listed extensions")
+    if exc is not None:
+        if equiv_exc is not None:
+            return "both refuse"
+        if case.backend in ("elsa", "sdpa") and isinstance(exc, (ValueError, TypeError, RuntimeError)) \
+                and names_argument(exc):
+            return "refused with a clear error"
+        _fail(case, f"ELSA refused a call SDPA answers{' (under our semantics)' if extension else ''}: "
+                    f"{type(exc).__name__}: {exc}")
+    if equiv_exc is not None:
+        _fail(case, f"ELSA answered a call SDPA refuses ({type(equiv_exc).__name__}: {equiv_exc})")
+    _check_decision(case, q, log)
+    out, lse = got if case.return_lse else (got, None)
+    ref_out, ref_lse = expected(case, q, k, v, mask)
+    if out.dtype != q.dtype or out.shape != ref_out.shape:
+        _fail(case, f"output {out.dtype} {tuple(out.shape)}, expected {q.dtype} {tuple(ref_out.shape)}")
+    seen = visible_rows(case, effective_mask(case, mask, q.device, torch.float64)).to(q.device)
+    if not bool((out[~seen] == 0).all()):
+        _fail(case, "a row with no visible key is not zeros")
+    err = float((out.double() - ref_out).abs().max()) if out.numel() else 0.0
+    tol = OUT_FLOOR[case.dtype] + NATIVE_FACTOR * _native_error(native, ref_out, seen)
+    if not err <= tol:  # also catches NaN
+        _fail(case, f"max |out - SDPA(float64)| = {err:.3g} > tolerance {tol:.3g}")
+    if lse is not None:
+        _check_lse(case, lse, ref_lse)
+    return "extension" if extension else "match"
+
+
+def _check_lse(case, lse, ref_lse):
+    lse = lse.double()
+    if lse.shape != ref_lse.shape:
+        _fail(case, f"lse shape {tuple(lse.shape)}, expected {tuple(ref_lse.shape)}")
+    empty = ref_lse == float("-inf")
+    if not bool((lse[empty] == float("-inf")).all()):
+        _fail(case, "the lse of a row with no visible key is not -inf")
+    clamped = ~empty & (ref_lse < LSE_CLAMP)
+    if not bool((lse[clamped] < LSE_CLAMP).all()):
+        _fail(case, "the lse of a row whose keys all lie below the kernels' clamp is not below it")
+    rest = ~empty & ~clamped
+    rel = ((lse[rest] - ref_lse[rest]).abs() / (1 + ref_lse[rest].abs())).nan_to_num(float("inf"))
+    bound = LSE_FLOOR[case.dtype] * (1 + (case.scale or case.D ** -0.5) * math.sqrt(case.D))
+    if rel.numel() and not float(rel.max()) <= bound:
+        _fail(case, f"max relative lse error {float(rel.max()):.3g} > {bound:.3g}")
+
+
+def _check_decision(case, q, log):
+    """Never misreport: the recorded decision names the backend that ran, and a fallback says why."""
+    assert log, "no dispatch decision was recorded"
+    d = log[-1]
+    want = {"reference": "reference", "sdpa": "sdpa", "elsa": "elsa"}.get(case.backend)
+    if want is not None and d.backend != want:
+        _fail(case, f"backend={case.backend!r} ran {d.backend!r}")
+    if d.fallback and not d.reason.startswith("fallback to reference: "):
+        _fail(case, f"a fallback without its reason: {d.reason!r}")
+    if case.backend == "auto" and q.is_cuda and d.backend == "reference" and not d.fallback:
+        _fail(case, f"auto on CUDA ran the reference without calling it a fallback: {d.reason!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# the strategy
+# --------------------------------------------------------------------------------------------------
+
+@st.composite
+def cases(draw, *, backends, device="cpu", max_n=40, head_dims=None, dtypes=tuple(DTYPES)):
+    Hkv = draw(st.integers(1, 3))
+    g = draw(st.sampled_from([1, 1, 2, 3]))
+    Hq = Hkv * g
+    B = draw(st.integers(1, 3))
+    Nq = draw(st.one_of(st.just(1), st.integers(1, max_n)))
+    Nk = draw(st.one_of(st.just(Nq), st.just(1), st.integers(1, max_n)))
+    D = draw(st.sampled_from(head_dims) if head_dims else st.one_of(
+        st.sampled_from([8, 16, 32, 64, 72, 128, 256]), st.integers(1, 300)))
+    Dv = draw(st.sampled_from([D, D, D, 8, 24, 12]))
+    layout = st.sampled_from(["contiguous", "transposed", "sliced", "expanded"])
+    mask = draw(st.sampled_from(["none", "bool", "additive", "bool", "additive", "causal_upper_left",
+                                 "causal_lower_right"]))
+    mask_shape, expanded, empty = (), False, ()
+    if mask in ("bool", "additive"):
+        rank = draw(st.integers(2, 4))
+        full = (B, Hq, Nq, Nk)[4 - rank:]
+        mask_shape = tuple(draw(st.sampled_from([1, n])) for n in full)
+        expanded = draw(st.booleans())
+        if draw(st.booleans()):
+            empty = tuple(draw(st.lists(st.integers(0, Nq - 1), min_size=1, max_size=2, unique=True)))
+    return Case(
+        B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, Dv=Dv, dtype=draw(st.sampled_from(dtypes)),
+        layouts=(draw(layout), draw(layout), draw(layout)), mask=mask, mask_shape=mask_shape,
+        mask_expanded=expanded, mask_dtype=draw(st.sampled_from(["same", "same", "float32", "float64"])),
+        large=draw(st.sampled_from(["-1e4", "-1e9", "min"])), empty_rows=empty,
+        is_causal=draw(st.booleans() if not mask.startswith("causal") else st.sampled_from([False] * 4 + [True])),
+        scale=draw(st.sampled_from([None, None, 1.0, 0.05, 0.3])),
+        enable_gqa=draw(st.booleans()) if g == 1 else draw(st.sampled_from([True, True, True, False])),
+        return_lse=draw(st.booleans()), backend=draw(st.sampled_from(backends)), device=device,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+@settings(FUZZ, max_examples=FUZZ_EXAMPLES_CPU)
+@given(case=cases(backends=["reference", "auto", "sdpa"]))
+def test_fuzz_pytorch_backends_cpu(case):
+    note(f"check({case!r})")
+    event(f"{case.backend}: {check(case)}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not _interpreting(), reason="the interpreter run (CPU only)")
+@settings(FUZZ, max_examples=FUZZ_EXAMPLES_INTERP)
+@given(case=cases(backends=["elsa"], max_n=12, head_dims=[8, 16, 24, 40, 64, 8, 16, 12, 264],
+                  dtypes=("float32", "float16", "bfloat16")))
+def test_fuzz_kernels_interpreter(case):
+    note(f"check({case!r})")
+    event(f"{case.backend}: {check(case)}")
+
+
+@pytest.mark.gpu
+@settings(FUZZ, max_examples=GPU_EXAMPLES)
+@given(case=cases(backends=["elsa", "auto", "reference", "sdpa"], device="cuda", max_n=300))
+def test_fuzz_every_backend_gpu(case):
+    note(f"check({case!r})")
+    event(f"{case.backend}: {check(case)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# the cases the issue names, and each deliberate difference (docs/fidelity.md), explicitly
+# --------------------------------------------------------------------------------------------------
+
+def _backends(device):
+    return ["reference", "auto", "sdpa"] + (["elsa"] if device == "cuda" or _interpreting() else [])
+
+
+def _causal_bias_cases(device):
+    for backend in _backends(device):
+        for variant in ("causal_upper_left", "causal_lower_right"):
+            for nq, nk in ((5, 9), (9, 5), (6, 6), (1, 4), (4, 1)):
+                yield Case(B=2, Hq=4, Hkv=2, enable_gqa=True, Nq=nq, Nk=nk, mask=variant, backend=backend,
+                           device=device, return_lse=backend != "sdpa", seed=nq * 10 + nk)
+
+
+@pytest.mark.parametrize("case", list(_causal_bias_cases("cpu")), ids=repr)
+def test_causal_bias_every_backend_cpu(case):
+    assert check(case) == "match"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(_causal_bias_cases("cuda")), ids=repr)
+def test_causal_bias_every_backend_cuda(case):
+    """The bias object says device cpu (PyTorch makes it so); q is on CUDA. It was refused there."""
+    assert check(case) == "match"
+
+
+@pytest.mark.parametrize("variant", [causal_upper_left, causal_lower_right])
+def test_causal_bias_attention_state_and_3d(variant):
+    q, k, v = torch.randn(2, 9, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=variant(9, 5)).nan_to_num(0.0)
+    out = elsa_surgery.attention(q, k, v, attn_mask=variant(9, 5))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    from elsa_surgery import monoid
+    state = elsa_surgery.attention_state(q, k, v, attn_mask=variant(9, 5))
+    torch.testing.assert_close(monoid.finalize(state)[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(is_causal=True), "CausalBias should not be used with causal=True"),
+    (dict(kv_lengths=[5, 5]), "cannot be combined with windowed_mask, q_lengths or kv_lengths"),
+])
+def test_causal_bias_refusals_name_the_argument(kw, match):
+    q = torch.randn(2, 1, 5, 16)
+    with pytest.raises(ValueError, match=match):
+        elsa_surgery.attention(q, q, q, attn_mask=causal_upper_left(5, 5), **kw)
+    with pytest.raises(ValueError, match=r"attn_mask=CausalBias was made for .* \(4, 5\) but q and k have Nq=5"):
+        elsa_surgery.attention(q, q, q, attn_mask=causal_upper_left(4, 5))
+
+
+def test_difference_is_causal_is_bottom_right():
+    """Nq != Nk: query i sees keys j <= i + Nk - Nq (SDPA's is_causal: j <= i); equal to causal_lower_right."""
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    ours = elsa_surgery.attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 7)))
+    assert not torch.allclose(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_difference_is_causal_with_a_mask_intersects():
+    q = torch.randn(1, 2, 6, 8)
+    mask = torch.rand(6, 6) > 0.3
+    with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=True)
+    both = mask & torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(elsa_surgery.attention(q, q, q, attn_mask=mask, is_causal=True),
+                               F.scaled_dot_product_attention(q, q, q, attn_mask=both).nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("backend", [b for b in _backends("cpu") if b != "sdpa"])
+def test_difference_nan_propagates(backend):
+    """A NaN in a query row gives NaN in that row (SDPA's fused CPU kernel returns zeros there; backend='sdpa' is
+    SDPA and does the same); other rows are untouched. A NaN in a key reaches every row that sees it, as in SDPA."""
+    q, k, v = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 6, 16), torch.randn(1, 1, 6, 16)
+    q[0, 0, 1, 3] = float("nan")
+    out = elsa_surgery.attention(q, k, v, backend=backend)
+    assert torch.isnan(out[0, 0, 1]).all()
+    ok = [0, 2, 3]
+    torch.testing.assert_close(out[0, 0, ok], F.scaled_dot_product_attention(q, k, v)[0, 0, ok])
+    k[0, 0, 2, 0] = float("nan")
+    assert torch.isnan(elsa_surgery.attention(q, k, v, backend=backend)).all()
+
+
+@pytest.mark.parametrize("backend", _backends("cpu"))
+def test_difference_fully_masked_rows_are_zeros(backend):
+    q = torch.randn(1, 2, 4, 16)
+    for mask in (torch.tensor([True, False, True, True]).view(4, 1).expand(4, 4),
+                 torch.zeros(4, 4).index_fill_(0, torch.tensor([1]), float("-inf"))):
+        out = elsa_surgery.attention(q, q, q, attn_mask=mask, backend=backend)
+        assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+        assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto", "sdpa"])
+def test_dropout_statistics(backend):
+    """dropout_p > 0: each probability is dropped with probability p and the kept ones scaled by 1 / (1 - p), so
+    the mean over many draws is the dropout-free output (v = identity makes the output the probabilities)."""
+    p, draws, nq, nk = 0.3, 3000, 4, 8
+    q, k = torch.randn(1, 1, nq, 8), torch.randn(1, 1, nk, 8)
+    v = torch.eye(nk).view(1, 1, nk, nk)
+    probs = elsa_surgery.attention(q, k, v, backend=backend)
+    out = elsa_surgery.attention(q.expand(draws, 1, nq, 8), k.expand(draws, 1, nk, 8), v.expand(draws, 1, nk, nk),
+                                 dropout_p=p, backend=backend)
+    dropped = out == 0
+    n = dropped.numel()
+    assert abs(dropped.float().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n)
+    torch.testing.assert_close(out[~dropped], (probs / (1 - p)).expand_as(out)[~dropped], rtol=1e-5, atol=1e-6)
+    sd = probs * math.sqrt(p / (1 - p)) / math.sqrt(draws)
+    assert ((out.mean(0, keepdim=True) - probs).abs() <= 5 * sd + 1e-6).all()
+
+
+def test_dropout_refused_by_the_kernels_names_it():
+    if not (_interpreting() or torch.cuda.is_available()):
+        pytest.skip("needs the kernels")
+    q = torch.randn(1, 1, 4, 16, device="cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(dispatch.BackendUnavailable, match=r"dropout_p=0.2"):
+        elsa_surgery.attention(q, q, q, dropout_p=0.2, backend="elsa")
