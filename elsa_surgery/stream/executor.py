@@ -1,0 +1,246 @@
+"""Runs a plan's tasks: gathers each task's tokens onto the compute device, computes its ``(m, S, W)`` states with
+:func:`elsa_surgery.attention_state` (ELSA kernels on CUDA, the reference backend on CPU) and merges them into the
+accumulators with the public monoid (:func:`elsa_surgery.monoid.merge_`).
+
+* **Overlap** (CUDA): the inputs of the next ``n_cap - 1`` tasks are copied from pinned host buffers on a copy
+  stream while the current task computes; the compute stream waits on the copy's event.
+* **Accumulators**: the full-sequence state lives on the device when the plan says it fits, else on the host; then
+  a task's states stay on the device while the next task has the same query ranges (the blocks schedule is
+  query-major), and are merged into the host accumulator when the query ranges change ("flush"). Flush points
+  depend on the task order only, so a checkpointed, resumed or uninterrupted run merge in the same order.
+* **Guardrails** on ``torch.OutOfMemoryError`` (real, or injected by :mod:`.faults`): the task's partial results are
+  dropped (a task merges only once it has finished: never lost, never counted twice) and it is retried after
+  (1) halving ``n_cap``, then (2) refining its divide (``divide.refine``, up to :data:`MAX_REFINE` levels), then
+  (3) moving the accumulators to the host. When nothing fits: an ``OutOfMemoryError`` naming the budget and the
+  smallest task tried. Every step is logged and recorded in ``events``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import monoid
+from . import divide, faults
+from .planner import Plan, task_flops
+
+logger = logging.getLogger("elsa_surgery.stream")
+MAX_REFINE = 2
+
+
+class Accumulators:
+    """Full-sequence fp32 state ``m, S [B, Hq, N]``, ``W [B, Hq, N, Dv]`` on one device."""
+
+    def __init__(self, B, Hq, N, Dv, device):
+        self.state = monoid.identity((B, Hq, N), Dv, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.m.device
+
+    def view(self, a: int, b: int) -> monoid.State:
+        m, S, W = self.state
+        return monoid.State(m[:, :, a:b], S[:, :, a:b], W[:, :, a:b])
+
+    def to(self, device) -> None:
+        self.state = monoid.State(*(t.to(device) for t in self.state))
+
+
+class Executor:
+    def __init__(self, plan: Plan, q, k, v, *, scale: float, device: torch.device, backend: str = "auto",
+                 progress: bool = True, budget: Optional[int] = None):
+        self.plan, self.q, self.k, self.v = plan, q, k, v
+        self.scale, self.device, self.backend, self.progress = scale, device, backend, progress
+        self.budget = budget
+        self.n_cap = plan.n_cap
+        self.host_only_states = False  # guardrail step 3 sets it: no state stays on the device between tasks
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ahead: Dict[int, tuple] = {}
+        self.pending: Optional[Tuple[tuple, list]] = None  # (query ranges, [(range, State on device)])
+        self.events: List[str] = []
+        self.smallest: Optional[Tuple[int, divide.Task]] = None
+        self.flops = 0.0
+        self.tasks_run = 0
+
+    # ---------------------------------------------------------------- loading
+    def _gather(self, src, segs: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        parts = [src.rows(a, b) for a, b in segs]
+        if src.device.type == self.device.type:
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        n = sum(b - a for a, b in segs)
+        shape = parts[0].shape[:2] + (n,) + parts[0].shape[3:]
+        host = torch.empty(shape, dtype=src.dtype, pin_memory=self.cuda)
+        if len(parts) == 1:
+            host.copy_(parts[0])
+        else:
+            torch.cat(parts, dim=2, out=host)
+        if not self.cuda:
+            return host
+        with torch.cuda.stream(self.copy_stream):
+            dev = host.to(self.device, non_blocking=True)
+        dev.record_stream(torch.cuda.current_stream(self.device))
+        return dev
+
+    def _load(self, task: divide.Task):
+        qs, ks = task.query_segments(), task.key_segments()
+        qd = self._gather(self.q, [task.segments[i] for i in qs])
+        kd = self._gather(self.k, [task.segments[j] for j in ks])
+        vd = self._gather(self.v, [task.segments[j] for j in ks])
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        offsets = lambda idx: dict(zip(idx, [0] + list(torch.tensor([task.segments[i][1] - task.segments[i][0]
+                                                                      for i in idx]).cumsum(0).tolist())))
+        return qd, kd, vd, offsets(qs), offsets(ks), event
+
+    # ---------------------------------------------------------------- compute
+    def _compute(self, task: divide.Task, data) -> List[Tuple[Tuple[int, int], monoid.State]]:
+        from ..api import attention_state
+
+        qd, kd, vd, qoff, koff, event = data
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        keys = task.key_segments()
+        seg_len = lambda i: task.segments[i][1] - task.segments[i][0]
+        results = []
+        for i in task.query_segments():
+            qv = qd[:, :, qoff[i]:qoff[i] + seg_len(i)]
+            states = []
+            for x, y in task.key_runs(i):
+                a, b = koff[keys[x]], koff[keys[y - 1]] + seg_len(keys[y - 1])
+                states.append(attention_state(qv, kd[:, :, a:b], vd[:, :, a:b], scale=self.scale,
+                                              backend=self.backend))
+            if task.pairs[i, i] == divide.CAUSAL:
+                a = koff[i]
+                states.append(attention_state(qv, kd[:, :, a:a + seg_len(i)], vd[:, :, a:a + seg_len(i)],
+                                              is_causal=True, scale=self.scale, backend=self.backend))
+            results.append((task.segments[i], monoid.merge_all(states)))
+        return results
+
+    # ---------------------------------------------------------------- merging
+    @staticmethod
+    def _into(acc: Accumulators, rng: Tuple[int, int], st: monoid.State) -> None:
+        if st.m.device != acc.device:
+            st = monoid.State(*(t.to(acc.device) for t in st))
+        monoid.merge_(acc.view(*rng), st)
+
+    def flush(self, acc: Accumulators) -> None:
+        """Merge the states pending on the device into the accumulator."""
+        if self.pending is not None:
+            for rng, st in self.pending[1]:
+                self._into(acc, rng, st)
+        self.pending = None
+
+    def _merge(self, results, acc: Accumulators) -> None:
+        if self.host_only_states or acc.device == results[0][1].m.device:
+            for rng, st in results:
+                self._into(acc, rng, st)
+            return
+        key = tuple(r[0] for r in results)
+        if self.pending is not None and self.pending[0] == key:
+            for (_, p), (_, st) in zip(self.pending[1], results):
+                monoid.merge_(p, st)
+            return
+        self.flush(acc)
+        self.pending = (key, results)
+
+    def _go_host(self, acc: Accumulators) -> None:
+        self.flush(acc)
+        if acc.device.type != "cpu":
+            acc.to("cpu")
+        self.host_only_states = True
+
+    def _free(self) -> None:
+        self.ahead.clear()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------- the ladder
+    def _attempt(self, index: int, task: divide.Task, acc: Accumulators, upcoming, depth: int = 0) -> None:
+        while True:
+            try:
+                faults.check(index, task.tid)
+                data = self.ahead.pop(index, None) if depth == 0 else None
+                data = data or self._load(task)
+                if depth == 0:
+                    for j, t in upcoming[: self.n_cap - 1]:
+                        if j not in self.ahead:
+                            self.ahead[j] = self._load(t)
+                results = self._compute(task, data)
+                del data
+                self._merge(results, acc)
+                self.flops += task_flops(self.plan.shape, task)
+                self.tasks_run += 1
+                return
+            except torch.OutOfMemoryError as e:
+                self._free()
+                need = self.plan.task_peak(task, 1)
+                if self.smallest is None or need < self.smallest[0]:
+                    self.smallest = (need, task)
+                if self.n_cap > 1:
+                    self.n_cap = max(1, self.n_cap // 2)
+                    self._event(f"OOM in task {task.tid} ({e}); retry with n_cap={self.n_cap}")
+                    continue
+                if depth < MAX_REFINE and task.q_tokens > 1:
+                    c = self.plan.c or divide.SINGER_ORDERS[0]
+                    children = divide.refine(task, c, self.plan.causal)
+                    self._event(f"OOM in task {task.tid} at n_cap=1; refined into {len(children)} tasks (c={c})")
+                    for child in children:
+                        self._attempt(index, child, acc, (), depth + 1)
+                    return
+                if not self.host_only_states:
+                    self._go_host(acc)
+                    self._event(f"OOM in task {task.tid} after refinement; accumulators moved to the host, retry")
+                    continue
+                t = self.smallest[1]
+                raise torch.OutOfMemoryError(
+                    f"stream.attention: nothing fits in memory_budget={self.budget} bytes on {self.device}: the "
+                    f"smallest task tried ({t.tid}: {t.q_tokens} query x {t.k_tokens} key tokens, predicted peak "
+                    f"{self.smallest[0]} bytes at n_cap=1, accumulators on the host) ran out of memory ({e})") from e
+
+    def _event(self, msg: str) -> None:
+        logger.warning("elsa_surgery.stream: %s", msg)
+        self.events.append(msg)
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, order: Sequence[int], acc: Accumulators, *, on_task_done: Optional[Callable[[int, bool], None]] = None,
+            max_tasks: Optional[int] = None, deadline: Optional[float] = None) -> bool:
+        """Run tasks ``order`` (indices into ``plan.tasks``); ``on_task_done(index, flushed)`` after each (the
+        checkpoint hook: ``flushed`` means no state is pending on the device). Returns True when all ran."""
+        from tqdm.auto import tqdm
+
+        tasks = self.plan.tasks
+        bar = tqdm(total=len(order), disable=not self.progress, unit="task", desc="stream.attention")
+        start = time.perf_counter()
+        try:
+            for pos, index in enumerate(order):
+                if (max_tasks is not None and pos >= max_tasks) or (deadline is not None and time.time() > deadline):
+                    self.flush(acc)
+                    return False
+                upcoming = [(j, tasks[j]) for j in order[pos + 1: pos + self.n_cap]]
+                self._attempt(index, tasks[index], acc, upcoming)
+                nxt = order[pos + 1] if pos + 1 < len(order) else None
+                if nxt is None or self._qkey(tasks[nxt]) != (self.pending[0] if self.pending else None):
+                    self.flush(acc)
+                if on_task_done is not None:
+                    on_task_done(index, self.pending is None)
+                if self.cuda and self.progress:
+                    torch.cuda.synchronize(self.device)
+                el = time.perf_counter() - start
+                bar.set_postfix_str(f"{self.flops / max(el, 1e-9) / 1e12:.2f} TFLOP/s", refresh=False)
+                bar.update(1)
+            self.flush(acc)
+            return True
+        finally:
+            bar.close()
+            self.ahead.clear()
+
+    @staticmethod
+    def _qkey(task: divide.Task) -> tuple:
+        return tuple(task.segments[i] for i in task.query_segments())
