@@ -204,8 +204,9 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     order = list(range(len(plan.tasks))) if ranks is None else distributed.shard(plan, rank, size)
     acc = Accumulators(B, Hq, N, vs.shape[3], dev if plan.acc_on_device else "cpu")
     done: List[str] = []
+    resumed = 0
     if resume is not None:
-        done = resume[1]
+        done, resumed = list(resume[1]), len(resume[1])
         for dst, src in zip(acc.state, resume[2]):
             dst.copy_(src)
         finished_ids = set(done)
@@ -232,11 +233,11 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     secs = time.perf_counter() - t0
     _last = StreamReport(plan.schedule, plan.settings(), ex.n_cap, budget, plan.predicted_peak if plan.tasks else 0,
                          measured, plan.calibrated, plan.overhead, auto, ex.events, ex.tasks_run, len(plan.tasks),
-                         len(resume[1]) if resume else 0, complete, secs, ex.flops / max(secs, 1e-9) / 1e12, rank,
+                         resumed, complete, secs, ex.flops / max(secs, 1e-9) / 1e12, rank,
                          size)
     if not complete:
         logger.info("elsa_surgery.stream: stopped after a slice; %d of %d tasks done, resume from %s", len(done),
-                    len(order) + (len(resume[1]) if resume else 0), checkpoint_dir)
+                    len(order) + resumed, checkpoint_dir)
         return None
     if ranks is not None:
         distributed.merge_states(acc.state, rank, size)
