@@ -10,16 +10,8 @@ import torch
 
 from elsa_surgery import monoid, stream
 from elsa_surgery.stream import divide, faults, planner
+from stream_fixtures import one_thread  # noqa: F401 (autouse)
 from oracle import fp32_tolerance, naive_attention, rel_err
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread each (2 shared cores; oversubscription made them ~10x slower)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def _qkv(n=120, B=1, Hq=2, Hkv=2, D=16, Dv=16, seed=0, dtype=torch.float32):

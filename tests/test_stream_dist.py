@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from elsa_surgery import stream
+from stream_fixtures import one_thread  # noqa: F401 (autouse)
 from oracle import rel_err
 
 WORKER = str(Path(__file__).with_name("stream_worker.py"))
 KW = dict(is_causal=True, schedule="cqs", itr=2, c=7)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def _inputs(tmp_path, n=80, kw=KW):
