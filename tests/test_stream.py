@@ -1,6 +1,7 @@
 """elsa_surgery.stream on the CPU: the CQS divide as index arithmetic, exactness against the float64 oracle for every
 schedule, large logits, the OOM guardrails, bad input and autograd refusal (resume and ranks: test_stream_dist.py)."""
 
+import json
 import subprocess
 import sys
 
@@ -256,3 +257,17 @@ def test_planner_budget_and_auto_rule():
 def test_import_elsa_surgery_does_not_import_stream():
     code = "import sys, elsa_surgery; assert 'elsa_surgery.stream' not in sys.modules, 'stream imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_stream_bench_recipe_runs_on_cpu(load_recipe, capsys, tmp_path):
+    bench = load_recipe("stream_bench")
+    bench.main(["--device", "cpu", "--n", "512", "--heads", "1", "--budget", "1MiB", "--mode", "compare",
+                "--no-progress"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("schedule") for r in rows[:2]] == ["cqs", "blocks"] and rows[2]["auto"]["picked"] in ("cqs", "blocks")
+    assert rows[3]["max_abs_diff_cqs_vs_blocks"] < 1e-2  # bf16 outputs of two merge orders
+    for _ in range(4):  # slices: 10 tasks, 3 per invocation
+        bench.main(["--device", "cpu", "--mode", "slices", "--n", "512", "--heads", "1", "--budget", "256KiB",
+                    "--schedule", "blocks", "--max-tasks", "3", "--data-dir", str(tmp_path), "--no-progress"])
+    last = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert last["finished"] and last["spot_max_rel_err_vs_fp64"] < 1e-2

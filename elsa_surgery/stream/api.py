@@ -191,8 +191,7 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         if resume is not None:  # the plan of the first slice, not a new one
             p = resume[0]
             fixed = dict(itr=p["itr"], n_cap=n_cap, c=p["c"], block=p["block"])
-            plan = planner.make_plan(shape, p["schedule"], bool(is_causal), None, **fixed)
-            plan.budget = budget
+            plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, **fixed)
             auto = {}
     if resume is None:
         plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)

@@ -17,7 +17,9 @@ accumulators with the public monoid (:func:`elsa_surgery.monoid.merge_`).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -94,8 +96,10 @@ class Executor:
         if self.cuda:
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        offsets = lambda idx: dict(zip(idx, [0] + list(torch.tensor([task.segments[i][1] - task.segments[i][0]
-                                                                      for i in idx]).cumsum(0).tolist())))
+        def offsets(idx):
+            return dict(zip(idx, itertools.accumulate((task.segments[i][1] - task.segments[i][0] for i in idx),
+                                                      initial=0)))
+
         return qd, kd, vd, offsets(qs), offsets(ks), event
 
     # ---------------------------------------------------------------- compute
@@ -167,13 +171,12 @@ class Executor:
             try:
                 faults.check(index, task.tid)
                 data = self.ahead.pop(index, None) if depth == 0 else None
-                data = data or self._load(task)
-                if depth == 0:
+                results = self._compute(task, data or self._load(task))
+                del data
+                if depth == 0:  # the next tasks' host gathers and copies overlap this task's kernels
                     for j, t in upcoming[: self.n_cap - 1]:
                         if j not in self.ahead:
                             self.ahead[j] = self._load(t)
-                results = self._compute(task, data)
-                del data
                 self._merge(results, acc)
                 self.flops += task_flops(self.plan.shape, task)
                 self.tasks_run += 1
@@ -216,7 +219,8 @@ class Executor:
         from tqdm.auto import tqdm
 
         tasks = self.plan.tasks
-        bar = tqdm(total=len(order), disable=not self.progress, unit="task", desc="stream.attention")
+        bar = tqdm(total=len(order), disable=not self.progress, unit="task", desc="stream.attention",
+                   mininterval=0.5 if sys.stderr.isatty() else 15.0)  # logs (no tty): a line every 15 s
         start = time.perf_counter()
         try:
             for pos, index in enumerate(order):
@@ -230,8 +234,6 @@ class Executor:
                     self.flush(acc)
                 if on_task_done is not None:
                     on_task_done(index, self.pending is None)
-                if self.cuda and self.progress:
-                    torch.cuda.synchronize(self.device)
                 el = time.perf_counter() - start
                 bar.set_postfix_str(f"{self.flops / max(el, 1e-9) / 1e12:.2f} TFLOP/s", refresh=False)
                 bar.update(1)
