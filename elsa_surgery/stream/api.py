@@ -37,6 +37,7 @@ class StreamReport:
     events: List[str] = field(default_factory=list)
     tasks_run: int = 0
     tasks_total: int = 0
+    task_tokens: int = 0  # the largest task's query tokens
     resumed: int = 0
     finished: bool = False
     seconds: float = 0.0
@@ -123,7 +124,7 @@ def _calibrate(plan, shape, schedule, causal, budget, device, q, k, v, scale, ba
     torch.cuda.synchronize(device)
     measured = torch.cuda.max_memory_allocated(device) - base
     del data
-    predicted = planner.peak_bytes(shape, big, 1, False) - shape.state_bytes(big.q_tokens)  # no pending state here
+    predicted = shape.input_bytes(big.q_tokens, big.k_tokens) + shape.state_bytes(big.q_tokens)
     overhead = max(0, measured - predicted)
     new, _ = _plan(shape, schedule if schedule != "auto" else plan.schedule, causal, budget, device,
                    overhead=overhead, **fixed)
@@ -232,6 +233,7 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     secs = time.perf_counter() - t0
     _last = StreamReport(plan.schedule, plan.settings(), ex.n_cap, budget, plan.predicted_peak if plan.tasks else 0,
                          measured, plan.calibrated, plan.overhead, auto, ex.events, ex.tasks_run, len(plan.tasks),
+                         max((t.q_tokens for t in plan.tasks), default=0),
                          resumed, complete, secs, ex.flops / max(secs, 1e-9) / 1e12, rank,
                          size)
     if not complete:

@@ -2,8 +2,11 @@
 :func:`elsa_surgery.attention_state` (ELSA kernels on CUDA, the reference backend on CPU) and merges them into the
 accumulators with the public monoid (:func:`elsa_surgery.monoid.merge_`).
 
-* **Overlap** (CUDA): the inputs of the next ``n_cap - 1`` tasks are copied from pinned host buffers on a copy
-  stream while the current task computes; the compute stream waits on the copy's event.
+* **Overlap** (CUDA): once a task's kernels are launched, the next ``n_cap`` tasks' tokens are gathered into pinned
+  host buffers and the next ``n_cap - 1`` are copied to the device on a copy stream, while the GPU computes; the
+  compute stream waits on each copy's event. An upload first waits (on the events of launched tasks) until at most
+  ``n_cap`` tasks' inputs are in use on the device, so ``n_cap`` bounds real residency, not just the allocator's
+  count.
 * **Accumulators**: the full-sequence state lives on the device when the plan says it fits, else on the host; then
   a task's states stay on the device while the next task has the same query ranges (the blocks schedule is
   query-major), and are merged into the host accumulator when the query ranges change ("flush"). Flush points
@@ -17,11 +20,12 @@ accumulators with the public monoid (:func:`elsa_surgery.monoid.merge_`).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,7 +65,9 @@ class Executor:
         self.host_only_states = False  # guardrail step 3 sets it: no state stays on the device between tasks
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.ahead: Dict[int, tuple] = {}
+        self.ahead: Dict[int, tuple] = {}  # task index -> inputs on the device (prefetched)
+        self.staged: Dict[int, tuple] = {}  # task index -> inputs gathered in host buffers
+        self.inflight: Deque = collections.deque()  # CUDA events: the end of each launched task's kernels
         self.pending: Optional[Tuple[tuple, list]] = None  # (query ranges, [(range, State on device)])
         self.events: List[str] = []
         self.smallest: Optional[Tuple[int, divide.Task]] = None
@@ -69,38 +75,52 @@ class Executor:
         self.tasks_run = 0
 
     # ---------------------------------------------------------------- loading
-    def _gather(self, src, segs: Sequence[Tuple[int, int]]) -> torch.Tensor:
-        parts = [src.rows(a, b) for a, b in segs]
-        if src.device.type == self.device.type:
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        n = sum(b - a for a, b in segs)
-        shape = parts[0].shape[:2] + (n,) + parts[0].shape[3:]
-        host = torch.empty(shape, dtype=src.dtype, pin_memory=self.cuda)
-        if len(parts) == 1:
-            host.copy_(parts[0])
-        else:
-            torch.cat(parts, dim=2, out=host)
-        if not self.cuda:
+    def _stage(self, task: divide.Task):
+        """Host side of a load: the task's query and key tokens gathered into (pinned, on CUDA) host buffers; no
+        device memory (sources already on the compute device are sliced there instead)."""
+        def gather(src, segs):
+            parts = [src.rows(a, b) for a, b in segs]
+            if src.device.type == self.device.type:
+                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            n = sum(b - a for a, b in segs)
+            host = torch.empty(parts[0].shape[:2] + (n,) + parts[0].shape[3:], dtype=src.dtype, pin_memory=self.cuda)
+            if len(parts) == 1:
+                host.copy_(parts[0])
+            else:
+                torch.cat(parts, dim=2, out=host)
             return host
-        with torch.cuda.stream(self.copy_stream):
-            dev = host.to(self.device, non_blocking=True)
-        dev.record_stream(torch.cuda.current_stream(self.device))
-        return dev
 
-    def _load(self, task: divide.Task):
-        qs, ks = task.query_segments(), task.key_segments()
-        qd = self._gather(self.q, [task.segments[i] for i in qs])
-        kd = self._gather(self.k, [task.segments[j] for j in ks])
-        vd = self._gather(self.v, [task.segments[j] for j in ks])
+        qsegs = [task.segments[i] for i in task.query_segments()]
+        ksegs = [task.segments[j] for j in task.key_segments()]
+        return gather(self.q, qsegs), gather(self.k, ksegs), gather(self.v, ksegs)
+
+    def _make_room(self) -> None:
+        """Wait until at most ``n_cap`` tasks' inputs are on the device with the one about to be uploaded: inputs of
+        a launched task stay in use until its kernels end, whatever the allocator's count says."""
+        while self.inflight and len(self.inflight) + len(self.ahead) + 1 > self.n_cap:
+            self.inflight.popleft().synchronize()
+
+    def _upload(self, task: divide.Task, staged):
+        """Device side of a load: host buffers copied on the copy stream (an event marks the end of the copies)."""
         event = None
         if self.cuda:
+            self._make_room()
+            with torch.cuda.stream(self.copy_stream):
+                dev = [t if t.is_cuda else t.to(self.device, non_blocking=True) for t in staged]
+            for t in dev:
+                t.record_stream(torch.cuda.current_stream(self.device))
             event = torch.cuda.Event()
             event.record(self.copy_stream)
+            staged = dev
+
         def offsets(idx):
             return dict(zip(idx, itertools.accumulate((task.segments[i][1] - task.segments[i][0] for i in idx),
                                                       initial=0)))
 
-        return qd, kd, vd, offsets(qs), offsets(ks), event
+        return (*staged, offsets(task.query_segments()), offsets(task.key_segments()), event)
+
+    def _load(self, task: divide.Task):
+        return self._upload(task, self._stage(task))
 
     # ---------------------------------------------------------------- compute
     def _compute(self, task: divide.Task, data) -> List[Tuple[Tuple[int, int], monoid.State]]:
@@ -161,6 +181,8 @@ class Executor:
 
     def _free(self) -> None:
         self.ahead.clear()
+        self.staged.clear()
+        self.inflight.clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -171,12 +193,21 @@ class Executor:
             try:
                 faults.check(index, task.tid)
                 data = self.ahead.pop(index, None) if depth == 0 else None
-                results = self._compute(task, data or self._load(task))
+                if data is None:
+                    staged = self.staged.pop(index, None) if depth == 0 else None
+                    data = self._upload(task, staged or self._stage(task))
+                results = self._compute(task, data)
                 del data
-                if depth == 0:  # the next tasks' host gathers and copies overlap this task's kernels
+                if self.cuda:
+                    self.inflight.append(torch.cuda.Event())
+                    self.inflight[-1].record(torch.cuda.current_stream(self.device))
+                if depth == 0:  # while this task's kernels run: stage n_cap tasks ahead, upload n_cap - 1
+                    for j, t in upcoming[: self.n_cap]:
+                        if j not in self.ahead and j not in self.staged:
+                            self.staged[j] = self._stage(t)
                     for j, t in upcoming[: self.n_cap - 1]:
                         if j not in self.ahead:
-                            self.ahead[j] = self._load(t)
+                            self.ahead[j] = self._upload(t, self.staged.pop(j))
                 self._merge(results, acc)
                 self.flops += task_flops(self.plan.shape, task)
                 self.tasks_run += 1
@@ -242,6 +273,7 @@ class Executor:
         finally:
             bar.close()
             self.ahead.clear()
+            self.staged.clear()
 
     @staticmethod
     def _qkey(task: divide.Task) -> tuple:

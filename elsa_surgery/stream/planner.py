@@ -1,18 +1,21 @@
 """From a memory budget to a task list: the peak-memory model, the choice of ``itr`` / block size and ``n_cap``, the
 calibration pass and the cost model behind ``schedule="auto"``.
 
-**Memory model** (bytes on the compute device, one task; ``Lq``/``Lk`` its query/key tokens, ``e`` the input
-element size, states fp32):
+**Memory model** (bytes on the compute device; ``in`` = one task's inputs
+``B · (Hq·Lq·D + Hkv·Lk·(D + Dv)) · e``, ``st`` = its fp32 states ``B · Hq · Lq · (2 + Dv) · 4``, ``Lq``/``Lk`` its
+query/key tokens, ``e`` the input element size):
 
-* inputs: ``n_cap · B · (Hq·Lq·D + Hkv·Lk·(D + Dv)) · e`` — ``n_cap`` tasks' inputs are resident at once (the one
-  computing and those prefetched on the copy stream);
-* states: ``STATE_COPIES · B · Hq · Lq · (2 + Dv) · 4`` — the task's per-segment states, the pending query-range
-  state kept on the device between consecutive tasks with the same queries, and the merge temporaries;
-* the device accumulator ``B · Hq · N · (2 + Dv) · 4`` when the plan keeps it on the device;
-* ``overhead``: kernel workspace (split-K partials), measured by the calibration pass (0 before it, and on CPU).
+* while a task computes, ``n_cap`` tasks' inputs are resident (it and the ``n_cap - 1`` prefetched on the copy
+  stream), with its states, the pending state of the previous task with the same queries (when the accumulator is
+  on the host) and the kernel's workspace: ``n_cap·in + (1 + pending)·st + overhead``;
+* while its states merge, its inputs are gone and the next ``n_cap - 1`` tasks' are loaded, with its states, the
+  pending state and one state-sized temporary of the merge: ``(n_cap - 1)·in + (2 + pending)·st``;
+* the peak is the larger of the two, plus the full-sequence accumulator ``B · Hq · N · (2 + Dv) · 4`` when the plan
+  keeps it on the device (then nothing is pending).
 
-**Calibration** (CUDA only): the largest task runs once, its measured peak minus the model's prediction becomes
-``overhead`` (never negative), and the plan is redone with it. On CPU nothing is measured (``calibrated=False``).
+**Calibration** (CUDA only): the largest task runs once alone; its measured peak minus ``in + st`` becomes
+``overhead`` (the kernel's workspace and the per-segment merge temporaries; never negative), and the plan is redone
+with it. On CPU nothing is measured (``calibrated=False``).
 
 **Cost model** (``schedule="auto"``): a task costs ``max(flops / F, h2d_bytes / BW_H2D) + calls · LAUNCH`` plus
 ``flushed_state_bytes / BW_MERGE`` for the host merges of its states; ``auto`` takes the schedule with the smaller
@@ -29,7 +32,6 @@ import torch
 
 from . import divide
 
-STATE_COPIES = 3
 MAX_TASKS = 20000  # plans with more tasks are not considered (host-side bookkeeping grows with the count)
 CQS_ORDERS = (7, 13, 21, 31)  # the c the planner tries (any of divide.SINGER_ORDERS may be passed explicitly)
 COST = {  # F: attention FLOP/s, BW_H2D / BW_MERGE: bytes/s, LAUNCH: s per kernel call
@@ -85,9 +87,11 @@ class Plan:
 
 
 def peak_bytes(shape: Shape, task: divide.Task, n_cap: int, acc_on_device: bool, overhead: int = 0) -> int:
-    lq, lk = task.q_tokens, task.k_tokens
-    acc = shape.state_bytes(shape.N) if acc_on_device else 0
-    return n_cap * shape.input_bytes(lq, lk) + STATE_COPIES * shape.state_bytes(lq) + acc + overhead
+    inp, st = shape.input_bytes(task.q_tokens, task.k_tokens), shape.state_bytes(task.q_tokens)
+    pending = 0 if acc_on_device else 1
+    computing = n_cap * inp + (1 + pending) * st + overhead
+    merging = (n_cap - 1) * inp + (2 + pending) * st
+    return max(computing, merging) + (shape.state_bytes(shape.N) if acc_on_device else 0)
 
 
 def task_flops(shape: Shape, task: divide.Task) -> float:
