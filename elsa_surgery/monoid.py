@@ -62,13 +62,15 @@ def merge(a: State, b: State) -> State:
 def merge_(acc: State, b: State) -> State:
     """``acc ⊕= b`` in place, vectorised over rows: ``acc``'s tensors (which may be views into larger accumulators,
     e.g. a token range of a full-sequence state) are overwritten with exactly :func:`merge`'s values (same
-    operations, same rounding). ``b`` must be on ``acc``'s device and dtype. Returns ``acc``."""
+    operations, same rounding). All temporaries are allocated before the first write, so an out-of-memory error
+    leaves ``acc`` as it was. ``b`` must be on ``acc``'s device and dtype. Returns ``acc``."""
     m = torch.maximum(acc.m, b.m)
     ref = _safe_max(m)
     ea = torch.exp(acc.m - ref)
     eb = torch.exp(b.m - ref)
-    acc.S.mul_(ea).add_(b.S * eb)
-    acc.W.mul_(ea.unsqueeze(-1)).add_(b.W * eb.unsqueeze(-1))
+    sb, wb = b.S * eb, b.W * eb.unsqueeze(-1)  # every temporary first: an allocation failure leaves acc untouched
+    acc.S.mul_(ea).add_(sb)
+    acc.W.mul_(ea.unsqueeze(-1)).add_(wb)
     acc.m.copy_(m)
     return acc
 

@@ -164,6 +164,25 @@ def test_injected_ooms_give_the_same_output(count, times, expect):
         assert torch.equal(out, clean)  # only n_cap changed: the same merges in the same order
 
 
+def test_oom_inside_a_merge_neither_loses_nor_repeats_a_segment(monkeypatch):
+    """An OOM raised by the merge itself (its temporaries come first, so nothing was written) must not retry the
+    task: the remaining segments merge on the host."""
+    q, k, v = _qkv(n=96)
+    clean = stream.attention(q, k, v, is_causal=True, itr=1, progress=False)
+    real, calls = monoid.merge_, []
+
+    def flaky(acc, b):
+        calls.append(1)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("injected in merge_")
+        return real(acc, b)
+
+    monkeypatch.setattr(monoid, "merge_", flaky)
+    out = stream.attention(q, k, v, is_causal=True, itr=1, progress=False)
+    assert any("while merging" in e for e in stream.last_report().events)
+    assert torch.equal(out, clean)
+
+
 def test_oom_everywhere_is_a_clear_error():
     q, k, v = _qkv(n=60)
     with faults.inject(oom_at=[0], oom_times=10_000), pytest.raises(torch.OutOfMemoryError) as ei:

@@ -161,17 +161,29 @@ class Executor:
         self.pending = None
 
     def _merge(self, results, acc: Accumulators) -> None:
-        if self.host_only_states or acc.device == results[0][1].m.device:
-            for rng, st in results:
-                self._into(acc, rng, st)
-            return
+        """Merge a finished task's per-segment states; never leaves a task half-merged: an OOM at segment ``x``
+        (the device temporaries of the merge) moves the accumulator and the pending state to the host (guardrail
+        step 3), where segments ``x`` onwards then merge."""
         key = tuple(r[0] for r in results)
-        if self.pending is not None and self.pending[0] == key:
-            for (_, p), (_, st) in zip(self.pending[1], results):
-                monoid.merge_(p, st)
+        into_pending = (not self.host_only_states and acc.device != results[0][1].m.device
+                        and self.pending is not None and self.pending[0] == key)
+        if not into_pending and not self.host_only_states and acc.device != results[0][1].m.device:
+            self.flush(acc)
+            self.pending = (key, results)
             return
-        self.flush(acc)
-        self.pending = (key, results)
+        for x, (rng, st) in enumerate(results):
+            try:
+                if into_pending:
+                    monoid.merge_(self.pending[1][x][1], st)
+                else:
+                    self._into(acc, rng, st)
+            except torch.OutOfMemoryError as e:
+                self._free()
+                self._go_host(acc)
+                self._event(f"OOM while merging states ({e}); accumulators moved to the host")
+                for rng2, st2 in results[x:]:
+                    self._into(acc, rng2, st2)
+                return
 
     def _go_host(self, acc: Accumulators) -> None:
         self.flush(acc)
@@ -208,10 +220,6 @@ class Executor:
                     for j, t in upcoming[: self.n_cap - 1]:
                         if j not in self.ahead:
                             self.ahead[j] = self._upload(t, self.staged.pop(j))
-                self._merge(results, acc)
-                self.flops += task_flops(self.plan.shape, task)
-                self.tasks_run += 1
-                return
             except torch.OutOfMemoryError as e:
                 self._free()
                 need = self.plan.task_peak(task, 1)
@@ -237,6 +245,11 @@ class Executor:
                     f"stream.attention: nothing fits in memory_budget={self.budget} bytes on {self.device}: the "
                     f"smallest task tried ({t.tid}: {t.q_tokens} query x {t.k_tokens} key tokens, predicted peak "
                     f"{self.smallest[0]} bytes at n_cap=1, accumulators on the host) ran out of memory ({e})") from e
+            else:
+                self._merge(results, acc)  # outside the retry: a task merges once, after it has fully run
+                self.flops += task_flops(self.plan.shape, task)
+                self.tasks_run += 1
+                return
 
     def _event(self, msg: str) -> None:
         logger.warning("elsa_surgery.stream: %s", msg)
