@@ -184,7 +184,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     ckpt = resume = None
     fixed = dict(itr=itr, n_cap=n_cap, c=c, block=block)
     if checkpoint_dir is not None:
-        settings = {"causal": bool(is_causal), "scale": scale, "schedule": schedule, "memory_budget": budget,
+        settings = {"causal": bool(is_causal), "scale": scale, "schedule": schedule,
+                    "memory_budget": memory_budget,  # as given: None / a fraction resolve differently each run
                     "rank": rank, "world": size, **fixed}
         sub = checkpoint_dir if ranks is None else f"{checkpoint_dir}/rank{rank}-of-{size}"
         ckpt = Checkpoint(sub, fingerprint((qs, ks, vs), settings))
