@@ -190,10 +190,12 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         sub = checkpoint_dir if ranks is None else f"{checkpoint_dir}/rank{rank}-of-{size}"
         ckpt = Checkpoint(sub, fingerprint((qs, ks, vs), settings))
         resume = ckpt.load()
-        if resume is not None:  # the plan of the first slice, not a new one
+        if resume is not None:  # the plan of the first slice, not a new one (bit-identical output)
             p = resume[0]
             fixed = dict(itr=p["itr"], n_cap=n_cap, c=p["c"], block=p["block"])
-            plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, **fixed)
+            # the same accumulator placement too: device and host arithmetic may round differently
+            plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, acc_on_device=p["acc_on_device"],
+                                     **fixed)
             auto = {}
     if resume is None:
         plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)

@@ -83,7 +83,7 @@ class Plan:
 
     def settings(self) -> Dict:
         return {"schedule": self.schedule, "c": self.c, "itr": self.itr, "block": self.block, "causal": self.causal,
-                "tasks": len(self.tasks)}
+                "tasks": len(self.tasks), "acc_on_device": self.acc_on_device}
 
 
 def peak_bytes(shape: Shape, task: divide.Task, n_cap: int, acc_on_device: bool, overhead: int = 0) -> int:
