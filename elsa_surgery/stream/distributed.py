@@ -11,7 +11,7 @@ the process group's timeout error (``init_process_group(timeout=...)``), re-rais
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

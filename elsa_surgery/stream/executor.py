@@ -263,7 +263,8 @@ class Executor:
         self.events.append(msg)
 
     # ---------------------------------------------------------------- the loop
-    def run(self, order: Sequence[int], acc: Accumulators, *, on_task_done: Optional[Callable[[int, bool], None]] = None,
+    def run(self, order: Sequence[int], acc: Accumulators, *,
+            on_task_done: Optional[Callable[[int, bool], None]] = None,
             max_tasks: Optional[int] = None, deadline: Optional[float] = None) -> bool:
         """Run tasks ``order`` (indices into ``plan.tasks``); ``on_task_done(index, flushed)`` after each (the
         checkpoint hook: ``flushed`` means no state is pending on the device). Returns True when all ran."""

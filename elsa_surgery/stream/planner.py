@@ -25,6 +25,7 @@ total (constants :data:`COST`, per device type).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -177,7 +178,8 @@ def make_plan(shape: Shape, schedule: str, causal: bool, budget: Optional[int], 
     raise ValueError(
         f"memory_budget={budget} bytes is too small for schedule={schedule!r}"
         + (f" with {fixed}" if fixed else "")
-        + (f": the smallest plan tried ({smallest[1]}, n_cap={n_cap or 1}) needs {smallest[0]} bytes" if smallest else "")
+        + (f": the smallest plan tried ({smallest[1]}, n_cap={n_cap or 1}) needs {smallest[0]} bytes"
+           if smallest else "")
         + "; raise memory_budget" + (" or drop the fixed itr/n_cap/block" if fixed else ""))
 
 
@@ -195,7 +197,6 @@ def resolve_budget(memory_budget, device: torch.device) -> Optional[int]:
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
         else:
-            import os
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(memory_budget * free)
     if memory_budget <= 0:

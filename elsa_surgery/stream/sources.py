@@ -18,7 +18,8 @@ class Source:
         elif isinstance(x, np.ndarray):
             if not x.flags.c_contiguous:
                 raise ValueError(f"{name}: a numpy array / memmap must be C-contiguous (got strides {x.strides} for "
-                                 f"shape {x.shape}); pass np.ascontiguousarray or rewrite the file in [B, H, N, D] order")
+                                 f"shape {x.shape}); pass np.ascontiguousarray or rewrite the file in [B, H, N, D] "
+                                 "order")
             try:
                 dtype = torch.from_numpy(np.empty(0, dtype=x.dtype)).dtype
             except TypeError as e:
