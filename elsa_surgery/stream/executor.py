@@ -171,6 +171,10 @@ class Executor:
         """Merge a finished task's per-segment states; never leaves a task half-merged: an OOM at segment ``x``
         (the device temporaries of the merge) moves the accumulator and the pending state to the host (guardrail
         step 3), where segments ``x`` onwards then merge."""
+        if self.inflight:
+            # the task's kernels end first: its inputs' memory (freed, but in use until then) is then reusable for
+            # the merge's temporaries instead of adding to the device's reserved memory
+            self.inflight[-1].synchronize()
         key = tuple(r[0] for r in results)
         into_pending = (not self.host_only_states and acc.device != results[0][1].m.device
                         and self.pending is not None and self.pending[0] == key)
