@@ -8,7 +8,7 @@ Modes (each prints one JSON line per measurement; docs/stream.md explains the me
   tile on the device, and spot rows against float64.
 * ``compare``: ``cqs`` vs ``blocks`` (and what ``auto`` predicts/picks) at the same budget.
 * ``memory``: the planner's predicted peak vs the measured peak for several budgets; a PNG plot with ``--plot``
-  (needs the ``plot`` extra: matplotlib).
+  (needs the ``plot`` extra: matplotlib; without it the points are saved and ``--plot-from`` draws them elsewhere).
 * ``slices``: a memory-mapped run (default 32M tokens, H=1) in resumable slices: each invocation runs at most
   ``--slice-seconds`` (or ``--max-tasks``) and checkpoints into ``--data-dir``; rerun the same command until it
   prints ``"finished": true`` with the spot-row check.
@@ -166,24 +166,39 @@ def mode_memory(args, device, budgets):
         emit({"mode": "memory", "n": args.n, **row})
         points.append((budget, row["predicted_peak"], row["measured_peak"]))
     if args.plot:
+        plot_memory(points, args.plot, f"stream.attention N={args.n} H={args.heads} D={args.dim} {args.dtype}")
+
+
+def plot_memory(points, path, title) -> None:
+    """``points``: (budget, predicted, measured) bytes. Without matplotlib (the ``plot`` extra; GPU machines may lack
+    it) the points go to ``<path>.jsonl`` and ``--plot-from`` draws them later on a machine that has it."""
+    try:
         import matplotlib  # the ``plot`` extra, imported only here
+    except ImportError:
+        rows = Path(str(path) + ".jsonl")
+        rows.write_text("".join(json.dumps({"mode": "memory", "budget": b, "predicted_peak": p, "measured_peak": m,
+                                            "title": title}) + "\n" for b, p, m in points))
+        emit({"mode": "memory", "plot": None, "why": "matplotlib is not installed (pip install 'elsa-surgery[plot]')",
+              "points": str(rows), "then": f"python recipes/stream_bench.py --plot-from {rows} --plot {path}"})
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        gib = 1 << 30
-        fig, ax = plt.subplots(figsize=(5, 4))
-        xs = [p[0] / gib for p in points]
-        ax.plot(xs, [p[1] / gib for p in points], "o-", label="predicted peak")
-        ax.plot(xs, [(p[2] or 0) / gib for p in points], "s--", label="measured peak")
-        ax.plot(xs, xs, ":", color="gray", label="budget")
-        ax.set_xlabel("memory_budget (GiB)")
-        ax.set_ylabel("peak GPU memory (GiB)")
-        ax.set_title(f"stream.attention N={args.n} H={args.heads} D={args.dim} {args.dtype}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        emit({"mode": "memory", "plot": str(args.plot)})
+    gib = 1 << 30
+    fig, ax = plt.subplots(figsize=(5, 4))
+    xs = [b / gib for b, _, _ in points]
+    ax.plot(xs, [p / gib for _, p, _ in points], "o-", label="predicted peak")
+    measured = [(b / gib, m / gib) for b, _, m in points if m is not None]  # None: no device (CPU)
+    if measured:
+        ax.plot(*zip(*measured), "s--", label="measured peak")
+    ax.plot(xs, xs, ":", color="gray", label="budget")
+    ax.set_xlabel("memory_budget (GiB)")
+    ax.set_ylabel("peak GPU memory (GiB)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    emit({"mode": "memory", "plot": str(path)})
 
 
 def mode_slices(args, device, budget):
@@ -239,7 +254,14 @@ def main(argv=None):
     p.add_argument("--no-enforce", action="store_true", help="do not cap the allocator at the budget")
     p.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--plot-from", default=None, help="draw --plot from memory-mode JSON lines saved earlier")
     args = p.parse_args(argv)
+    if args.plot_from:
+        rows = [json.loads(line) for line in Path(args.plot_from).read_text().splitlines() if line.startswith("{")]
+        rows = [r for r in rows if r.get("mode") == "memory" and r.get("predicted_peak") is not None]
+        plot_memory([(r["budget"], r["predicted_peak"], r["measured_peak"]) for r in rows], args.plot or "memory.png",
+                    rows[0].get("title", "stream.attention memory model") if rows else "")
+        return
     if args.n is None:
         args.n = (32 << 20) if args.mode == "slices" else (8 << 20)
     device = torch.device(args.device)
