@@ -1,4 +1,5 @@
-"""Child processes for tests/test_stream_dist.py (run as a script: ``python tests/stream_worker.py MODE ...``).
+"""Child processes for tests/test_stream_dist.py (forked there with ``main(argv)``; or as a script:
+``python tests/stream_worker.py MODE ...``).
 
 * ``kill INPUTS CKPT EXIT_AT``: a checkpointed run that the fault hook ends with ``os._exit(17)`` at task EXIT_AT.
 * ``rank RANK WORLD INIT_FILE INPUTS RESULT EXIT_AT TIMEOUT_S``: one gloo rank (init_method file://); it writes
@@ -11,10 +12,9 @@ from datetime import timedelta
 
 import torch
 
-torch.set_num_threads(1)
-
 
 def main(argv):
+    torch.set_num_threads(1)
     from elsa_surgery import stream
     from elsa_surgery.stream import faults
 

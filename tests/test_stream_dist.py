@@ -2,19 +2,17 @@
 2 and 4 gloo ranks against one, and a rank killed mid-run reported within the process group's timeout."""
 
 import json
-import subprocess
-import sys
+import multiprocessing
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+import stream_worker
 from elsa_surgery import stream
 from stream_fixtures import one_thread  # noqa: F401 (autouse)
 from oracle import rel_err
 
-WORKER = str(Path(__file__).with_name("stream_worker.py"))
 KW = dict(is_causal=True, schedule="cqs", itr=2, c=7)
 
 
@@ -30,9 +28,9 @@ def test_resume_after_a_hard_kill_is_bit_identical(tmp_path):
     d = _inputs(tmp_path)
     whole = stream.attention(d["q"], d["k"], d["v"], progress=False, **KW)
     ck = tmp_path / "ck"
-    p = subprocess.run([sys.executable, WORKER, "kill", str(tmp_path / "inputs.pt"), str(ck), "23"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 17, p.stderr[-2000:]
+    p = _child(["kill", str(tmp_path / "inputs.pt"), str(ck), "23"])
+    p.join(120)
+    assert p.exitcode == 17
     man = json.loads((ck / "manifest.json").read_text())
     assert len(man["done"]) == 23 and len(list(ck.glob("gen-*"))) == 1
     out = stream.attention(d["q"], d["k"], d["v"], progress=False, checkpoint_dir=ck, **KW)
@@ -60,24 +58,31 @@ def test_slices_then_refusal_of_another_runs_checkpoint(tmp_path):
         stream.attention(d["q"], d["k"], d["v"], progress=False, checkpoint_dir=ck, **{**KW, "is_causal": False})
 
 
+def _child(argv):
+    """A forked child running tests/stream_worker.py's main (fork: no second torch import, ~10 s each on 2 shared
+    cores; the parent has no CUDA and no process group, and runs torch ops on one thread)."""
+    p = multiprocessing.get_context("fork").Process(target=stream_worker.main, args=(argv,))
+    p.start()
+    return p
+
+
 def _ranks(tmp_path, world, exit_at=None, timeout=20):
     init = tmp_path / f"init{world}"
     procs = []
     for r in range(world):
         ex = exit_at if (exit_at is not None and r == world - 1) else -1
-        procs.append(subprocess.Popen([sys.executable, WORKER, "rank", str(r), str(world), str(init),
-                                       str(tmp_path / "inputs.pt"), str(tmp_path / f"res{world}-{r}.pt"), str(ex),
-                                       str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    return [p.returncode for p in procs], logs
+        procs.append(_child(["rank", str(r), str(world), str(init), str(tmp_path / "inputs.pt"),
+                             str(tmp_path / f"res{world}-{r}.pt"), str(ex), str(timeout)]))
+    for p in procs:
+        p.join(240)
+    return [p.exitcode for p in procs]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_match_one_process(tmp_path, world):
     d = _inputs(tmp_path)
     one = stream.attention(d["q"], d["k"], d["v"], progress=False, **KW)
-    rcs, logs = _ranks(tmp_path, world)
-    assert rcs == [0] * world, logs
+    assert _ranks(tmp_path, world) == [0] * world
     runs = 0
     for r in range(world):
         res = torch.load(tmp_path / f"res{world}-{r}.pt")
@@ -90,8 +95,8 @@ def test_gloo_ranks_match_one_process(tmp_path, world):
 def test_a_killed_rank_is_reported_not_hung_on(tmp_path):
     _inputs(tmp_path)
     t = time.perf_counter()
-    rcs, logs = _ranks(tmp_path, 2, exit_at=45, timeout=20)  # task 45 is in rank 1's shard (the last half)
-    assert rcs == [3, 17], logs
+    rcs = _ranks(tmp_path, 2, exit_at=45, timeout=20)  # task 45 is in rank 1's shard (the last half)
+    assert rcs == [3, 17]
     res = torch.load(tmp_path / "res2-0.pt")
     assert "rank 0 of 2: merging the partial states failed" in res["error"]
     assert res["seconds"] < 20 + 10, res  # within the collective timeout (plus slack), not hung

@@ -230,6 +230,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         base = torch.cuda.memory_allocated(dev)
     deadline = None if max_seconds is None else time.time() + max_seconds
     complete = ex.run(order, acc, on_task_done=on_task_done, max_tasks=max_tasks, deadline=deadline)
+    if ranks is not None:
+        complete = distributed.all_finished(complete, rank, size)
     measured = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
     if ckpt is not None:
         ckpt.save(plan.settings(), done, acc.state)

@@ -43,6 +43,26 @@ def shard(plan: Plan, rank: int, size: int) -> List[int]:
     return mine
 
 
+def all_finished(finished: bool, rank: int, size: int) -> bool:
+    """Whether every rank finished its share (a slice run stops all ranks together: no rank waits in the merge
+    for one that stopped)."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if finished else 0], dtype=torch.int32, device=dev)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    except Exception as e:
+        raise _merge_error(rank, size, e) from e
+    return bool(flag.item())
+
+
+def _merge_error(rank: int, size: int, e: Exception) -> RuntimeError:
+    return RuntimeError(f"stream.attention: rank {rank} of {size}: merging the partial states failed — another "
+                        f"rank died or did not reach the collective within the process group's timeout "
+                        f"({type(e).__name__}: {e})")
+
+
 def merge_states(state: monoid.State, rank: int, size: int) -> None:
     """All ranks' partial states merged in place into every rank's ``state`` (``[B, H, N]`` / ``[B, H, N, Dv]``)."""
     import torch.distributed as dist
@@ -64,7 +84,5 @@ def merge_states(state: monoid.State, rank: int, size: int) -> None:
             for dst, src in zip(state, (gm, S, W)):
                 dst[:, :, a:b].copy_(src)
     except Exception as e:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, timeouts)
-        raise RuntimeError(f"stream.attention: rank {rank} of {size}: merging the partial states failed — another "
-                           f"rank died or did not reach the collective within the process group's timeout "
-                           f"({type(e).__name__}: {e})") from e
+        raise _merge_error(rank, size, e) from e
 
