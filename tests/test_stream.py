@@ -84,7 +84,8 @@ def test_refinement_and_blocks_cover_exactly(causal):
 
 # ------------------------------------------------------------------ exactness
 
-CASES = [("cqs", dict(itr=1)), ("cqs", dict(itr=2)), ("cqs", dict(itr=1, c=13)), ("cqs", dict(itr=3, n_cap=1)),
+CASES = [("cqs", dict(itr=1)), ("cqs", dict(itr=2)), ("cqs", dict(itr=1, c=13)), ("cqs", dict(itr=1, c=31)),
+         ("cqs", dict(itr=1, c=21, n_cap=2)), ("cqs", dict(itr=3, n_cap=1)),
          ("blocks", dict(block=32)), ("blocks", dict(block=17, n_cap=3)), ("auto", {}),
          ("auto", dict(memory_budget=60_000))]
 
@@ -101,6 +102,13 @@ def test_matches_float64_oracle(schedule, kw, causal):
     assert rep.finished and rep.tasks_run == rep.tasks_total
     if kw.get("memory_budget"):
         assert rep.predicted_peak <= kw["memory_budget"]
+
+
+def test_four_levels_of_the_divide_match_the_oracle():
+    q, k, v = _qkv(n=49, Hq=1, Hkv=1, D=8, Dv=8)
+    out = stream.attention(q, k, v, is_causal=True, itr=4, c=7, progress=False)
+    assert stream.last_report().tasks_total == 955  # 7**4 subsequences, those that compute nothing dropped
+    assert rel_err(out, naive_attention(q, k, v, is_causal=True)[0]) <= 1e-6
 
 
 def test_gqa_dv_scale_and_batches():
