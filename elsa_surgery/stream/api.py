@@ -85,7 +85,8 @@ def _check_inputs(q: Source, k: Source, v: Source, out):
 
 def _compute_device(sources, device) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        dev = torch.device(device)
+        return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
     for s in sources:
         if s.device.type == "cuda":
             return s.device
