@@ -11,7 +11,7 @@ import torch
 
 from elsa_surgery import monoid, stream
 from elsa_surgery.stream import divide, faults, planner
-from stream_fixtures import one_thread  # noqa: F401 (autouse)
+from stream_fixtures import cpu_stream  # noqa: F401 (autouse)
 from oracle import fp32_tolerance, naive_attention, rel_err
 
 

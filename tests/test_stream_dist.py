@@ -10,7 +10,7 @@ import torch
 
 import stream_worker
 from elsa_surgery import stream
-from stream_fixtures import one_thread  # noqa: F401 (autouse)
+from stream_fixtures import cpu_stream  # noqa: F401 (autouse)
 from oracle import rel_err
 
 KW = dict(is_causal=True, schedule="cqs", itr=2, c=7)
