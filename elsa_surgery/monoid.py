@@ -59,6 +59,22 @@ def merge(a: State, b: State) -> State:
     return State(m, S, W)
 
 
+def merge_(acc: State, b: State) -> State:
+    """``acc ⊕= b`` in place, vectorised over rows: ``acc``'s tensors (which may be views into larger accumulators,
+    e.g. a token range of a full-sequence state) are overwritten with exactly :func:`merge`'s values (same
+    operations, same rounding). All temporaries are allocated before the first write, so an out-of-memory error
+    leaves ``acc`` as it was. ``b`` must be on ``acc``'s device and dtype. Returns ``acc``."""
+    m = torch.maximum(acc.m, b.m)
+    ref = _safe_max(m)
+    ea = torch.exp(acc.m - ref)
+    eb = torch.exp(b.m - ref)
+    sb, wb = b.S * eb, b.W * eb.unsqueeze(-1)  # every temporary first: an allocation failure leaves acc untouched
+    acc.S.mul_(ea).add_(sb)
+    acc.W.mul_(ea.unsqueeze(-1)).add_(wb)
+    acc.m.copy_(m)
+    return acc
+
+
 def merge_all(states: Iterable[State]) -> State:
     """Tree-merge a sequence of states (pairwise, log depth); the order does not change the result."""
     level = list(states)

@@ -101,3 +101,16 @@ def test_nan_propagates_through_merge():
     a.m[0] = float("nan")
     out, _ = monoid.finalize(monoid.merge(a, b))
     assert torch.isnan(out[0]).all()
+
+
+def test_in_place_merge_equals_merge_bitwise_on_views():
+    g = torch.Generator().manual_seed(3)
+    a, b = _rand_state(g, masked_rows=(1,)), _rand_state(g, masked_rows=(1, 4))
+    big = monoid.identity((10,), 5, dtype=torch.float64)
+    for x, y in zip(big, a):
+        x[2:8].copy_(y)
+    view = monoid.State(big.m[2:8], big.S[2:8], big.W[2:8])
+    monoid.merge_(view, b)
+    for x, y in zip(view, monoid.merge(a, b)):
+        assert torch.equal(x, y)
+    assert torch.isinf(big.m[:2]).all() and torch.count_nonzero(big.W[8:]) == 0  # rows outside the view untouched

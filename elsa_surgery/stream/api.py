@@ -1,0 +1,265 @@
+"""``elsa_surgery.stream.attention``: exact attention over sequences whose Q/K/V/O do not fit on the GPU."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .. import monoid
+from . import distributed, planner
+from .checkpoint import Checkpoint, fingerprint
+from .executor import Accumulators, Executor
+from .sources import Source
+
+logger = logging.getLogger("elsa_surgery.stream")
+SCHEDULES = ("cqs", "blocks", "auto")
+FINALIZE_CHUNK_TOKENS = 1 << 16
+
+
+@dataclass
+class StreamReport:
+    """What the last call did (``elsa_surgery.stream.last_report()``)."""
+
+    schedule: str = ""
+    settings: Dict = field(default_factory=dict)
+    n_cap: int = 0
+    budget: Optional[int] = None
+    predicted_peak: int = 0
+    measured_peak: Optional[int] = None
+    calibrated: bool = False
+    overhead: int = 0
+    auto: Dict = field(default_factory=dict)
+    events: List[str] = field(default_factory=list)
+    tasks_run: int = 0
+    tasks_total: int = 0
+    task_tokens: int = 0  # the largest task's query tokens
+    resumed: int = 0
+    finished: bool = False
+    seconds: float = 0.0
+    tflops: float = 0.0
+    rank: int = 0
+    world: int = 1
+
+
+_last = StreamReport()
+
+
+def last_report() -> StreamReport:
+    return _last
+
+
+def _check_inputs(q: Source, k: Source, v: Source, out):
+    B, Hq, N, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"k, v: batch {k.shape[0]}, {v.shape[0]} must equal q's batch {B}")
+    if k.shape[2] != N or v.shape[2] != N:
+        raise ValueError(f"k, v: sequence length {k.shape[2]}, {v.shape[2]} must equal q's N={N} "
+                         "(stream.attention streams self-attention over one sequence)")
+    if k.shape[3] != D:
+        raise ValueError(f"k: head dim {k.shape[3]} must equal q's D={D}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v: {v.shape[1]} heads must equal k's {k.shape[1]}")
+    if Hq % k.shape[1]:
+        raise ValueError(f"q: {Hq} heads must be a multiple of k's {k.shape[1]} (GQA)")
+    for s in (q, k, v):
+        if not s.dtype.is_floating_point:
+            raise TypeError(f"{s.name}: dtype {s.dtype} is not a floating type")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    want = (B, Hq, N, v.shape[3])
+    if out is not None:
+        if tuple(out.shape) != want:
+            raise ValueError(f"out: shape {tuple(out.shape)} must be {want}")
+        if isinstance(out, np.ndarray):
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out: a numpy array / memmap must be C-contiguous and writable")
+        elif not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor or a numpy array/memmap, got {type(out).__name__}")
+    return want
+
+
+def _compute_device(sources, device) -> torch.device:
+    if device is not None:
+        dev = torch.device(device)
+        return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    for s in sources:
+        if s.device.type == "cuda":
+            return s.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _plan(shape, schedule, causal, budget, device, *, itr, n_cap, c, block, overhead=0):
+    kw = dict(itr=itr, n_cap=n_cap, c=c, block=block, overhead=overhead)
+    if schedule != "auto":
+        return planner.make_plan(shape, schedule, causal, budget, **kw), {}
+    plans, errors = {}, {}
+    for s in ("cqs", "blocks"):
+        try:
+            plans[s] = planner.make_plan(shape, s, causal, budget, **kw)
+        except ValueError as e:
+            errors[s] = str(e)
+    if not plans:
+        raise ValueError(" / ".join(errors.values()))
+    secs = {s: planner.predicted_seconds(p, device.type) for s, p in plans.items()}
+    pick = min(secs, key=secs.get)
+    return plans[pick], {"predicted_seconds": secs, "picked": pick, "refused": errors}
+
+
+def _calibrate(plan, shape, schedule, causal, budget, device, q, k, v, scale, backend, fixed):
+    """Run the largest task once on the GPU; its measured peak minus the model's becomes the plan's overhead."""
+    if device.type != "cuda" or not plan.tasks:
+        plan.notes.append("calibration skipped: no device memory to measure on " + device.type)
+        return plan
+    big = max(plan.tasks, key=lambda t: t.q_tokens + t.k_tokens)
+    ex = Executor(plan, q, k, v, scale=scale, device=device, backend=backend, progress=False, budget=budget)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    data = ex._load(big)
+    ex._compute(big, data)
+    torch.cuda.synchronize(device)
+    measured = torch.cuda.max_memory_allocated(device) - base
+    del data
+    predicted = shape.input_bytes(big.q_tokens, big.k_tokens) + shape.state_bytes(big.q_tokens)
+    overhead = max(0, measured - predicted)
+    new, _ = _plan(shape, schedule if schedule != "auto" else plan.schedule, causal, budget, device,
+                   overhead=overhead, **fixed)
+    new.calibrated, new.overhead = True, overhead
+    new.notes.append(f"calibrated on {big.tid}: measured {measured} B, model {predicted} B, overhead {overhead} B")
+    return new
+
+
+def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None, memory_budget=None,
+              schedule: str = "cqs", itr: Optional[int] = None, n_cap: Optional[int] = None, out=None,
+              checkpoint_dir=None, progress: bool = True, c: Optional[int] = None, block: Optional[int] = None,
+              device=None, backend: str = "auto", calibrate: bool = True, checkpoint_every: float = 60.0,
+              max_tasks: Optional[int] = None, max_seconds: Optional[float] = None):
+    """Exact softmax attention of ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]``, ``v [B, Hkv, N, Dv]`` streamed
+    through the compute device as independent tasks whose ``(m, S, W)`` states merge with the ELSA monoid.
+
+    Inputs may be CPU (ideally pinned) or CUDA tensors, C-contiguous numpy arrays / memmaps or safetensors slices;
+    ``out`` (default: a new CPU tensor of q's dtype) may be a numpy memmap. ``is_causal`` is SDPA's (N is shared).
+    ``memory_budget``: bytes, or a float fraction of free device memory (None: 90 % of free GPU memory, no limit
+    on CPU). ``schedule``: ``"cqs"`` (CQS divide, ``c`` in divide.SINGER_ORDERS, ``itr`` levels), ``"blocks"``
+    (``block`` × ``block`` tiles) or ``"auto"`` (the smaller predicted time of the planner's cost model).
+    ``itr`` / ``n_cap`` / ``c`` / ``block``: fix what the planner would choose. ``checkpoint_dir``: resumable
+    run (saved every ``checkpoint_every`` seconds at a task boundary, and at the end of a slice); ``max_tasks`` /
+    ``max_seconds`` stop after a slice of work (needs ``checkpoint_dir``) and return None when unfinished.
+    ``device`` / ``backend``: where and with what tasks run (default: the inputs' GPU, else CUDA if present,
+    else CPU with the reference backend). Under ``torch.distributed`` tasks are sharded over the ranks and every
+    rank returns the full output. See docs/stream.md.
+    """
+    global _last
+    t0 = time.perf_counter()
+    tensors = [x for x in (q, k, v) if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        raise NotImplementedError(
+            "stream.attention: backward is not supported yet (it needs the ELSA backward kernels); call it under "
+            "torch.no_grad() or with inputs that do not require grad")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+    for name, val, lo in (("itr", itr, 1), ("n_cap", n_cap, 1), ("block", block, 1)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < lo):
+            raise ValueError(f"{name}={val!r}: expected an int >= {lo} or None")
+    if (max_tasks is not None or max_seconds is not None) and checkpoint_dir is None:
+        raise ValueError("max_tasks / max_seconds stop a run part-way: they need checkpoint_dir to keep the progress")
+    qs, ks, vs = Source(q, "q"), Source(k, "k"), Source(v, "v")
+    shape_out = _check_inputs(qs, ks, vs, out)
+    if c is not None:
+        from .divide import SINGER_ORDERS
+        if c not in SINGER_ORDERS:
+            raise ValueError(f"c={c}: the CQS divide needs c in {SINGER_ORDERS}")
+    B, Hq, N, D = qs.shape
+    scale = D ** -0.5 if scale is None else float(scale)
+    dev = _compute_device((qs, ks, vs), device)
+    budget = planner.resolve_budget(memory_budget, dev)
+    shape = planner.Shape(B, Hq, ks.shape[1], N, D, vs.shape[3], qs.dtype.itemsize)
+    ranks = distributed.world()
+    rank, size = ranks or (0, 1)
+
+    ckpt = resume = None
+    fixed = dict(itr=itr, n_cap=n_cap, c=c, block=block)
+    if checkpoint_dir is not None:
+        settings = {"causal": bool(is_causal), "scale": scale, "schedule": schedule,
+                    "memory_budget": memory_budget,  # as given: None / a fraction resolve differently each run
+                    "rank": rank, "world": size, **fixed}
+        sub = checkpoint_dir if ranks is None else f"{checkpoint_dir}/rank{rank}-of-{size}"
+        ckpt = Checkpoint(sub, fingerprint((qs, ks, vs), settings))
+        resume = ckpt.load()
+        if resume is not None:  # the plan of the first slice, not a new one (bit-identical output)
+            p = resume[0]
+            fixed = dict(itr=p["itr"], n_cap=n_cap, c=p["c"], block=p["block"])
+            # the same accumulator placement too: device and host arithmetic may round differently
+            plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, acc_on_device=p["acc_on_device"],
+                                     **fixed)
+            auto = {}
+    if resume is None:
+        plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)
+        if calibrate:
+            plan = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend, fixed)
+    for note in plan.notes:
+        logger.info("elsa_surgery.stream: %s", note)
+
+    order = list(range(len(plan.tasks))) if ranks is None else distributed.shard(plan, rank, size)
+    acc = Accumulators(B, Hq, N, vs.shape[3], dev if plan.acc_on_device else "cpu")
+    done: List[str] = []
+    resumed = 0
+    if resume is not None:
+        done, resumed = list(resume[1]), len(resume[1])
+        for dst, src in zip(acc.state, resume[2]):
+            dst.copy_(src)
+        finished_ids = set(done)
+        order = [i for i in order if plan.tasks[i].tid not in finished_ids]
+
+    ex = Executor(plan, qs, ks, vs, scale=scale, device=dev, backend=backend, progress=progress and rank == 0,
+                  budget=budget)
+    last_save = [time.perf_counter()]
+
+    def on_task_done(index: int, flushed: bool) -> None:
+        done.append(plan.tasks[index].tid)
+        if ckpt is not None and flushed and time.perf_counter() - last_save[0] >= checkpoint_every:
+            ckpt.save(plan.settings(), done, acc.state)
+            last_save[0] = time.perf_counter()
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    deadline = None if max_seconds is None else time.time() + max_seconds
+    complete = ex.run(order, acc, on_task_done=on_task_done, max_tasks=max_tasks, deadline=deadline)
+    if ranks is not None:
+        complete = distributed.all_finished(complete, rank, size)
+    measured = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+    if ckpt is not None:
+        ckpt.save(plan.settings(), done, acc.state)
+    secs = time.perf_counter() - t0
+    _last = StreamReport(plan.schedule, plan.settings(), ex.n_cap, budget, plan.predicted_peak if plan.tasks else 0,
+                         measured, plan.calibrated, plan.overhead, auto, ex.events, ex.tasks_run, len(plan.tasks),
+                         max((t.q_tokens for t in plan.tasks), default=0),
+                         resumed, complete, secs, ex.flops / max(secs, 1e-9) / 1e12, rank,
+                         size)
+    if not complete:
+        logger.info("elsa_surgery.stream: stopped after a slice; %d of %d tasks done, resume from %s", len(done),
+                    len(order) + resumed, checkpoint_dir)
+        return None
+    if ranks is not None:
+        distributed.merge_states(acc.state, rank, size)
+    return _finalize(acc, qs, shape_out, out)
+
+
+def _finalize(acc: Accumulators, qs: Source, shape_out, out):
+    if out is None:
+        out = torch.empty(shape_out, dtype=qs.dtype, device=qs.device if qs.kind == "tensor" else "cpu")
+    N = shape_out[2]
+    for a in range(0, N, FINALIZE_CHUNK_TOKENS):
+        b = min(N, a + FINALIZE_CHUNK_TOKENS)
+        y, _ = monoid.finalize(acc.view(a, b))
+        if isinstance(out, np.ndarray):
+            out[:, :, a:b] = y.to(torch.from_numpy(np.empty(0, dtype=out.dtype)).dtype).cpu().numpy()
+        else:
+            out[:, :, a:b].copy_(y)
+    return out

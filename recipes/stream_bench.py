@@ -1,0 +1,293 @@
+"""Stream-CQSA on ELSA states (``elsa_surgery.stream``): long causal attention with Q/K/V/O in host memory or on disk.
+
+Modes (each prints one JSON line per measurement; docs/stream.md explains the method):
+
+* ``target``: N tokens (default 8M) causal, B=1, H=8, D=64, bf16, Q/K/V/O host-resident (pinned), GPU capped at
+  ``--budget`` (default 8 GiB; ``torch.cuda.set_per_process_memory_fraction`` makes the cap real, so an excess is an
+  OOM that the guardrails handle). Reports the stream's TFLOP/s against the in-core ELSA kernel's on one task-sized
+  tile on the device, and spot rows against float64.
+* ``compare``: ``cqs`` vs ``blocks`` (and what ``auto`` predicts/picks) at the same budget.
+* ``memory``: the planner's predicted peak vs the measured peak for several budgets; a PNG plot with ``--plot``
+  (needs the ``plot`` extra: matplotlib; without it the points are saved and ``--plot-from`` draws them elsewhere).
+* ``slices``: a memory-mapped run (default 32M tokens, H=1) in resumable slices: each invocation runs at most
+  ``--slice-seconds`` (or ``--max-tasks``) and checkpoints into ``--data-dir``; rerun the same command until it
+  prints ``"finished": true`` with the spot-row check.
+
+Under ``torchrun --nproc-per-node R ... --ranks R`` tasks are sharded over the ranks (NCCL on GPUs, gloo on CPU).
+
+Examples::
+
+    python recipes/stream_bench.py --mode target                       # 8M tokens, 8 GiB budget (H100: < 9 min)
+    python recipes/stream_bench.py --mode memory --n 1M --budgets 1GiB,2GiB,4GiB --plot stream_memory.png
+    python recipes/stream_bench.py --mode compare --n 1M --budget 2GiB
+    python recipes/stream_bench.py --mode slices --n 32M --heads 1 --slice-seconds 480 --data-dir /tmp/s32m
+    python recipes/stream_bench.py --device cpu --n 4096 --heads 2 --budget 8MiB --mode compare   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from elsa_surgery import stream
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def size(text: str) -> int:
+    """``8M`` -> 8 * 2**20, ``8GiB`` -> 8 * 2**30, ``4096`` -> 4096."""
+    t = text.strip().lower()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * UNITS[unit])
+    return int(t)
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def host_inputs(args, device):
+    """Pinned host Q/K/V, drawn on the device in chunks when it is a GPU (fast), else on the CPU."""
+    shape = (1, args.heads, args.n, args.dim)
+    out = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for _ in range(3):
+        t = torch.empty(shape, dtype=DTYPES[args.dtype], pin_memory=device.type == "cuda")
+        for a in range(0, args.n, 1 << 20):
+            b = min(args.n, a + (1 << 20))
+            t[:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
+        out.append(t)
+    return out
+
+
+def spot_rows(q, k, v, out, rows, scale=None, device="cpu"):
+    """Max relative error of output rows (causal) against float64, keys in chunks."""
+    worst = 0.0
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    step = 1 << 17  # keys a chunk: 1 GiB of float64 K at H=8, D=64 (under the 8 GiB cap)
+    for r in rows:
+        qr = q[:, :, r].to(device, torch.float64)  # [B, H, D]
+        m = None
+        for a in range(0, r + 1, step):
+            b = min(r + 1, a + step)
+            s = torch.einsum("bhd,bhnd->bhn", qr, k[:, :, a:b].to(device, torch.float64)) * scale
+            mx = s.amax(-1)
+            p = torch.exp(s - mx.unsqueeze(-1))
+            w = torch.einsum("bhn,bhnd->bhd", p, v[:, :, a:b].to(device, torch.float64))
+            st = (mx, p.sum(-1), w)
+            if m is None:
+                m, S, W = st
+            else:
+                nm = torch.maximum(m, st[0])
+                S = S * torch.exp(m - nm) + st[1] * torch.exp(st[0] - nm)
+                W = W * torch.exp(m - nm).unsqueeze(-1) + st[2] * torch.exp(st[0] - nm).unsqueeze(-1)
+                m = nm
+        ref = W / S.unsqueeze(-1)
+        got = out[:, :, r].to(device, torch.float64)
+        worst = max(worst, float((got - ref).norm() / ref.norm()))
+    return worst
+
+
+def in_core_tflops(args, device, tile: int) -> float:
+    """The ELSA kernel on one task-sized tile (tile x tile keys, non-causal) resident on the device."""
+    from elsa_surgery import attention_state
+
+    q, k, v = (torch.randn(1, args.heads, tile, args.dim, device=device, dtype=DTYPES[args.dtype]) for _ in range(3))
+    attention_state(q, k, v)  # compile / warm up
+    if device.type == "cuda":  # a task-sized call takes seconds: two timed calls, CUDA events
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(2):
+            attention_state(q, k, v)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / 2
+    else:
+        t = time.perf_counter()
+        attention_state(q, k, v)
+        ms = (time.perf_counter() - t) * 1e3
+    return 4.0 * args.heads * tile * tile * args.dim / (ms * 1e-3) / 1e12
+
+
+def run(args, q, k, v, schedule, budget, **kw):
+    t = time.perf_counter()
+    out = stream.attention(q, k, v, is_causal=True, schedule=schedule, memory_budget=budget, progress=args.progress,
+                           device=args.device, **kw)
+    secs = time.perf_counter() - t
+    rep = stream.last_report()
+    row = {"schedule": rep.schedule, "settings": rep.settings, "n_cap": rep.n_cap, "budget": budget,
+           "predicted_peak": rep.predicted_peak, "measured_peak": rep.measured_peak, "calibrated": rep.calibrated,
+           "seconds": round(secs, 2), "stream_tflops": rep.tflops,
+           "events": rep.events, "auto": rep.auto, "finished": rep.finished, "rank": rep.rank, "world": rep.world}
+    return out, row
+
+
+def mode_target(args, device, budget):
+    q, k, v = host_inputs(args, device)
+    out, row = run(args, q, k, v, args.schedule, budget)
+    tile = stream.last_report().task_tokens  # the in-core kernel on one task's size (a tile x tile call)
+    row["in_core_tile"] = tile
+    row["in_core_tflops"] = in_core_tflops(args, device, tile)
+    row["ratio_vs_in_core"] = row["stream_tflops"] / row["in_core_tflops"]
+    rows = sorted({0, 1, args.n // 3, args.n // 2, args.n - 1})
+    row["spot_rows"] = rows
+    row["spot_max_rel_err_vs_fp64"] = spot_rows(q, k, v, out, rows, device=device)
+    emit({"mode": "target", "n": args.n, "heads": args.heads, "dim": args.dim, "dtype": args.dtype, **row})
+
+
+def mode_compare(args, device, budget):
+    q, k, v = host_inputs(args, device)
+    outs = {}
+    for schedule in ("cqs", "blocks", "auto"):
+        outs[schedule], row = run(args, q, k, v, schedule, budget)
+        emit({"mode": "compare", "n": args.n, **row})
+    diff = (outs["cqs"].float() - outs["blocks"].float()).abs().max().item()
+    emit({"mode": "compare", "max_abs_diff_cqs_vs_blocks": diff})
+
+
+def mode_memory(args, device, budgets):
+    q, k, v = host_inputs(args, device)
+    points = []
+    for budget in budgets:
+        _, row = run(args, q, k, v, args.schedule, budget)
+        row["error_vs_measured"] = (None if not row["measured_peak"] else
+                                    (row["predicted_peak"] - row["measured_peak"]) / row["measured_peak"])
+        emit({"mode": "memory", "n": args.n, **row})
+        points.append((budget, row["predicted_peak"], row["measured_peak"]))
+    if args.plot:
+        plot_memory(points, args.plot, f"stream.attention N={args.n} H={args.heads} D={args.dim} {args.dtype}")
+
+
+def plot_memory(points, path, title) -> None:
+    """``points``: (budget, predicted, measured) bytes. Without matplotlib (the ``plot`` extra; GPU machines may lack
+    it) the points go to ``<path>.jsonl`` and ``--plot-from`` draws them later on a machine that has it."""
+    try:
+        import matplotlib  # the ``plot`` extra, imported only here
+    except ImportError:
+        rows = Path(str(path) + ".jsonl")
+        rows.write_text("".join(json.dumps({"mode": "memory", "budget": b, "predicted_peak": p, "measured_peak": m,
+                                            "title": title}) + "\n" for b, p, m in points))
+        emit({"mode": "memory", "plot": None, "why": "matplotlib is not installed (pip install 'elsa-surgery[plot]')",
+              "points": str(rows), "then": f"python recipes/stream_bench.py --plot-from {rows} --plot {path}"})
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = 1 << 30
+    fig, ax = plt.subplots(figsize=(5, 4))
+    xs = [b / gib for b, _, _ in points]
+    ax.plot(xs, [p / gib for _, p, _ in points], "o-", label="predicted peak")
+    measured = [(b / gib, m / gib) for b, _, m in points if m is not None]  # None: no device (CPU)
+    if measured:
+        ax.plot(*zip(*measured), "s--", label="measured peak")
+    ax.plot(xs, xs, ":", color="gray", label="budget")
+    ax.set_xlabel("memory_budget (GiB)")
+    ax.set_ylabel("peak GPU memory (GiB)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    emit({"mode": "memory", "plot": str(path)})
+
+
+def mode_slices(args, device, budget):
+    """Q/K/V and O as files mapped with torch.from_file (bf16 on disk); progress in <data-dir>/ckpt."""
+    d = Path(args.data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    shape = (1, args.heads, args.n, args.dim)
+    numel = math.prod(shape)
+    dtype = DTYPES[args.dtype]
+    maps = {}
+    for name in ("q", "k", "v", "o"):
+        path = d / f"{name}.bin"
+        fresh = not path.exists()
+        if fresh:
+            with open(path, "wb") as f:
+                f.truncate(numel * dtype.itemsize)
+        maps[name] = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+        if fresh and name != "o":
+            g = torch.Generator(device=device).manual_seed(ord(name))
+            for a in range(0, args.n, 1 << 20):
+                b = min(args.n, a + (1 << 20))
+                maps[name][:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
+    out, row = run(args, maps["q"], maps["k"], maps["v"], args.schedule, budget, out=maps["o"],
+                   checkpoint_dir=str(d / "ckpt"), max_tasks=args.max_tasks, max_seconds=args.slice_seconds,
+                   checkpoint_every=args.checkpoint_every)
+    rep = stream.last_report()
+    row.update({"tasks_done_total": rep.resumed + rep.tasks_run, "tasks_total": rep.tasks_total})
+    if out is not None:
+        rows = sorted({0, args.n // 2, args.n - 1})
+        row["spot_rows"] = rows
+        row["spot_max_rel_err_vs_fp64"] = spot_rows(maps["q"], maps["k"], maps["v"], out, rows, device=device)
+    emit({"mode": "slices", "n": args.n, **row})
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("target", "compare", "memory", "slices"), default="target")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--n", type=size, default=None, help="tokens (8M; 32M in slices mode); suffixes k/M")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--budget", type=size, default=8 << 30, help="memory_budget in bytes (suffixes MiB/GiB)")
+    p.add_argument("--budgets", default="1GiB,2GiB,4GiB", help="memory mode: comma-separated budgets")
+    p.add_argument("--schedule", choices=("cqs", "blocks", "auto"), default="auto")
+    p.add_argument("--plot", default=None, help="memory mode: write the predicted-vs-measured PNG here")
+    p.add_argument("--data-dir", default="/tmp/elsa_stream_slices", help="slices mode: files and checkpoint")
+    p.add_argument("--slice-seconds", type=float, default=None, help="slices mode: stop after this long")
+    p.add_argument("--max-tasks", type=int, default=None, help="slices mode: stop after this many tasks")
+    p.add_argument("--checkpoint-every", type=float, default=300.0,
+                   help="slices mode: seconds between saves (each writes the fp32 accumulators: 8 GiB at 32M, H=1)")
+    p.add_argument("--no-enforce", action="store_true", help="do not cap the allocator at the budget")
+    p.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--plot-from", default=None, help="draw --plot from memory-mode JSON lines saved earlier")
+    args = p.parse_args(argv)
+    if args.plot_from:
+        rows = [json.loads(line) for line in Path(args.plot_from).read_text().splitlines() if line.startswith("{")]
+        rows = [r for r in rows if r.get("mode") == "memory" and r.get("predicted_peak") is not None]
+        plot_memory([(r["budget"], r["predicted_peak"], r["measured_peak"]) for r in rows], args.plot or "memory.png",
+                    rows[0].get("title", "stream.attention memory model") if rows else "")
+        return
+    if args.n is None:
+        args.n = (32 << 20) if args.mode == "slices" else (8 << 20)
+    device = torch.device(args.device)
+    if args.ranks > 1:
+        import torch.distributed as dist
+
+        if int(os.environ.get("WORLD_SIZE", "1")) != args.ranks:
+            sys.exit(f"--ranks {args.ranks}: run under torchrun --nproc-per-node {args.ranks}")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            args.device = str(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda" and not args.no_enforce:
+        total = torch.cuda.get_device_properties(device).total_memory
+        cap = max(args.budget, *(size(b) for b in args.budgets.split(","))) if args.mode == "memory" else args.budget
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    if args.mode == "target":
+        mode_target(args, device, args.budget)
+    elif args.mode == "compare":
+        mode_compare(args, device, args.budget)
+    elif args.mode == "memory":
+        mode_memory(args, device, [size(b) for b in args.budgets.split(",")])
+    else:
+        mode_slices(args, device, args.budget)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Child processes for tests/test_stream_dist.py (forked there with ``main(argv)``; or as a script:
+``python tests/stream_worker.py MODE ...``).
+
+* ``kill INPUTS CKPT EXIT_AT``: a checkpointed run that the fault hook ends with ``os._exit(17)`` at task EXIT_AT.
+* ``rank RANK WORLD INIT_FILE INPUTS RESULT EXIT_AT TIMEOUT_S``: one gloo rank (init_method file://); it writes
+  ``RESULT`` (torch.save of {"out" or "error", "seconds"}); EXIT_AT >= 0 kills this rank at that task.
+"""
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+
+def main(argv):
+    torch.set_num_threads(1)
+    from elsa_surgery import stream
+    from elsa_surgery.stream import faults
+
+    mode = argv[0]
+    if mode == "kill":
+        inputs, ckpt, exit_at = argv[1], argv[2], int(argv[3])
+        d = torch.load(inputs)
+        with faults.inject(exit_at=exit_at):
+            stream.attention(d["q"], d["k"], d["v"], progress=False, checkpoint_dir=ckpt, checkpoint_every=0.0,
+                             **d["kw"])
+        raise SystemExit("the fault hook did not end the run")
+    if mode == "rank":
+        import torch.distributed as dist
+
+        rank, world, init, inputs, result, exit_at, timeout = argv[1:8]
+        rank, world, exit_at = int(rank), int(world), int(exit_at)
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=float(timeout)))
+        d = torch.load(inputs)
+        t = time.perf_counter()
+        try:
+            with faults.inject(exit_at=exit_at if exit_at >= 0 else None):
+                out = stream.attention(d["q"], d["k"], d["v"], progress=False, **d["kw"])
+            torch.save({"out": out, "seconds": time.perf_counter() - t, "report": vars(stream.last_report())}, result)
+        except Exception as e:  # reported to the parent test
+            torch.save({"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t}, result)
+            raise SystemExit(3)
+        finally:
+            if "out" in locals():
+                dist.destroy_process_group()
+        return
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
