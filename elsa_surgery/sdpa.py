@@ -31,8 +31,9 @@ def run(p: AttentionProblem) -> torch.Tensor:
             mask = mask & vis
         else:
             mask = mask.masked_fill(~vis, float("-inf"))
-    if mask is not None and mask.dtype != torch.bool and mask.dtype != p.q.dtype:
-        mask = mask.to(p.q.dtype)
+    if mask is not None and mask.dtype not in (torch.bool, torch.float32, p.q.dtype):
+        # SDPA takes bool, float32 or q's dtype; never narrow to fp16/bf16 (-1e9 would become -inf)
+        mask = mask.to(torch.float64 if p.q.dtype == torch.float64 else torch.float32)
     out = F.scaled_dot_product_attention(
         p.q, p.k, p.v, attn_mask=mask, dropout_p=p.dropout_p, scale=p.scale, enable_gqa=p.heads_q != p.heads_kv
     )

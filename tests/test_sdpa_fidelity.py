@@ -447,6 +447,12 @@ def test_causal_bias_refusals_name_the_argument(kw, match):
         elsa_surgery.attention(q, q, q, attn_mask=causal_upper_left(4, 5))
 
 
+def test_found_sdpa_backend_kept_large_finite_fp32_mask_values():
+    """Found by the fuzzer: backend='sdpa' cast a float32 mask to fp16 q's dtype, so -1e9 became -inf."""
+    assert check(Case(B=2, Nq=1, Nk=1, D=72, Dv=8, dtype="float16", layouts=("contiguous", "contiguous", "sliced"),
+                      mask="additive", mask_shape=(1, 1), mask_dtype="float32", large="-1e9", backend="sdpa")) == "match"
+
+
 def test_difference_is_causal_is_bottom_right():
     """Nq != Nk: query i sees keys j <= i + Nk - Nq (SDPA's is_causal: j <= i); equal to causal_lower_right."""
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
