@@ -42,9 +42,9 @@ def attention(
         attn_mask: bool (True = attend, SDPA's polarity) or additive float, broadcastable to
             ``[B, Hq, Nq, Nk]``; with ``windowed_mask=True``, ``[nW, Hq|1, Nq, Nk]`` applied to batch row
             ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``).
-        dropout_p: attention dropout in [0, 1], as SDPA's. The ELSA kernels implement none: a call with
-            ``dropout_p > 0`` runs on the reference backend under ``auto`` (the reason is logged and
-            recorded), and raises under ``backend="elsa"``.
+        dropout_p: attention dropout in [0, 1], as SDPA's (kept probabilities scaled by ``1 / (1 - p)``). The
+            kernels draw it with a counter-based RNG seeded from PyTorch's generator (``torch.manual_seed``
+            reproduces a call); the backward regenerates the same mask.
         is_causal: bottom-right aligned when ``Nq != Nk`` (query i sees keys ``j <= i + Nk - Nq``).
         scale: defaults to ``D ** -0.5``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made).
@@ -64,7 +64,7 @@ def attention(
     if d.backend == "elsa":
         out, lse = _kernels().attention(
             p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
-            kv_lengths=p.kv_lengths, precision=d.precision, return_lse=return_lse,
+            kv_lengths=p.kv_lengths, precision=d.precision, return_lse=return_lse, dropout_p=p.dropout_p,
         )
     elif d.backend == "sdpa":
         out, lse = sdpa.run(p), None
