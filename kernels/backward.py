@@ -120,7 +120,7 @@ def bwd_delta(DO, OUT, DLSE, DELTA, n_rows, H, Dv_rows,
 @triton.jit(do_not_specialize=_SIZES)
 def bwd_kv(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, DQ, DK, DV, DS,
-    qk_scale, scale, p_drop, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -188,9 +188,8 @@ def bwd_kv(
             dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
             if DROPOUT:
                 keep = _keep(seed, b64 * crb + h64 * crh + q_row0 + rows.to(tl.int64), cols, Nkc, p_drop)
-                inv = 1.0 / (1.0 - p_drop)
-                pd = tl.where(keep, p * inv, 0.0)
-                dp = tl.where(keep, dp * inv, 0.0)
+                pd = tl.where(keep, p * keep_scale, 0.0)
+                dp = tl.where(keep, dp * keep_scale, 0.0)
             else:
                 pd = p
             dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
@@ -215,7 +214,7 @@ def bwd_kv(
 @triton.jit(do_not_specialize=_SIZES)
 def row_pass(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, RES,
-    qk_scale, scale, p_drop, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -285,14 +284,14 @@ def row_pass(
         elif WHAT == 1:
             v = tl.load(v_base + tl.trans(c64) * stride_vn + offs_dv[None, :] * stride_vd,
                         mask=col_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
-            pd = tl.where(keep, p * (1.0 / (1.0 - p_drop)), 0.0)
+            pd = tl.where(keep, p * keep_scale, 0.0)
             acc = _dot(pd.to(v.dtype), v, acc, DOT)
         else:
             vt = tl.load(v_base + c64 * stride_vn + offs_dv[:, None] * stride_vd,
                          mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)
             dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
             if DROPOUT:
-                dp = tl.where(keep, dp * (1.0 / (1.0 - p_drop)), 0.0)
+                dp = tl.where(keep, dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             acc = _dot(ds.to(q.dtype), tl.trans(kt), acc, DOT)
     if WHAT == 0:

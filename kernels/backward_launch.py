@@ -71,7 +71,8 @@ class _Call:
         return (0, lse.stride(0), lse.stride(1)) if self.varlen else lse.stride()
 
     def scalars(self, n_blocks: int):
-        return (self.scale * LOG2E, self.scale, self.dropout_p, self.Nq, self.Nk, self.Hq, self.Hq // self.Hkv,
+        keep_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1 else 0.0
+        return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, self.Hq // self.Hkv,
                 n_blocks, self.period, *self.counter)
 
     def consts(self):
