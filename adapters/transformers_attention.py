@@ -61,7 +61,7 @@ _local = threading.local()
 
 
 class UnsupportedAttention(NotImplementedError):
-    """An attention feature ELSA does not implement (soft-capping, sinks, dropout in training...)."""
+    """An attention feature ELSA does not implement (soft-capping, sinks, dropout on packed sequences...)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,9 +105,8 @@ def elsa_attention_forward(
         raise UnsupportedAttention("ELSA's transformers adapter does not take a position_bias; keep this model on 'sdpa'")
     if kwargs.get("cache") is not None:
         raise UnsupportedAttention("ELSA does not support transformers' paged (continuous-batching) cache")
-    if dropout and module.training:
-        raise UnsupportedAttention(
-            f"attention dropout ({dropout}) in training mode: ELSA is an inference path; call model.eval()")
+    # transformers passes the module's attention_dropout / attention_probs_dropout_prob, 0 outside training
+    dropout_p = float(dropout) if module.training else 0.0
     cfg = _patch_config(module)
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
@@ -117,6 +116,9 @@ def elsa_attention_forward(
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        if dropout_p:
+            raise UnsupportedAttention(f"attention dropout ({dropout_p}) on packed sequences: the varlen path has "
+                                       "none; train with padding instead of packing, or set the dropout to 0")
         # packed sequences (DataCollatorWithFlattening's flash-attention kwargs): the packed varlen path, as
         # transformers' flash-attention integration does (the cu_seqlens define the sequences, no mask)
         _note_call(module, "packed")
@@ -146,7 +148,7 @@ def elsa_attention_forward(
 
     out = elsa_surgery.attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa,
-        backend=cfg.backend, precision=cfg.precision, kv_lengths=kv_lengths,
+        backend=cfg.backend, precision=cfg.precision, kv_lengths=kv_lengths, dropout_p=dropout_p,
     )
     return out.transpose(1, 2).contiguous(), None
 
