@@ -167,7 +167,7 @@ def convert(
     adapters=None,
     include=None,
     exclude=None,
-    verify: bool = True,
+    verify=True,
     example_inputs: Any = None,
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
@@ -183,7 +183,8 @@ def convert(
             :class:`Adapter` instances; None = every registered adapter.
         include, exclude: module-name globs (``fnmatch``); a glob matching an ancestor's name also
             selects its descendants (``include="blocks.0"`` selects ``blocks.0.attn``).
-        verify: run the model before and after on example inputs and compare (see :mod:`.verify`).
+        verify: run the model before and after on example inputs and compare (see :mod:`.verify`); ``"grad"``
+            also compares the parameter gradients of a loss on those inputs (dropout off).
         example_inputs: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``);
             default: the first selected adapter's ``example_inputs(model)``.
         rtol, atol: override the dtype-aware tolerances of the parity check.
@@ -204,8 +205,8 @@ def convert(
     exclude = _globs("exclude", exclude)
     _check_tol("rtol", rtol)
     _check_tol("atol", atol)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False, got {verify!r}")
+    if not (isinstance(verify, bool) or verify == "grad"):
+        raise TypeError(f"verify must be True, False or 'grad', got {verify!r}")
     if example_inputs is not None:
         check_inputs(example_inputs)
     chosen = resolve_adapters(adapters)
@@ -319,7 +320,7 @@ def convert(
             for _, _, sel in model_plans:
                 watched.update(sel)
             check = ParityCheck(model, inputs, watched, inputs_source=source, rtol=rtol, atol=atol,
-                                precision=dispatch.requested_precision(precision))
+                                precision=dispatch.requested_precision(precision), grad=verify == "grad")
             try:
                 check.reference()  # nothing has been changed yet
             except Exception as exc:

@@ -147,7 +147,7 @@ def _reduce_mask_grad(ds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,
                        kv_lengths=None, cu_q=None, cu_k=None, varlen_dims=None, precision=None, dropout_p=0.0,
                        seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None):
-    """``(dq, dk, dv, dmask or None)`` of one attention call. ``out``/``lse`` are the forward's; ``do`` may have
+    """``(dq, dk, dv, dmask or None)`` of one attention call (contiguous tensors). ``out``/``lse`` are the forward's; ``do`` may have
     any strides. ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``) computes dQ in a
     separate pass over query blocks instead of with atomics."""
     c = _Call(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
@@ -157,8 +157,8 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
         deterministic = torch.are_deterministic_algorithms_enabled()
     if mask_grad and (mask is None or mask.dtype == torch.bool):
         raise ValueError("mask_grad: only an additive float mask has a gradient")
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, as ops' fake impl says
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     atomic = not deterministic
     dq = torch.zeros(q.shape, dtype=torch.float32 if atomic else q.dtype, device=q.device)
     ds = (torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.float32, device=q.device) if mask_grad else None)
