@@ -4,23 +4,15 @@ Fresh random inputs for every case; dQ, dK, dV (and the additive mask's gradient
 mask's own broadcast shape) compared with ``tests/oracle.naive_attention`` differentiated in float64. On CPU the
 kernels run in the Triton interpreter (small shapes)."""
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import elsa_surgery
 from oracle import naive_attention, rel_err
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
+from kernel_env import DEV, needs_kernels
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_kernels
 TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 

@@ -3,24 +3,17 @@
 (``kernels.training.dropout_keep_mask``, the debug hook)."""
 
 import math
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import elsa_surgery
 from elsa_surgery.kernels import training
 from oracle import naive_attention, rel_err
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
+from kernel_env import DEV, needs_kernels
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_kernels
 
 
 def _qkv(B=1, H=2, Nq=32, Nk=40, D=16, requires_grad=False):

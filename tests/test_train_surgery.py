@@ -3,24 +3,16 @@ ViT, Swin's bias tables, HF LLaMA with GQA and padding, BERT), train mode with t
 kernels, and a compiled training step (``torch.compile(fullgraph=True)``) against eager. fp32, tiny configs,
 random weights; the kernels run in the Triton interpreter on CPU."""
 
-import os
-
 import pytest
 import torch
 import torch.nn as nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import elsa_surgery
 from elsa_surgery import convert, dispatch, revert
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
-    reason="needs CUDA or TRITON_INTERPRET=1",
-)
+from kernel_env import DEV, needs_kernels
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_kernels
 
 
 def _grad_report(model, inputs=None):
