@@ -62,7 +62,7 @@ class ParityResult:
     # original model's; None when not requested
     grad_passed: Optional[bool] = None
     grad_params: Optional[int] = None  # how many parameter gradients were compared
-    grad_rel_err: Optional[float] = None  # the worst parameter's max |δ| / max |original|
+    grad_rel_err: Optional[float] = None  # grad_worst_param's max |δ| / max |original|
     grad_rel_l2_err: Optional[float] = None  # max over parameters of ||δ||_2 / ||original||_2
     grad_worst_param: Optional[str] = None  # the parameter nearest (or furthest past) its tolerance
     grad_rtol: Optional[float] = None
