@@ -104,3 +104,23 @@ def test_dropout_with_padding_keeps_zero_rows():
     assert out[1, :, 10:].abs().max() == 0
     out.sum().backward()
     assert k.grad[1, :, 7:].abs().max() == 0 and torch.isfinite(q.grad).all()
+
+
+def test_activation_checkpointing_redraws_the_same_mask():
+    """torch.utils.checkpoint recomputes the forward with the RNG state restored: the kernels' seed is drawn from
+    PyTorch's generator, so the recomputed dropout mask, and hence every gradient, equals the plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = _qkv(requires_grad=True)
+
+    def f(q_, k_, v_):
+        return elsa_surgery.attention(q_, k_, v_, dropout_p=0.3, backend="elsa").square().sum()
+
+    torch.manual_seed(5)
+    f(q, k, v).backward()
+    plain = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.manual_seed(5)
+    checkpoint(f, q, k, v, use_reentrant=False).backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(plain, (q, k, v)))
