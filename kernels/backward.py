@@ -161,7 +161,9 @@ def bwd_kv(
     k_rows = tl.trans(kt)  # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    seed = tl.load(SEED)
+    seed = 0
+    if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
+        seed = tl.load(SEED)
     m_lo = 0
     if IS_CAUSAL:  # rows before n0 - causal_off see none of these keys
         m_lo = tl.maximum(n0 - causal_off, 0) // BLOCK_M * BLOCK_M
@@ -256,7 +258,9 @@ def row_pass(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    seed = tl.load(SEED)
+    seed = 0
+    if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
+        seed = tl.load(SEED)
     crow = b64 * crb + h64 * crh + q_row0 + rows.to(tl.int64)
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
