@@ -25,10 +25,14 @@ def _kernels():
 
 
 def _blocks(bd: int):
-    """(BLOCK_M, BLOCK_N, num_warps): 32 under the interpreter (few programs), 64 up to head dim 64 on a GPU."""
+    """(BLOCK_M, BLOCK_N, num_warps) for padded head dim ``bd``: 32 under the interpreter (few programs); on a GPU
+    smaller tiles and more warps as the fp32 dK/dV accumulators (``BLOCK_N x bd`` each) grow. Untuned first
+    choices (no GPU measurement yet)."""
     if occ.interpreting():
         return 32, 32, 4
-    return (64, 64, 4) if bd <= 64 else (32, 64, 4)
+    if bd <= 64:
+        return 64, 64, 4
+    return (32, 64, 8) if bd <= 128 else (32, 32, 8)
 
 
 class _Call:
