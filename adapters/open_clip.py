@@ -19,8 +19,8 @@ Where attention lives in open_clip (3.x), and who converts it:
   Note: in open_clip 3.3 the original ``scaled_cosine`` path calls ``torch.bmm`` on 4-D tensors and
   raises; the converted module computes the intended ``softmax(exp(clamp(s)) · cos(q, k) + mask) v``.
 
-Training mode with ``attn_drop > 0`` runs the original implementation (counted, see
-``_base.record_native_call``). ``import open_clip`` is never done at import time.
+Training mode passes ``attn_drop.p`` to the kernels' attention dropout. ``import open_clip`` is never done at
+import time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from elsa_surgery.registry import PatchConfig
 
-from ._base import ForwardAdapter, attention, original_forward, record_native_call
+from ._base import ForwardAdapter, attention
 
 
 def _attention_class():
@@ -44,9 +44,6 @@ def _attention_class():
 
 def _attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, *,
                        config: PatchConfig) -> torch.Tensor:
-    if self.training and self.attn_drop.p > 0.0:
-        record_native_call(self, f"training mode with attn_drop={self.attn_drop.p}")
-        return original_forward(self)(x, attn_mask=attn_mask)
     N, L, C = x.shape
     H = self.num_heads
     q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
@@ -68,7 +65,8 @@ def _attention_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] 
     else:
         q, k = self.ln_q(q), self.ln_k(k)
         scale = self.scale
-    out = attention(config, q, k, v, attn_mask=mask, scale=scale)  # [N, H, L, hd]
+    out = attention(config, q, k, v, attn_mask=mask, scale=scale,
+                    dropout_p=self.attn_drop.p if self.training else 0.0)  # [N, H, L, hd]
     if self.head_scale is not None:
         out = out * self.head_scale
     out = out.transpose(1, 2).reshape(N, L, C)

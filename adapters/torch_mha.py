@@ -20,7 +20,6 @@ Two adapters, matched by exact class (subclasses are not matched):
       discard the weights (``out, _ = attn(x, x, x)``), convert with the opt-in adapter instance
       ``TorchMultiheadAttention(weights_unused=True)``, which runs ELSA and returns ``(out, None)``.
     * nested-tensor inputs (only PyTorch's own fast path accepts them);
-    * training mode with ``dropout > 0`` (the kernels implement no attention dropout).
 
     Two differences from PyTorch, both on inputs PyTorch leaves undefined: a query row whose keys are
     all masked returns zeros (PyTorch: NaN); with ``is_causal=True`` and ``L != S`` the given
@@ -119,8 +118,6 @@ def _mha_native_reason(self: nn.MultiheadAttention, query, key, value, need_weig
         return "need_weights=True: the attention weights are requested"
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested-tensor inputs"
-    if self.training and self.dropout > 0.0:
-        return f"training mode with dropout={self.dropout}"
     return None
 
 
@@ -188,7 +185,8 @@ def _mha_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Te
     causal = bool(is_causal) and key_padding_mask is None and extra == 0 and L == S
     mask = None if causal else mha_mask(attn_mask, key_padding_mask, batch=N, heads=H, n_q=L, n_k=S,
                                         extra=extra, dtype=q.dtype)
-    out = attention(config, q, k, v, attn_mask=mask, is_causal=causal)  # [N, H, L, hd]
+    out = attention(config, q, k, v, attn_mask=mask, is_causal=causal,
+                    dropout_p=self.dropout if self.training else 0.0)  # [N, H, L, hd]
     if not batched:
         out = out.transpose(1, 2).reshape(L, E)
     elif self.batch_first:
@@ -229,7 +227,7 @@ class TorchMultiheadAttention(ForwardAdapter):
     name = "torch.mha"
     library = None
     description = ("torch.nn.MultiheadAttention (exact class): forward rebound on the instance; "
-                   "need_weights=True, nested inputs and training dropout run the original and are counted")
+                   "need_weights=True and nested inputs run the original and are counted")
 
     def __init__(self, weights_unused: bool = False):
         self.weights_unused = bool(weights_unused)

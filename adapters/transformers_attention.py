@@ -66,7 +66,7 @@ _local = threading.local()
 
 
 class UnsupportedAttention(NotImplementedError):
-    """An attention feature ELSA does not implement (soft-capping, sinks, dropout in training...)."""
+    """An attention feature ELSA does not implement (soft-capping, sinks, dropout on packed sequences...)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,9 +106,8 @@ def elsa_attention_forward(
         raise UnsupportedAttention("ELSA's transformers adapter does not take a position_bias; keep this model on 'sdpa'")
     if kwargs.get("cache") is not None:
         raise UnsupportedAttention("ELSA does not support transformers' paged (continuous-batching) cache")
-    if dropout and module.training:
-        raise UnsupportedAttention(
-            f"attention dropout ({dropout}) in training mode: ELSA is an inference path; call model.eval()")
+    # transformers passes the module's attention_dropout / attention_probs_dropout_prob, 0 outside training
+    dropout_p = float(dropout) if module.training else 0.0
     cfg = rec.config if rec is not None else PatchConfig()
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
@@ -120,6 +119,9 @@ def elsa_attention_forward(
     packed = cu_q is not None and cu_k is not None and query.shape[0] == 1
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if packed:
+        if dropout_p:
+            raise UnsupportedAttention(f"attention dropout ({dropout_p}) on packed sequences: the varlen path has "
+                                       "none; train with padding instead of packing, or set the dropout to 0")
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(max_q) if max_q is not None else int(cu_q.diff().max())
         max_k = int(max_k) if max_k is not None else int(cu_k.diff().max())
@@ -158,7 +160,7 @@ def elsa_attention_forward(
 
     out = elsa_surgery.attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa,
-        backend=cfg.backend, precision=cfg.precision, kv_lengths=kv_lengths,
+        backend=cfg.backend, precision=cfg.precision, kv_lengths=kv_lengths, dropout_p=dropout_p,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -44,9 +44,9 @@ def attention(
             ``b`` as row ``b % nW`` (Swin's shifted windows, never expanded to ``[B, H, N, N]``). PyTorch's
             ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` / ``causal_lower_right``) is honoured on
             every backend and device, without building a mask.
-        dropout_p: attention dropout in [0, 1], as SDPA's. The ELSA kernels implement none: a call with
-            ``dropout_p > 0`` runs on the reference backend under ``auto`` (the reason is logged and
-            recorded), and raises under ``backend="elsa"``.
+        dropout_p: attention dropout in [0, 1], as SDPA's (kept probabilities scaled by ``1 / (1 - p)``). The
+            kernels draw it with a counter-based RNG seeded from PyTorch's generator (``torch.manual_seed``
+            reproduces a call); the backward regenerates the same mask.
         is_causal: bottom-right aligned when ``Nq != Nk`` (query i sees keys ``j <= i + Nk - Nq``).
         scale: defaults to ``D ** -0.5``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (no K/V copies are made). Size-1 batch and head
@@ -75,7 +75,7 @@ def _run(p, d, return_lse: bool):
     if d.backend == "elsa":
         return _kernels().attention(
             p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal, q_lengths=p.q_lengths,
-            kv_lengths=p.kv_lengths, precision=d.precision, return_lse=return_lse,
+            kv_lengths=p.kv_lengths, precision=d.precision, return_lse=return_lse, dropout_p=p.dropout_p,
         )
     if d.backend == "sdpa":
         return sdpa.run(p), None

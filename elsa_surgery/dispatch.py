@@ -124,8 +124,7 @@ def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Op
         return Decision("reference", None,
                         f"auto on {q.device.type} tensors: the reference backend (the Triton kernels need CUDA; "
                         f"backend='elsa' with TRITON_INTERPRET=1 runs them in the interpreter)")
-    why_not = (f"attention dropout (dropout_p={dropout_p}) is not implemented by the ELSA kernels" if dropout_p > 0
-               else kernel_unsupported_reason(q, k, v, mask, varlen=varlen))
+    why_not = kernel_unsupported_reason(q, k, v, mask, varlen=varlen)  # dropout: the kernels draw it (issue 25)
     if why_not is None:
         mode = (prec or default_precision(q.device)) if fp32 else None
         how = "requested" if want == "elsa" else f"auto: {q.device.type} {str(q.dtype).replace('torch.', '')}"

@@ -58,6 +58,15 @@ class ParityResult:
     # marks them as padding: their outputs are undefined (PyTorch's CUDA SDPA kernels disagree among
     # themselves on fully masked rows; ELSA returns zeros there).
     padding_positions_excluded: int = 0
+    # convert(verify="grad"): parameter gradients of a loss on the example inputs (dropout off) against the
+    # original model's; None when not requested
+    grad_passed: Optional[bool] = None
+    grad_params: Optional[int] = None  # how many parameter gradients were compared
+    grad_rel_err: Optional[float] = None  # grad_worst_param's max |δ| / max |original|
+    grad_rel_l2_err: Optional[float] = None  # max over parameters of ||δ||_2 / ||original||_2
+    grad_worst_param: Optional[str] = None  # the parameter nearest (or furthest past) its tolerance
+    grad_rtol: Optional[float] = None
+    grad_atol: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,6 +161,10 @@ class ConversionReport:
             if p.padding_positions_excluded:
                 lines.append(f"  {p.padding_positions_excluded} padding position(s) of attention_mask left out "
                              f"(their outputs are undefined)")
+            if p.grad_passed is not None:
+                lines.append(f"  gradients: {'PASSED' if p.grad_passed else 'FAILED'} over {p.grad_params} parameters "
+                             f"(rtol={p.grad_rtol:g}, atol={p.grad_atol:g}): worst {p.grad_worst_param} "
+                             f"rel={_fmt(p.grad_rel_err)}, max rel_l2={_fmt(p.grad_rel_l2_err)}")
             if p.drift:
                 lines.append("  drift: " + ", ".join(
                     f"{k}={_fmt(v.get('max', v.get('rate')))}" for k, v in p.drift.items()))

@@ -54,7 +54,7 @@ class AttentionProblem:
     q_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
     kv_lengths: Optional[torch.Tensor]  # int32 [B] on q.device
     squeeze_head: bool = False  # the caller passed 3-D tensors; the output drops the head axis
-    dropout_p: float = 0.0  # attention-probability dropout (SDPA's; reference and sdpa backends only)
+    dropout_p: float = 0.0  # attention-probability dropout (SDPA's)
     causal_rows: Optional[int] = None  # upper-left CausalBias with Nq > Nk: only rows < causal_rows are causal
 
     def row_pieces(self) -> list:
@@ -214,8 +214,7 @@ def resolve_scale(scale, head_dim: int) -> float:
 
 
 def check_dropout(dropout_p) -> float:
-    """SDPA's ``dropout_p``: a number in [0, 1] (None = 0). The ELSA kernels implement no dropout, so a
-    call with ``dropout_p > 0`` runs on the reference backend under ``auto`` (``dispatch.decide``)."""
+    """SDPA's ``dropout_p``: a number in [0, 1] (None = 0)."""
     if dropout_p is None:
         return 0.0
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):  # Python and NumPy numbers

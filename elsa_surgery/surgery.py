@@ -98,8 +98,8 @@ def _check_arguments(model, backend, precision, include, exclude, verify, exampl
     exclude = _globs("exclude", exclude)
     _check_tol("rtol", rtol)
     _check_tol("atol", atol)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify must be True or False, got {verify!r}")
+    if not (isinstance(verify, bool) or verify == "grad"):
+        raise TypeError(f"verify must be True, False or 'grad', got {verify!r}")
     if example_inputs is not None:
         check_inputs(example_inputs)
     return include, exclude
@@ -301,7 +301,7 @@ def find(model: nn.Module, chosen: Sequence[Adapter], config: PatchConfig, *, in
 # --------------------------------------------------------------------------------------------------
 
 def reference_run(model: nn.Module, plan: Plan, *, example_inputs=None, precision=None, rtol=None,
-                  atol=None) -> Optional[ParityCheck]:
+                  atol=None, grad: bool = False) -> Optional[ParityCheck]:
     """Run the unconverted model on example inputs (the user's, else the first adapter that can build them: the
     converting adapters first, then every registered one). None, with the reason in the report, when it cannot."""
     report = plan.report
@@ -316,7 +316,7 @@ def reference_run(model: nn.Module, plan: Plan, *, example_inputs=None, precisio
                        "(pass example_inputs=)", type(model).__name__)
         return None
     check = ParityCheck(model, inputs, plan.watched(), inputs_source=source, rtol=rtol, atol=atol,
-                        precision=dispatch.requested_precision(precision))
+                        precision=dispatch.requested_precision(precision), grad=grad)
     try:
         check.reference()  # nothing has been changed yet
     except Exception as exc:
@@ -430,7 +430,7 @@ def convert(
     adapters=None,
     include=None,
     exclude=None,
-    verify: bool = True,
+    verify=True,
     example_inputs: Any = None,
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
@@ -448,7 +448,8 @@ def convert(
             :class:`Adapter` instances; None = every registered adapter.
         include, exclude: module-name globs (``fnmatch``); a glob matching an ancestor's name also
             selects its descendants (``include="blocks.0"`` selects ``blocks.0.attn``).
-        verify: run the model before and after on example inputs and compare (see :mod:`.verify`).
+        verify: run the model before and after on example inputs and compare (see :mod:`.verify`); ``"grad"``
+            also compares the parameter gradients of a loss on those inputs (dropout off).
         example_inputs: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``);
             default: the first selected adapter's ``example_inputs(model)``.
         rtol, atol: override the dtype-aware tolerances of the parity check.
@@ -475,7 +476,7 @@ def convert(
         logger.info("%s", report)
         return report
     check = reference_run(model, plan, example_inputs=example_inputs, precision=precision, rtol=rtol,
-                          atol=atol) if verify else None
+                          atol=atol, grad=verify == "grad") if verify else None
     done = patch(model, plan, config)
     if check is not None:
         verify_run(check, done, report)

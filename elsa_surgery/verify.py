@@ -35,6 +35,10 @@ TOLERANCES = {
     torch.bfloat16: (6e-2, 1e-2),
 }
 TURBO_TOLERANCE = (1e-2, 1e-3)  # fp32 inputs in TF32 ("turbo") mode: ~3e-4 per attention call
+# verify="grad": parameter gradients pass through the whole backward (every layer's dQ/dK/dV, the mask gradients):
+# fp32 gets 10x the output tolerances, fp16/bf16 (already loose) 2x
+GRAD_TOLERANCE_FACTOR = {torch.float32: 10.0, torch.float64: 10.0, torch.float16: 2.0, torch.bfloat16: 2.0}
+GRAD_LOSS_SEED = 0  # the fixed random weights of the gradient check's loss
 
 
 class ParityError(RuntimeError):
@@ -233,11 +237,43 @@ def eval_mode(model: nn.Module):
             m.training = t
 
 
+def parameter_grads(model: nn.Module, inputs: Any) -> Dict[str, torch.Tensor]:
+    """The gradients of every trainable parameter for ``loss = sum_i <out_i, w_i>`` over the model's floating
+    outputs (``w_i`` fixed random weights, zero at padding tokens), dropout off (eval mode). The parameters'
+    ``.grad`` are left as they were."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved = [p.grad for _, p in params]
+    keep = padding_keep(inputs)
+    gen = torch.Generator().manual_seed(GRAD_LOSS_SEED)
+    try:
+        for _, p in params:
+            p.grad = None
+        with torch.enable_grad(), eval_mode(model):
+            out = call_model(model, inputs)
+            loss = 0.0
+            for _, t in flatten_outputs(out):
+                if not t.requires_grad or t.is_complex():
+                    continue
+                w = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, torch.float32)
+                if keep is not None and t.dim() >= 2 and tuple(t.shape[:2]) == tuple(keep.shape):
+                    w = w * keep.to(t.device).reshape(*keep.shape, *([1] * (t.dim() - 2)))
+                loss = loss + (t.float() * w).sum() / max(1, t.numel()) ** 0.5
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+        return {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
+    finally:
+        for (_, p), g in zip(params, saved):
+            p.grad = g
+
+
 class ParityCheck:
-    """Before/after comparison of one conversion. Use :meth:`reference`, then patch, then :meth:`converted`."""
+    """Before/after comparison of one conversion. Use :meth:`reference`, then patch, then :meth:`converted`.
+    With ``grad=True`` (``convert(verify="grad")``) the parameter gradients of a loss on the inputs are compared
+    too (:func:`parameter_grads`)."""
 
     def __init__(self, model: nn.Module, inputs: Any, modules: Mapping[str, nn.Module], *, inputs_source: str,
-                 rtol: Optional[float] = None, atol: Optional[float] = None, precision: Optional[str] = None):
+                 rtol: Optional[float] = None, atol: Optional[float] = None, precision: Optional[str] = None,
+                 grad: bool = False):
         self.model = model
         self.inputs = inputs
         self.modules = dict(modules)
@@ -247,11 +283,43 @@ class ParityCheck:
         self.ref_out = None
         self.captured: Dict[str, Tuple[tuple, dict, Any]] = {}
         self.decisions: List[dispatch.Decision] = []
+        self.grad = grad
+        self.ref_grads: Dict[str, torch.Tensor] = {}
 
     def reference(self) -> None:
         with torch.no_grad(), eval_mode(self.model), capture_first_call(self.modules) as cap:
             self.ref_out = call_model(self.model, self.inputs)
         self.captured = cap
+        if self.grad:
+            self.ref_grads = parameter_grads(self.model, self.inputs)
+
+    def _check_grads(self, result: ParityResult, dtype: torch.dtype, rtol: float, atol: float) -> None:
+        """Parameter gradients after the swap against before; fills the ``grad_*`` fields of ``result``."""
+        with dispatch.record() as log:
+            grads = parameter_grads(self.model, self.inputs)
+        self.decisions += list(log)
+        if list(grads) != list(self.ref_grads):
+            missing = sorted(set(self.ref_grads) ^ set(grads))
+            stats = {"missing": dict(max_abs=math.inf, ref_max=0.0, rel=math.inf, rel_l2=math.inf)}
+            result.grad_worst_param = f"gradient present on one side only: {missing[:3]}"
+        else:
+            stats = {n: compare(self.ref_grads[n], grads[n])["output"] for n in grads}
+        factor = GRAD_TOLERANCE_FACTOR.get(dtype, 10.0)
+        result.grad_rtol, result.grad_atol = rtol * factor, atol * factor
+        bad = [n for n, s in stats.items() if not within(s, result.grad_rtol, result.grad_atol)]
+        result.grad_passed = not bad
+        result.grad_params = len(stats)
+        if stats:  # worst: the closest to its tolerance (a gradient that is ~0 in exact arithmetic has a huge rel)
+            worst = max(stats, key=lambda n: stats[n]["max_abs"] / (result.grad_atol + result.grad_rtol
+                                                                     * stats[n]["ref_max"]))
+            result.grad_worst_param = result.grad_worst_param or worst
+            result.grad_rel_err = stats[worst]["rel"]
+            result.grad_rel_l2_err = max(s["rel_l2"] for s in stats.values())
+        if bad:
+            result.passed = False
+            result.reason = (f"parameter gradients differ from the original model's: {len(bad)} of {len(stats)} "
+                             f"beyond atol + rtol*max|ref| with rtol={result.grad_rtol:g}, atol={result.grad_atol:g} "
+                             f"(worst {result.grad_worst_param}, rel {result.grad_rel_err:.3g})")
 
     def converted(self) -> Tuple[ParityResult, Dict[str, Dict[str, float]]]:
         """Run the converted model; returns the parity result and per-module errors ``{name: stats}``."""
@@ -294,6 +362,8 @@ class ParityCheck:
                              f"although the model output agrees")
         if not stats and not bad_modules:
             result.passed, result.reason = True, "the model returned no floating-point tensor to compare"
+        if self.grad and result.passed:
+            self._check_grads(result, dtype, rtol, atol)
         return result, per_module
 
     def module_errors(self) -> Dict[str, Dict[str, Any]]:
@@ -328,6 +398,9 @@ class ParityCheck:
 
 def failure_message(result: ParityResult, per_module: Mapping[str, Mapping[str, float]], entries: Sequence,
                     restored: int) -> str:
+    if result.grad_passed is False:
+        return (f"gradient check failed on {result.inputs} inputs: {result.reason}. All {restored} module(s) "
+                f"converted by this call were restored; the model is unchanged.")
     model_failed = result.max_abs_err is not None and result.max_abs_err > 0 and result.reason is not None \
         and result.reason.endswith("differs from the original model")
     if model_failed:

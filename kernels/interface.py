@@ -66,6 +66,7 @@ def unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
 
 from . import launch, ops  # noqa: E402,F401  (torch only; triton is imported by launch on the first launch)
 from .launch import default_precision  # noqa: E402,F401  (what precision=None means, stated once)
+from . import training  # noqa: E402  (autograd of the ops, dropout; issue 25)
 
 
 def _ops():
@@ -78,8 +79,13 @@ def _eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _ForwardOnly(torch.autograd.Function):
-    """Runs a kernel call so that its outputs join the autograd graph, and refuses backward loudly.
+    """Runs a kernel call so that its outputs join the autograd graph, and refuses backward loudly
+    (``attention_state`` only: ``attention`` and ``attention_varlen`` have a backward, training.py).
 
     Without it an eager call under grad mode would return outputs silently detached from q/k/v."""
 
@@ -91,13 +97,13 @@ class _ForwardOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError(
-            "elsa_surgery: the ELSA kernels are forward-only (inference). Run the model under torch.no_grad() "
-            "or torch.inference_mode(), or use backend='reference' or 'sdpa' where gradients are needed")
+            "elsa_surgery: attention_state on the ELSA kernels has no backward. Use attention() (which has one), "
+            "or backend='reference' where gradients of the state are needed")
 
 
 def _run_eager(call, *tensors):
     """``call()`` directly, or through :class:`_ForwardOnly` when autograd would want its gradient."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+    if not _wants_grad(*tensors):
         return tuple(call())
     empty = []
 
@@ -112,11 +118,17 @@ def _run_eager(call, *tensors):
 
 
 def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, precision=None,
-              return_lse=False):
-    if _eager():
-        return _run_eager(lambda: launch.attention(
+              return_lse=False, dropout_p=0.0):
+    """Calls that want a gradient, or dropout, go through the custom ops (their autograd: training.py)."""
+    if dropout_p > 0:
+        out, lse = training.attention_dropout_op(q, k, v, mask, q_lengths, kv_lengths, float(scale),
+                                                 bool(is_causal), precision or "", float(dropout_p),
+                                                 training.draw_seed(q.device))
+        return out, (lse if return_lse else None)
+    if _eager() and not _wants_grad(q, k, v, mask):
+        return tuple(launch.attention(
             q, k, v, scale=float(scale), mask=mask, is_causal=bool(is_causal), q_lengths=q_lengths,
-            kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse), q, k, v, mask)
+            kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse))
     out, lse = _ops().attention_op(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
                                    precision or "")
     return out, (lse if return_lse else None)
@@ -134,10 +146,10 @@ def attention_state(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=Non
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
                      precision=None, return_lse=False):
-    if _eager():
-        return _run_eager(lambda: launch.attention_varlen(
+    if _eager() and not _wants_grad(q, k, v):
+        return tuple(launch.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale=float(scale),
-            is_causal=bool(is_causal), precision=precision or None, return_lse=return_lse), q, k, v)
+            is_causal=bool(is_causal), precision=precision or None, return_lse=return_lse))
     out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                           int(max_seqlen_k), float(scale), bool(is_causal), precision or "")
     return out, (lse if return_lse else None)

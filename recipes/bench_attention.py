@@ -10,6 +10,7 @@ Examples::
     python recipes/bench_attention.py --dtypes bf16,fp16 --n 4096,16384 --shapes 8x64
     python recipes/bench_attention.py --dtypes fp32-precise --n 16384 --sweep   # tile sweep
     python recipes/bench_attention.py --varlen-only
+    python recipes/bench_attention.py --backward --dtypes bf16,fp32-precise --n 4096 --shapes 16x64,16x128
 """
 
 from __future__ import annotations
@@ -340,6 +341,40 @@ def fmt(row):
     return " ".join(parts)
 
 
+def backward_cell(dname, H, D, N, causal, baselines, B=1):
+    """``--backward``: forward + backward time of ELSA (the kernels' backward, issue 25) against the SDPA backends,
+    same inputs and output gradient; ratios ``x<backend>`` = backend ms / ELSA ms (>1: ELSA faster), peak extra
+    memory of each, and ELSA's gradients' rel. error against the first baseline that runs."""
+    dtype, precision = DTYPES[dname]
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
+
+    def fwd_bwd(run):
+        return lambda: torch.autograd.grad(run(), (q, k, v), go)
+
+    elsa = fwd_bwd(lambda: elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=precision))
+    row = dict(kind="backward", dtype=dname, H=H, D=D, N=N, causal=causal, elsa_ms=bench(elsa),
+               elsa_mb=peak_extra(elsa))
+    ref = None
+    for name in baselines:
+        if name == "flex" or (name == "math" and B * H * N * N * 4 * 3 > MATH_LIMIT_BYTES):
+            continue
+        fn = fwd_bwd(sdpa_fn(name, q, k, v, causal))
+        try:
+            grads = fn()
+        except RuntimeError as exc:  # backend unavailable for this dtype/shape
+            row[f"{name}_skipped"] = str(exc).splitlines()[0][:80]
+            continue
+        ref = grads if ref is None else ref
+        ms = bench(fn)
+        row[f"{name}_ms"], row[f"{name}_mb"], row[f"x{name}"] = ms, peak_extra(fn), ms / row["elsa_ms"]
+    if ref is not None:
+        row["grad_rel_err"] = max(rel(a, b) for a, b in zip(elsa(), ref))
+    flops = 10 * B * H * N * N * D * (0.5 if causal else 1.0)  # 2 forward + 3 backward matmuls (plus recompute)
+    row["elsa_tflops"] = flops / row["elsa_ms"] / 1e9
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
@@ -364,6 +399,7 @@ def main(argv=None):
     ap.add_argument("--keys", default="4096,32768,131072")
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--gqa", default="32:4,32:8,32:32")
+    ap.add_argument("--backward", action="store_true", help="forward + backward time (backward_cell) instead")
     a = ap.parse_args(argv)
     dnames = a.dtypes.split(",")
     ns = [int(x) for x in a.n.split(",")]
@@ -405,6 +441,14 @@ def main(argv=None):
             if sink:
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
+            torch.cuda.empty_cache()
+        return
+    if a.backward:
+        for (H, D), dname, N, c in itertools.product(shapes, dnames, ns, causals):
+            row = backward_cell(dname, H, D, N, c, baselines)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
             torch.cuda.empty_cache()
         return
     if a.sweep:

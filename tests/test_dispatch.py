@@ -87,7 +87,6 @@ def _auto_as_on_a_gpu(monkeypatch):
 @pytest.mark.parametrize("case,why", [
     ("head dim 264", "D=264: the kernels take head dims from 8 to 256"),
     ("float64", "dtype torch.float64"),
-    ("dropout", "attention dropout (dropout_p=0.25) is not implemented"),
 ])
 def test_auto_falls_back_to_reference_and_says_why(monkeypatch, caplog, case, why):
     """Unsupported cases under ``auto`` (as on a GPU) run the reference backend, the reason logged once and
@@ -96,7 +95,7 @@ def test_auto_falls_back_to_reference_and_says_why(monkeypatch, caplog, case, wh
     dtype = torch.float64 if case == "float64" else torch.float32
     d = 264 if case == "head dim 264" else 16
     q, k, v = _t(1, 2, 8, d, dtype=dtype), _t(1, 2, 12, d, dtype=dtype), _t(1, 2, 12, d, dtype=dtype)
-    drop = 0.25 if case == "dropout" else 0.0
+    drop = 0.0
     dispatch._logged.clear()
     with dispatch.record() as log, caplog.at_level(logging.WARNING, logger="elsa_surgery"):
         torch.manual_seed(0)
@@ -107,6 +106,15 @@ def test_auto_falls_back_to_reference_and_says_why(monkeypatch, caplog, case, wh
     assert torch.equal(out, elsa_surgery.attention(q, k, v, dropout_p=drop, backend="reference"))
     with pytest.raises(elsa_surgery.BackendUnavailable, match=why.split(":")[0].replace("(", r"\(").replace(")", r"\)")):
         elsa_surgery.attention(q, k, v, dropout_p=drop, backend="elsa")
+
+
+def test_auto_runs_dropout_on_the_kernels(monkeypatch):
+    """Attention dropout no longer leaves the kernels (issue 25): ``auto`` (as on a GPU) runs it on them."""
+    _auto_as_on_a_gpu(monkeypatch)
+    q = _t(1, 2, 8, 16)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, q, q, dropout_p=0.25)
+    assert [(x.backend, x.fallback) for x in log] == [("elsa", False)], log
 
 
 def test_auto_runs_the_kernels_when_it_can(monkeypatch):

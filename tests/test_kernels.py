@@ -390,19 +390,26 @@ def test_random_feature_combinations(seed):
     check(out, lse, ro, rl, TOL["strict"] if dtype == torch.float32 else TOL[dtype])
 
 
-def test_eager_kernel_call_under_grad_mode_refuses_backward():
-    """Outputs stay connected to autograd, and backward raises instead of returning silent zeros/None."""
+def test_eager_kernel_call_under_grad_mode_has_a_backward():
+    """Outputs stay connected to autograd and backward runs the kernels' backward (tests/test_backward.py checks it in
+    depth); attention_state, which has none, refuses loudly instead of returning silent zeros/None."""
     q, k, v = (torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
     out = elsa_surgery.attention(q, k, v, backend="elsa", precision="strict")
     assert out.requires_grad
-    ref = elsa_surgery.attention(q.detach().double(), k.detach().double(), v.detach().double(), backend="reference")
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = elsa_surgery.attention(*ref_in, backend="reference")
     assert ((out.detach().double() - ref).norm() / ref.norm()) < 2e-6
-    with pytest.raises(RuntimeError, match="forward-only"):
-        out.sum().backward()
+    out.sum().backward()
+    ref.sum().backward()
+    for t, r in zip((q, k, v), ref_in):
+        assert ((t.grad.double() - r.grad).norm() / r.grad.norm().clamp(min=1e-30)) < 2e-5
     with torch.no_grad():
         assert not elsa_surgery.attention(q, k, v, backend="elsa").requires_grad
     out2, lse = elsa_surgery.attention(q, k, v, backend="elsa", return_lse=True)
     assert out2.requires_grad and lse.shape == (1, 2, 20)
+    state = elsa_surgery.attention_state(q, k, v, backend="elsa", precision="strict")
+    with pytest.raises(RuntimeError, match="attention_state on the ELSA kernels has no backward"):
+        state.W.sum().backward()
 
 
 @pytest.mark.parametrize("mode", ["turbo", "precise"])

@@ -171,16 +171,21 @@ def test_mha_need_weights_runs_original_and_is_reported(caplog):
     assert sum("need_weights=True" in r.message for r in caplog.records) <= 1  # logged once per process
 
 
-def test_mha_training_dropout_falls_back():
+def test_mha_training_dropout_runs_converted():
+    """Training mode passes the module's ``dropout`` to the attention call (issue 25): no native fallback."""
     m = nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True).train()
     elsa_surgery.convert(m, verify=False)
     x = torch.randn(2, 5, 16)
-    m(x, x, x, need_weights=False)
-    assert list(m.elsa_native_calls) == ["training mode with dropout=0.5"]
-    m.eval()
     with dispatch.record() as log:
-        m(x, x, x, need_weights=False)
-    assert [d.backend for d in log] == ["reference"]
+        torch.manual_seed(1)
+        a, _ = m(x, x, x, need_weights=False)
+        torch.manual_seed(1)
+        b, _ = m(x, x, x, need_weights=False)
+    assert not getattr(m, "elsa_native_calls", None) and [d.backend for d in log] == ["reference"] * 2
+    assert torch.equal(a, b)
+    m.eval()
+    ref = m(x, x, x, need_weights=False)[0]
+    assert not torch.allclose(a, ref)  # the dropout was applied
 
 
 def _encoder(norm_first=False, nested=True):

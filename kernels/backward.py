@@ -1,0 +1,306 @@
+"""The ELSA backward in Triton, and attention dropout.
+
+The backward recomputes the probabilities from the forward's per-row ``lse`` (never storing the attention
+matrix): ``p_ij = exp(s_ij - lse_i)`` with ``s = scale * q.k + mask``. With ``do`` the output's gradient and the
+dropout keep mask ``z`` (factor ``z / (1 - p_drop)``)::
+
+    dV   = sum_i (p * z / (1 - p_drop))_ij do_i            dP = z / (1 - p_drop) * (do . v^T)
+    dS   = p * (dP - delta_i),  delta_i = rowsum(do * out) - dlse_i
+    dQ   = scale * dS @ K        dK = scale * dS^T @ Q        dMask = dS (reduced to the mask's shape)
+
+Kernels (logits in base 2 as in ``scan.py``):
+
+* :func:`bwd_delta` ``delta = rowsum(do * out) - dlse`` per query row.
+* :func:`bwd_kv` one program per (key block, batch, KV head): walks the query blocks that can see its keys
+  (causal: from the diagonal on) of every query head of its group (GQA reduced here, without copying K/V), and
+  writes dK, dV once. With ``ATOMIC_DQ`` it also adds ``dS @ K`` into an fp32 dQ buffer with atomics; the
+  deterministic mode instead runs :func:`row_pass` for dQ. ``WRITE_DS`` stores dS (mask gradients).
+* :func:`row_pass` one program per (query block, batch, query head) over the key blocks its rows see:
+  ``WHAT = 0`` dQ, ``1`` the dropout output ``sum_j p_ij z_ij / (1 - p_drop) v_j`` (the forward with dropout:
+  lse from the scan, then this pass), ``2`` the keep mask itself (a debug hook for tests, small N).
+
+Dropout: ``z_ij = rand(seed, counter_ij) >= p_drop`` with Triton's Philox (counter-based), ``seed`` an int64
+drawn from PyTorch's generator of the tensors' device (training.py), the counter the element's index
+``(b * crb + h * crh + row) * Nkc + key``: the backward regenerates exactly the forward's mask.
+Head dims that are not powers of two are padded with masked loads. Dot kinds as ``scan._dot`` (0 fp16/bf16,
+1 IEEE fp32, 2 TF32, 3 3xTF32, 4 interpreter bf16).
+"""
+
+import triton
+import triton.language as tl
+
+from .scan import MASK_FLOOR, _dot
+
+LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+_SIZES = ["Nq", "Nk", "n_blocks", "mask_period", "crb", "crh", "Nkc"]
+
+
+@triton.jit
+def _extent(b, CUQ, CUK, QLEN, KVLEN, Nq, Nk, VARLEN: tl.constexpr, HAS_QLEN: tl.constexpr,
+            HAS_KVLEN: tl.constexpr):
+    """``(first q row, first k row, q_len, kv_len)`` of batch row ``b`` (packed varlen: from cu_seqlens)."""
+    if VARLEN:
+        q0 = tl.load(CUQ + b)
+        k0 = tl.load(CUK + b)
+        q_len = tl.load(CUQ + b + 1) - q0
+        kv_len = tl.load(CUK + b + 1) - k0
+        return q0.to(tl.int64), k0.to(tl.int64), q_len, kv_len
+    q_len = Nq
+    kv_len = Nk
+    if HAS_QLEN:
+        q_len = tl.load(QLEN + b)
+    if HAS_KVLEN:
+        kv_len = tl.load(KVLEN + b)
+    zero = b.to(tl.int64) * 0
+    return zero, zero, q_len, kv_len
+
+
+@triton.jit
+def _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
+           IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr):
+    """``p [BLOCK_M, BLOCK_N]`` recomputed from ``lse2`` (the row's lse in base 2; +inf for a row without a
+    visible key, so that its probabilities are 0, never NaN). Hidden pairs give 0."""
+    s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
+    vis = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
+    if IS_CAUSAL:
+        vis = vis & (cols[None, :] <= rows[:, None] + causal_off)
+    if MASK_KIND == 1:
+        mk = tl.load(mask_ptrs, mask=vis, other=0)
+        vis = vis & (mk != 0)
+    elif MASK_KIND == 2:
+        mk = tl.load(mask_ptrs, mask=vis, other=0.0).to(tl.float32)
+        mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, MASK_FLOOR))  # as the forward (scan.py)
+        s = s + mk * LOG2E_C
+    s = tl.where(vis, s, float("-inf"))
+    return tl.exp2(s - lse2[:, None])
+
+
+@triton.jit
+def _keep(seed, crow, cols, Nkc, p_drop):
+    """The dropout keep mask of rows ``crow`` (counter rows, int64) and keys ``cols``."""
+    counter = crow[:, None] * Nkc + cols[None, :].to(tl.int64)
+    return tl.rand(seed, counter) >= p_drop
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, WANT_DELTA: tl.constexpr):
+    """A query block's ``lse`` in base 2 (+inf where the row sees nothing or is padding) and ``delta``."""
+    lse = tl.load(LSE + l_off + rows.to(tl.int64) * stride_ln, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+    delta = tl.zeros_like(lse)
+    if WANT_DELTA:
+        delta = tl.load(DELTA + l_off + rows.to(tl.int64) * stride_ln, mask=row_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit(do_not_specialize=["n_rows", "Dv_rows"])
+def bwd_delta(DO, OUT, DLSE, DELTA, n_rows, H, Dv_rows,
+              stride_db, stride_dh, stride_dn, stride_dd, stride_ob, stride_oh, stride_on, stride_od,
+              stride_gb, stride_gh, stride_gn,
+              DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """``DELTA[b, h, r] = sum_d DO * OUT - DLSE`` for ``n_rows`` rows of each (b, h) (``DELTA`` contiguous)."""
+    pid_r = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_DV)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < DV)
+    r64 = rows[:, None].to(tl.int64)
+    do = tl.load(DO + b * stride_db + h * stride_dh + r64 * stride_dn + cols[None, :] * stride_dd, mask=ok, other=0.0)
+    o = tl.load(OUT + b * stride_ob + h * stride_oh + r64 * stride_on + cols[None, :] * stride_od, mask=ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        g = tl.load(DLSE + b * stride_gb + h * stride_gh + rows.to(tl.int64) * stride_gn, mask=rows < n_rows, other=0.0)
+        delta = delta - g
+    tl.store(DELTA + pid_bh.to(tl.int64) * n_rows + rows, delta, mask=rows < n_rows)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def bwd_kv(
+    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, DQ, DK, DV, DS,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_sb, stride_sh, stride_sm, stride_sn,
+    D: tl.constexpr, DV_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr,
+):
+    """dK, dV of keys ``[n0, n0 + BLOCK_N)`` of one (batch, KV head); dQ by atomics (``ATOMIC_DQ``); dS (``WRITE_DS``).
+    ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s."""
+    pid = tl.program_id(0)
+    pid_n = pid % n_blocks
+    pid_bk = pid // n_blocks
+    Hkv = Hq // GROUPS
+    b = pid_bk // Hkv
+    hk = pid_bk % Hkv
+    b64 = b.to(tl.int64)
+    q_row0, k_row0, q_len, kv_len = _extent(b, CUQ, CUK, QLEN, KVLEN, Nq, Nk, VARLEN, HAS_QLEN, HAS_KVLEN)
+    causal_off = kv_len - q_len
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = cols < kv_len
+    k_ptrs = (K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + (k_row0 + cols[None, :]) * stride_kn
+              + offs_d[:, None] * stride_kd)
+    kt = tl.load(k_ptrs, mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+    v_ptrs = (V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + (k_row0 + cols[None, :]) * stride_vn
+              + offs_dv[:, None] * stride_vd)
+    vt = tl.load(v_ptrs, mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)  # [BLOCK_DV, BLOCK_N]
+    k_rows = tl.trans(kt)  # [BLOCK_N, BLOCK_D]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    seed = 0
+    if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
+        seed = tl.load(SEED)
+    m_lo = 0
+    if IS_CAUSAL:  # rows before n0 - causal_off see none of these keys
+        m_lo = tl.maximum(n0 - causal_off, 0) // BLOCK_M * BLOCK_M
+    m_hi = tl.where(n0 < kv_len, q_len, 0)
+    for g in range(0, GROUPS):
+        h = hk * GROUPS + g
+        h64 = h.to(tl.int64)
+        q_base = Q + b64 * stride_qb + h64 * stride_qh
+        o_base = DO + b64 * stride_ob + h64 * stride_oh
+        l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
+        m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < q_len
+            r64 = q_row0 + rows[:, None].to(tl.int64)
+            q = tl.load(q_base + r64 * stride_qn + offs_d[None, :] * stride_qd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(o_base + r64 * stride_on + offs_dv[None, :] * stride_od,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
+            lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
+            mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
+            p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
+                       IS_CAUSAL, MASK_KIND, DOT)
+            dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
+            if DROPOUT:
+                keep = _keep(seed, b64 * crb + h64 * crh + q_row0 + rows.to(tl.int64), cols, Nkc, p_drop)
+                pd = tl.where(keep, p * keep_scale, 0.0)
+                dp = tl.where(keep, dp * keep_scale, 0.0)
+            else:
+                pd = p
+            dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
+            ds = p * (dp - delta[:, None])
+            dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
+            if ATOMIC_DQ:
+                dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), DOT) * scale
+                tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
+                              + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D))
+            if WRITE_DS:
+                tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
+                         + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
+    c64 = k_row0 + cols[:, None].to(tl.int64)
+    if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
+        col_ok = cols < Nk
+    tl.store(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + c64 * stride_dkn + offs_d[None, :] * stride_dkd,
+             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + c64 * stride_dvn + offs_dv[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV_))
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def row_pass(
+    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, RES,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    stride_rb, stride_rh, stride_rn, stride_rd,
+    D: tl.constexpr, DV_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    DROPOUT: tl.constexpr, WHAT: tl.constexpr,
+):
+    """Rows ``[m0, m0 + BLOCK_M)`` of one (batch, query head) over their visible key blocks. ``RES``: dQ
+    (``WHAT = 0``, fp32 or q's dtype), the dropout output (``1``, ``[.., Dv]``), the keep mask (``2``, ``[B, Hq,
+    Nq, Nk]`` uint8, ``stride_rd`` the key stride). ``DO`` shares ``OUT``'s strides (``stride_o*``)."""
+    pid = tl.program_id(0)
+    pid_m = pid % n_blocks
+    pid_bh = pid // n_blocks
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUPS
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q_row0, k_row0, q_len, kv_len = _extent(b, CUQ, CUK, QLEN, KVLEN, Nq, Nk, VARLEN, HAS_QLEN, HAS_KVLEN)
+    causal_off = kv_len - q_len
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    r64 = q_row0 + rows[:, None].to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + r64 * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
+    lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, WHAT == 0)
+    if WHAT == 0:
+        do = tl.load(DO + b64 * stride_ob + h64 * stride_oh + r64 * stride_on + offs_dv[None, :] * stride_od,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    seed = 0
+    if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
+        seed = tl.load(SEED)
+    crow = b64 * crb + h64 * crh + q_row0 + rows.to(tl.int64)
+    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
+    n_hi = tl.where(pid_m * BLOCK_M < q_len, kv_len, 0)
+    if IS_CAUSAL:
+        n_hi = tl.minimum(n_hi, tl.maximum(tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len) + causal_off, 0))
+    for n0 in range(0, n_hi, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < kv_len
+        c64 = k_row0 + cols[None, :].to(tl.int64)
+        kt = tl.load(k_base + c64 * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
+        p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
+                   IS_CAUSAL, MASK_KIND, DOT)
+        if DROPOUT:
+            keep = _keep(seed, crow, cols, Nkc, p_drop)
+        else:
+            keep = p == p
+        if WHAT == 2:
+            tl.store(RES + b64 * stride_rb + h64 * stride_rh + rows[:, None].to(tl.int64) * stride_rn
+                     + cols[None, :].to(tl.int64) * stride_rd, keep.to(tl.uint8),
+                     mask=row_ok[:, None] & col_ok[None, :])
+        elif WHAT == 1:
+            v = tl.load(v_base + tl.trans(c64) * stride_vn + offs_dv[None, :] * stride_vd,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
+            pd = tl.where(keep, p * keep_scale, 0.0)
+            acc = _dot(pd.to(v.dtype), v, acc, DOT)
+        else:
+            vt = tl.load(v_base + c64 * stride_vn + offs_dv[:, None] * stride_vd,
+                         mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)
+            dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
+            if DROPOUT:
+                dp = tl.where(keep, dp * keep_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            acc = _dot(ds.to(q.dtype), tl.trans(kt), acc, DOT)
+    if WHAT == 0:
+        tl.store(RES + b64 * stride_rb + h64 * stride_rh + r64 * stride_rn + offs_d[None, :] * stride_rd,
+                 (acc * scale).to(RES.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    elif WHAT == 1:
+        tl.store(RES + b64 * stride_rb + h64 * stride_rh + r64 * stride_rn + offs_dv[None, :] * stride_rd,
+                 acc.to(RES.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV_))

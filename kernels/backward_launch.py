@@ -1,0 +1,186 @@
+"""Launch code for the backward and dropout kernels (``backward.py``). Plain functions on tensors.
+
+Dense tensors are ``[B, H, N, D]``; packed varlen ``[total, H, D]`` with ``cu_q``/``cu_k`` and
+``varlen_dims = (B, max_q, max_k)`` (``lse [H, total]``), as in ``launch.py``. Inputs are never copied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import launch
+from . import occupancy as occ
+
+LOG2E = launch.LOG2E
+# what row_pass computes (backward.row_pass's WHAT)
+ROW_DQ, ROW_DROPOUT_OUT, ROW_KEEP_MASK = 0, 1, 2
+
+
+def _kernels():
+    from . import backward  # imported on first launch, after TRITON_INTERPRET has been decided
+
+    return backward
+
+
+def _blocks(bd: int):
+    """(BLOCK_M, BLOCK_N, num_warps) for padded head dim ``bd``: 32 under the interpreter (few programs); on a GPU
+    smaller tiles and more warps as the fp32 dK/dV accumulators (``BLOCK_N x bd`` each) grow. Untuned first
+    choices (no GPU measurement yet)."""
+    if occ.interpreting():
+        return 32, 32, 4
+    if bd <= 64:
+        return 64, 64, 4
+    return (32, 64, 8) if bd <= 128 else (32, 32, 8)
+
+
+class _Call:
+    """What every backward/dropout launch of one attention call shares: sizes, strides, the mask, the seed."""
+
+    def __init__(self, q, k, v, *, scale, mask, is_causal, q_lengths, kv_lengths, cu_q, cu_k, varlen_dims,
+                 precision, dropout_p, seed):
+        self.varlen = varlen_dims is not None
+        if self.varlen:
+            self.B, self.Nq, self.Nk = varlen_dims
+            self.Hq, self.D = q.shape[1], q.shape[2]
+            self.Hkv, self.Dv = k.shape[1], v.shape[2]
+            total_q = q.shape[0]
+            self.counter = (0, total_q, self.Nk)  # crb, crh, Nkc (backward._keep)
+        else:
+            self.B, self.Hq, self.Nq, self.D = q.shape
+            self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+            self.counter = (self.Hq * self.Nq, self.Nq, self.Nk)
+        self.q, self.k, self.v = q, k, v
+        self.scale = float(scale)
+        self.dot = launch._dot_kind(q.dtype, precision)
+        self.mask_t, self.mask_kind, self.sm, self.period = launch._mask_arg(mask)
+        self.is_causal = bool(is_causal)
+        self.dropout_p = float(dropout_p)
+        dummy = q
+        self.ptrs = (self.mask_t if self.mask_t is not None else dummy,
+                     q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
+                     cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy)
+        self.seed = seed if (seed is not None and self.dropout_p > 0) else dummy
+        self.flags = dict(MASK_KIND=self.mask_kind, IS_CAUSAL=self.is_causal, HAS_QLEN=q_lengths is not None,
+                          HAS_KVLEN=kv_lengths is not None, VARLEN=self.varlen, DOT=self.dot,
+                          DROPOUT=self.dropout_p > 0)
+        self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
+        self.BM, self.BN, self.warps = _blocks(max(self.BD, self.BDV))
+
+    def strides(self, t):
+        return launch._strides4(t, self.varlen)
+
+    def lse_strides(self, lse):
+        return (0, lse.stride(0), lse.stride(1)) if self.varlen else lse.stride()
+
+    def scalars(self, n_blocks: int):
+        keep_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1 else 0.0
+        return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, self.Hq // self.Hkv,
+                n_blocks, self.period, *self.counter)
+
+    def consts(self):
+        return dict(D=self.D, DV_=self.Dv, BLOCK_D=self.BD, BLOCK_DV=self.BDV, BLOCK_M=self.BM, BLOCK_N=self.BN,
+                    num_warps=self.warps, **self.flags)
+
+    def row_pass(self, what: int, res, res_strides, do=None, lse=None, delta=None):
+        """``backward.row_pass`` over every (query block, batch, query head)."""
+        n_mb = -(-self.Nq // self.BM)
+        if n_mb == 0 or self.B * self.Hq == 0:
+            return res
+        do_ = do if do is not None else self.q
+        _kernels().row_pass[(n_mb * self.B * self.Hq,)](
+            self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse, self.seed, res,
+            *self.scalars(n_mb), *self.strides(self.q), *self.strides(self.k), *self.strides(self.v), *self.sm,
+            *(self.strides(do) if do is not None else (0, 0, 0, 0)), *self.lse_strides(lse), *res_strides,
+            WHAT=what, **self.consts())
+        return res
+
+
+def dropout_output(q, k, v, out, lse, **call):
+    """Overwrites ``out`` with the dropout output ``(softmax * keep / (1 - p)) @ v`` (``lse`` from the forward)."""
+    c = _Call(q, k, v, **call)
+    return c.row_pass(ROW_DROPOUT_OUT, out, c.strides(out), lse=lse)
+
+
+def dropout_keep_mask(q, k, v, lse, **call):
+    """Debug hook: the keep mask the kernels draw for this call (``[B, Hq, Nq, Nk]`` bool, dense calls only).
+    Materialises ``B·Hq·Nq·Nk`` bytes: meant for tests at small N."""
+    c = _Call(q, k, v, **call)
+    if c.varlen:
+        raise ValueError("dropout_keep_mask: dense calls only")
+    keep = torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.uint8, device=q.device)
+    c.row_pass(ROW_KEEP_MASK, keep, keep.stride(), lse=lse)
+    return keep.bool()
+
+
+def _delta(c: _Call, do, out, lse, dlse):
+    """``rowsum(do * out) - dlse`` in ``lse``'s layout (a new contiguous fp32 tensor)."""
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    if c.varlen:  # rows of head h: out[:, h], delta[h, :]
+        n_rows, H = out.shape[0], out.shape[1]
+        so, sd = (0, out.stride(1), out.stride(0), out.stride(2)), (0, do.stride(1), do.stride(0), do.stride(2))
+        sg = (0, dlse.stride(0), dlse.stride(1)) if dlse is not None else (0, 0, 0)
+        bh = H
+    else:
+        n_rows, H = out.shape[2], out.shape[1]
+        so, sd = out.stride(), do.stride()
+        sg = dlse.stride() if dlse is not None else (0, 0, 0)
+        bh = out.shape[0] * H
+    if n_rows == 0 or bh == 0:
+        return delta
+    block_r = 32
+    _kernels().bwd_delta[(-(-n_rows // block_r), bh)](
+        do, out, dlse if dlse is not None else lse, delta, n_rows, H, n_rows, *sd, *so, *sg,
+        DV=c.Dv, BLOCK_DV=c.BDV, BLOCK_R=block_r, HAS_DLSE=dlse is not None)
+    return delta
+
+
+def _reduce_mask_grad(ds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``dS [B, Hq, Nq, Nk]`` summed to the mask's shape: batch rows with the same ``b % period`` together
+    (per-window masks; period = mask.shape[0]), then every axis where the mask has size 1."""
+    B = ds.shape[0]
+    period = mask.shape[0]
+    g = ds.view(B // period, period, *ds.shape[1:]).sum(0) if period != B else ds
+    dims = [i for i in range(1, 4) if mask.shape[i] == 1 and g.shape[i] != 1]
+    if dims:
+        g = g.sum(dims, keepdim=True)
+    return g.to(mask.dtype)
+
+
+def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,
+                       kv_lengths=None, cu_q=None, cu_k=None, varlen_dims=None, precision=None, dropout_p=0.0,
+                       seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None):
+    """``(dq, dk, dv, dmask or None)`` of one attention call (contiguous tensors). ``out``/``lse`` are the forward's; ``do`` may have
+    any strides. ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``) computes dQ in a
+    separate pass over query blocks instead of with atomics."""
+    c = _Call(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
+              cu_q=cu_q, cu_k=cu_k, varlen_dims=varlen_dims, precision=precision, dropout_p=dropout_p, seed=seed)
+    lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if mask_grad and (mask is None or mask.dtype == torch.bool):
+        raise ValueError("mask_grad: only an additive float mask has a gradient")
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, as ops' fake impl says
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    atomic = not deterministic
+    dq = torch.zeros(q.shape, dtype=torch.float32 if atomic else q.dtype, device=q.device)
+    ds = (torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.float32, device=q.device) if mask_grad else None)
+    delta = _delta(c, do, out, lse, dlse)
+    n_nb = -(-c.Nk // c.BN)
+    if n_nb and c.B * c.Hkv:
+        _kernels().bwd_kv[(n_nb * c.B * c.Hkv,)](
+            q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
+            *c.scalars(n_nb), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm, *c.strides(do),
+            *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
+            *(ds.stride() if ds is not None else (0, 0, 0, 0)),
+            ATOMIC_DQ=atomic, WRITE_DS=ds is not None, **c.consts())
+    else:  # no keys: no gradient reaches q, k or v
+        dk.zero_()
+        dv.zero_()
+    if atomic:
+        dq = dq.to(q.dtype)
+    else:
+        c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta)
+    dmask = _reduce_mask_grad(ds, mask) if ds is not None else None
+    return dq, dk, dv, dmask

@@ -1,0 +1,150 @@
+"""Autograd for the kernels: ``torch.library`` ops for attention with dropout and for the backward, and the
+autograd formulas of the forward ops (``ops.attention_op``, ``ops.attention_varlen_op`` and
+``attention_dropout_op`` here), registered with ``torch.library.register_autograd``.
+
+One autograd path serves eager calls and ``torch.compile`` (which sees each op as one node with a fake
+implementation, so a training step compiles with ``fullgraph=True``). The backward op is itself registered
+with a formula that refuses a second-order backward with a clear error.
+
+Dropout: :func:`draw_seed` takes an int64 seed from PyTorch's generator of the tensors' device (so
+``torch.manual_seed`` reproduces a run; no host sync); the forward op and the backward op regenerate the same
+keep mask from it (backward.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import backward_launch as bl
+from . import launch, ops
+
+NS = ops.NS
+if __name__ != "elsa_surgery.kernels.training":  # never register the ops twice (see kernels/__init__.py)
+    raise ImportError(f"the ELSA training ops live in elsa_surgery.kernels.training, not {__name__}")
+
+SEED_HIGH = 2 ** 62
+
+
+def draw_seed(device: torch.device) -> Tensor:
+    """A dropout seed ``[1]`` int64 on ``device``, drawn from PyTorch's (device) default generator."""
+    return torch.randint(0, SEED_HIGH, (1,), device=device, dtype=torch.int64)
+
+
+def _call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k):
+    varlen = cu_q is not None
+    dims = (cu_q.shape[0] - 1, int(max_q), int(max_k)) if varlen else None
+    return dict(q_lengths=q_lengths, kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, varlen_dims=dims)
+
+
+@torch.library.custom_op(f"{NS}::attention_dropout", mutates_args=())
+def attention_dropout_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
+                         kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str,
+                         dropout_p: float, seed: Tensor) -> Tuple[Tensor, Tensor]:
+    """Dense attention with SDPA's attention dropout: the scan gives ``lse``, a second pass over the key blocks
+    gives ``(softmax * keep / (1 - p)) @ v`` (``backward.row_pass``)."""
+    out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+    out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=out)
+    bl.dropout_output(q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
+                      dropout_p=dropout_p, seed=seed, **_call_args(q_lengths, kv_lengths, None, None, 0, 0))
+    return out, lse
+
+
+@attention_dropout_op.register_fake
+def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, dropout_p, seed):
+    B, Hq, Nq, _ = q.shape
+    return q.new_empty((B, Hq, Nq, v.shape[3])), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NS}::attention_backward", mutates_args=())
+def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                          out: Tensor, lse: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
+                          kv_lengths: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor],
+                          max_q: int, max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float,
+                          seed: Optional[Tensor], mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dmask)``; ``dmask`` is empty unless ``mask_grad``. Dense or packed varlen (``cu_q``)."""
+    dq, dk, dv, dmask = bl.attention_backward(
+        grad_out, q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
+        dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse,
+        **_call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k))
+    return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
+
+
+@attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k, scale, is_causal,
+      precision, dropout_p, seed, mask_grad):
+    dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask  # contiguous, as the real ones
+
+
+def _no_second_order(ctx, *grads):
+    raise RuntimeError("elsa_surgery: the ELSA attention backward is not differentiable (no second-order "
+                       "gradients: double backward, create_graph=True through attention). Use backend='reference' "
+                       "for higher-order gradients")
+
+
+torch.library.register_autograd(f"{NS}::attention_backward", _no_second_order,
+                                setup_context=lambda ctx, inputs, output: None)
+
+
+def _save(ctx, q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed, **scalars):
+    ctx.save_for_backward(q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed)
+    ctx.scalars = scalars
+
+
+def _grads(ctx, grad_out, grad_lse):
+    """``(dq, dk, dv, dmask)`` from the saved forward (mask grad only when the mask wants one)."""
+    q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
+    s = ctx.scalars
+    mask_grad = bool(mask is not None and mask.dtype != torch.bool and s["mask_needs_grad"])
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dmask = torch.ops.elsa_surgery.attention_backward(
+        grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"],
+        s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
+    return dq, dk, dv, (dmask if mask_grad else None)
+
+
+def _setup_dense(ctx, inputs, output):
+    q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision = inputs[:9]
+    dropout_p, seed = inputs[9:] if len(inputs) > 9 else (0.0, None)
+    _save(ctx, q, k, v, mask, q_lengths, kv_lengths, None, None, output[0], output[1], seed, max_q=0, max_k=0,
+          scale=scale, is_causal=is_causal, precision=precision, dropout_p=dropout_p,
+          mask_needs_grad=mask is not None and mask.requires_grad)
+
+
+def _backward_dense(ctx, grad_out, grad_lse):
+    dq, dk, dv, dmask = _grads(ctx, grad_out, grad_lse)
+    extra = (None, None) if len(ctx.needs_input_grad) > 9 else ()
+    return (dq, dk, dv, dmask, None, None, None, None, None, *extra)
+
+
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision = inputs
+    _save(ctx, q, k, v, None, None, None, cu_q, cu_k, output[0], output[1], None, max_q=max_q, max_k=max_k,
+          scale=scale, is_causal=is_causal, precision=precision, dropout_p=0.0, mask_needs_grad=False)
+
+
+def _backward_varlen(ctx, grad_out, grad_lse):
+    dq, dk, dv, _ = _grads(ctx, grad_out, grad_lse)
+    return (dq, dk, dv) + (None,) * 7
+
+
+for _op, _setup, _bwd in ((ops.attention_op, _setup_dense, _backward_dense),
+                          (attention_dropout_op, _setup_dense, _backward_dense),
+                          (ops.attention_varlen_op, _setup_varlen, _backward_varlen)):
+    torch.library.register_autograd(_op, _bwd, setup_context=_setup)
+
+
+def dropout_keep_mask(q, k, v, seed, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
+                      precision=None, dropout_p):
+    """Debug hook (tests, small N): the keep mask ``[B, Hq, Nq, Nk]`` (bool) that :func:`attention_dropout_op`
+    draws from ``seed`` for these canonical inputs."""
+    _, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                              kv_lengths=kv_lengths, precision=precision, return_lse=True)
+    return bl.dropout_keep_mask(q, k, v, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision,
+                                dropout_p=dropout_p, seed=seed,
+                                **_call_args(q_lengths, kv_lengths, None, None, 0, 0))

@@ -1,0 +1,225 @@
+"""The kernels' backward (kernels/backward.py) against the float64 oracle's autograd, through the public API.
+
+Fresh random inputs for every case; dQ, dK, dV (and the additive mask's gradient where it requires one, at the
+mask's own broadcast shape) compared with ``tests/oracle.naive_attention`` differentiated in float64. On CPU the
+kernels run in the Triton interpreter (small shapes)."""
+
+import pytest
+import torch
+
+import elsa_surgery
+from oracle import naive_attention, rel_err
+
+from kernel_env import DEV, needs_kernels
+
+pytestmark = needs_kernels
+TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+def _leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).to(DEV).requires_grad_()
+
+
+def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
+           **kw):
+    """Kernel grads (backend='elsa', strict fp32) vs the oracle's; returns the kernel's grads."""
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    gl = torch.randn(q.shape[:-1], dtype=torch.float64)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out, lse = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa", precision="strict",
+                                          return_lse=True, enable_gqa=True, **kw)
+        loss = (out.double() * go.to(DEV)).sum()
+        if grad_lse:
+            loss = loss + (torch.where(lse.isinf(), 0.0, lse).double() * gl.to(DEV)).sum()
+        loss.backward()
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
+    ref_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    rmask = oracle_mask(ref_leaves[3]) if oracle_mask else (ref_leaves[3] if len(leaves) == 4 else mask)
+    o_kw = {a: kw[a] for a in ("is_causal", "scale", "q_lengths", "kv_lengths") if a in kw}
+    if "windowed_mask" in kw:
+        o_kw["windowed"] = kw["windowed_mask"]
+    ro, rl = naive_attention(*ref_leaves[:3], rmask if rmask is not None else None, **o_kw)
+    rloss = (ro * go).sum()
+    if grad_lse:
+        rloss = rloss + (torch.where(rl.isinf(), 0.0, rl) * gl).sum()
+    rloss.backward()
+    tol = TOL[dtype]
+    for name, t, r in zip("qkvm", leaves, ref_leaves):
+        assert t.grad is not None and t.grad.shape == t.shape, name
+        assert torch.isfinite(t.grad).all(), f"d{name} has NaN/inf"
+        assert rel_err(t.grad.cpu(), r.grad) <= tol, (name, rel_err(t.grad.cpu(), r.grad))
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gqa_dv_ne_d_d_not_pow2(deterministic):
+    """GQA (4 query heads on 2 KV heads), Dv != D, D = 40 (padded in-kernel), atomic and deterministic dQ."""
+    _check(_leaf(2, 4, 37, 40), _leaf(2, 2, 45, 40), _leaf(2, 2, 45, 24), deterministic=deterministic)
+
+
+def test_deterministic_mode_is_bitwise_reproducible():
+    q, k, v = _leaf(1, 2, 40, 16), _leaf(1, 1, 40, 16), _leaf(1, 1, 40, 16)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True).sum().backward()
+            grads.append([t.grad.clone() for t in (q, k, v)])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("nq,nk", [(20, 70), (70, 20), (64, 64)])
+def test_causal_bottom_right(nq, nk):
+    """Causal with Nq < Nk, Nq > Nk (leading rows see no key: zero gradient) and Nq = Nk (block skipping)."""
+    _check(_leaf(1, 2, nq, 32), _leaf(1, 2, nk, 32), _leaf(1, 2, nk, 32), is_causal=True)
+
+
+def test_padded_lengths_with_empty_rows_causal():
+    """Per-row lengths, one batch row with no keys at all and causal alignment per row: gradients of padding
+    rows/keys are zero, never NaN."""
+    q, k, v = _leaf(3, 2, 33, 16), _leaf(3, 2, 41, 16), _leaf(3, 2, 41, 16)
+    ql, kl = [33, 10, 5], [41, 0, 30]
+    dq, dk, dv = _check(q, k, v, is_causal=True, q_lengths=torch.tensor(ql), kv_lengths=torch.tensor(kl))
+    assert dq[1].abs().max() == 0 and dk[1].abs().max() == 0 and dv[1].abs().max() == 0
+    assert dq[2, :, 5:].abs().max() == 0 and dk[2, :, 30:].abs().max() == 0
+
+
+def test_bool_mask_fully_masked_rows_zero_grad():
+    q, k, v = _leaf(2, 2, 24, 16), _leaf(2, 2, 30, 16), _leaf(2, 2, 30, 16)
+    mask = torch.rand(2, 1, 24, 30, device=DEV) > 0.5
+    mask[:, :, 3] = False  # row 3 sees nothing
+    dq, _, _ = _check(q, k, v, mask)
+    assert dq[:, :, 3].abs().max() == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 24, 30), (2, 1, 1, 30), (1, 1, 24, 30), (2, 4, 1, 30)])
+def test_float_mask_gradient_at_broadcast_shape(shape):
+    """A learned additive bias: its gradient is reduced to the bias's own broadcast shape."""
+    q, k, v = _leaf(2, 4, 24, 16), _leaf(2, 4, 30, 16), _leaf(2, 4, 30, 16)
+    _check(q, k, v, _leaf(*shape))
+
+
+@pytest.mark.parametrize("grad_lse", [False, True])
+def test_float_mask_with_minus_inf(grad_lse):
+    """-inf entries, a fully masked row (not with grad_lse: the oracle's lse is not differentiable there), and a
+    loss that also uses the returned lse."""
+    q, k, v = _leaf(1, 2, 20, 16), _leaf(1, 2, 28, 16), _leaf(1, 2, 28, 16)
+    bias = torch.randn(1, 2, 20, 28, dtype=torch.float64)
+    bias[..., ::3] = float("-inf")
+    if not grad_lse:
+        bias[:, :, 5] = float("-inf")
+    mask = bias.float().to(DEV).requires_grad_()
+    dq, _, _, dm = _check(q, k, v, mask, grad_lse=grad_lse)
+    assert torch.isfinite(dm).all()
+    if not grad_lse:
+        assert dq[:, :, 5].abs().max() == 0 and dm[:, :, 5].abs().max() == 0
+
+
+def test_per_window_mask_sums_rows_b_mod_nw():
+    """Swin's shifted-window mask ``[nW, H, N, N]`` applied as row ``b % nW``: its gradient sums those rows."""
+    nw, B = 2, 6
+    q, k, v = _leaf(B, 2, 16, 16), _leaf(B, 2, 16, 16), _leaf(B, 2, 16, 16)
+    _check(q, k, v, _leaf(nw, 2, 16, 16), windowed_mask=True)
+
+
+def test_scale_one_and_small_head_dim():
+    """scale=1.0 (SwinV2 cosine attention) with D = 8."""
+    q, k, v = _leaf(1, 2, 20, 8), _leaf(1, 2, 20, 8), _leaf(1, 2, 20, 8)
+    with torch.no_grad():
+        q.mul_(0.3)
+    _check(q, k, v, scale=1.0)
+
+
+def test_large_head_dim_200():
+    _check(_leaf(1, 1, 20, 200), _leaf(1, 1, 24, 200), _leaf(1, 1, 24, 136))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision(dtype):
+    q, k, v = _leaf(1, 2, 40, 32, dtype=dtype), _leaf(1, 2, 40, 32, dtype=dtype), _leaf(1, 2, 40, 32, dtype=dtype)
+    _check(q, k, v, dtype=dtype, is_causal=True)
+
+
+def test_packed_varlen():
+    """Packed sequences (lengths 13, 0, 30 queries; 20, 7, 30 keys), causal, GQA: against the oracle per sequence."""
+    cq, ck = [0, 13, 13, 43], [0, 20, 27, 57]
+    q, k, v = _leaf(43, 4, 16), _leaf(57, 2, 16), _leaf(57, 2, 24)
+    go = torch.randn(43, 4, 24, dtype=torch.float64)
+    out = elsa_surgery.attention_varlen(q, k, v, torch.tensor(cq, dtype=torch.int32, device=DEV),
+                                        torch.tensor(ck, dtype=torch.int32, device=DEV), 30, 30, is_causal=True,
+                                        backend="elsa", precision="strict")
+    (out.double() * go.to(DEV)).sum().backward()
+    for b in range(3):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        leaves = [t.detach().cpu()[s].double().transpose(0, 1)[None].requires_grad_() for t, s in
+                  ((q, qs), (k, ks), (v, ks))]
+        ro, _ = naive_attention(*leaves, is_causal=True)
+        if ro.requires_grad:  # (the oracle returns a constant for a sequence without queries)
+            (ro * go[qs].transpose(0, 1)[None]).sum().backward()
+        for t, s, r in zip((q, k, v), (qs, ks, ks), leaves):
+            g = t.grad.cpu()[s].double().transpose(0, 1)[None]
+            assert torch.isfinite(g).all()
+            if r.grad is not None:
+                assert rel_err(g, r.grad) <= TOL[torch.float32], b
+            else:
+                assert torch.count_nonzero(g) == 0
+
+
+def test_second_order_backward_raises():
+    q, k, v = _leaf(1, 1, 16, 16), _leaf(1, 1, 16, 16), _leaf(1, 1, 16, 16)
+    out = elsa_surgery.attention(q, k, v, backend="elsa")
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        gq.sum().backward()
+
+
+GPU_TOL = {(torch.float16, None): 3e-2, (torch.bfloat16, None): 8e-2, (torch.float32, "strict"): 1e-4,
+           (torch.float32, "precise"): 1e-4, (torch.float32, "turbo"): 1e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", list(GPU_TOL))
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_backward_against_float64_reference(dtype, precision, D, causal):
+    """Compiled kernels (every dot kind, the atomic and the deterministic dQ) at N ~ 1K, GQA, Nq != Nk, against the
+    float64 reference backend's autograd. The tolerances are first guesses, not yet seen on a GPU."""
+    q, k, v = _leaf(2, 4, 1000, D, dtype=dtype), _leaf(2, 2, 1100, D, dtype=dtype), _leaf(2, 2, 1100, D, dtype=dtype)
+    go = torch.randn(2, 4, 1000, D, device=DEV, dtype=dtype)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ro = elsa_surgery.attention(*ref, is_causal=causal, backend="reference", enable_gqa=True)
+    rg = torch.autograd.grad(ro, ref, go.double())
+    for det in (False, True):
+        torch.use_deterministic_algorithms(det)
+        try:
+            out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=precision,
+                                         enable_gqa=True)
+            g = torch.autograd.grad(out, (q, k, v), go)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        for name, a, b in zip("qkv", g, rg):
+            assert torch.isfinite(a).all()
+            assert rel_err(a.double().cpu(), b.cpu()) <= GPU_TOL[(dtype, precision)], (name, det)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_and_mask_grad_large():
+    """Dropout (keep rate) and a learned bias's gradient at N = 512 on the compiled kernels, bf16."""
+    q, k, v = (_leaf(2, 4, 512, 64, dtype=torch.bfloat16) for _ in range(3))
+    bias = _leaf(1, 4, 512, 512)
+    out = elsa_surgery.attention(q, k, v, attn_mask=bias.to(torch.bfloat16), dropout_p=0.1, backend="elsa")
+    out.float().square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v, bias)) and bias.grad.abs().max() > 0
+    from elsa_surgery.kernels import training
+
+    keep = training.dropout_keep_mask(q.detach(), k.detach(), v.detach(), training.draw_seed(q.device),
+                                      scale=64 ** -0.5, dropout_p=0.1)
+    assert abs(keep.float().mean().item() - 0.9) < 0.002
