@@ -53,7 +53,7 @@ class _Call:
             self.counter = (self.Hq * self.Nq, self.Nq, self.Nk)
         self.q, self.k, self.v = q, k, v
         self.scale = float(scale)
-        self.dot = launch._dot_kind(q.dtype, precision)
+        self.dot = launch._dot_kind(q.dtype, precision, q.device)
         self.mask_t, self.mask_kind, self.sm, self.period = launch._mask_arg(mask)
         self.is_causal = bool(is_causal)
         self.dropout_p = float(dropout_p)
