@@ -7,7 +7,14 @@ import torch
 
 def naive_attention(q, k, v, mask=None, *, is_causal=False, scale=None, q_lengths=None, kv_lengths=None,
                     windowed=False):
-    """q [B,Hq,Nq,D], k [B,Hkv,Nk,D], v [B,Hkv,Nk,Dv] -> (out float64, lse float64)."""
+    """q [B,Hq,Nq,D], k [B,Hkv,Nk,D], v [B,Hkv,Nk,Dv] -> (out float64, lse float64), on q's device (computed on
+    the CPU)."""
+    dev = q.device
+    if dev.type != "cpu":
+        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        out, lse = naive_attention(cpu(q), cpu(k), cpu(v), cpu(mask), is_causal=is_causal, scale=scale,
+                                   q_lengths=cpu(q_lengths), kv_lengths=cpu(kv_lengths), windowed=windowed)
+        return out.to(dev), lse.to(dev)
     q, k, v = q.double(), k.double(), v.double()
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

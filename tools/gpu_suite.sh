@@ -19,6 +19,9 @@ if ! python3 -c "import elsa_surgery.kernels" 2>/dev/null; then
   pp=/tmp/elsa_pp/elsa_surgery
   rm -rf /tmp/elsa_pp && mkdir -p "$pp"
   ln -s "$repo"/elsa_surgery/*.py "$pp"/
+  for sub in "$repo"/elsa_surgery/*/; do  # subpackages (elsa_surgery/stream/)
+    [ -f "$sub/__init__.py" ] && ln -s "${sub%/}" "$pp/$(basename "$sub")"
+  done
   ln -s "$repo/kernels" "$pp/kernels"
   ln -s "$repo/adapters" "$pp/adapters"
   export PYTHONPATH=/tmp/elsa_pp:$repo${PYTHONPATH:+:$PYTHONPATH}
