@@ -45,7 +45,7 @@ def unsupported_reason(q, k, v, mask, *, varlen: bool = False) -> Optional[str]:
     if dev.type != "cuda" and not (dev.type == "cpu" and occupancy.interpreting()):
         return f"{dev.type} tensors: the kernels need CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
     if q.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {q.dtype}: the kernels take float16, bfloat16 or float32"
+        return f"q dtype {q.dtype}: the kernels take float16, bfloat16 or float32"
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     for name, d in (("D", q.shape[-1]), ("Dv", v.shape[-1])):

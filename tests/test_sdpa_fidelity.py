@@ -513,9 +513,26 @@ def test_dropout_statistics(backend):
     assert ((out.mean(0, keepdim=True) - probs).abs() <= 5 * sd + 1e-6).all()
 
 
-def test_dropout_refused_by_the_kernels_names_it():
+def test_dropout_runs_on_the_kernels():
+    """The kernels draw attention dropout themselves (kernels/training.py): backend='elsa' takes dropout_p, and a
+    kept probability is scaled by 1 / (1 - p) as in SDPA."""
     if not (_interpreting() or torch.cuda.is_available()):
         pytest.skip("needs the kernels")
-    q = torch.randn(1, 1, 4, 16, device="cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(dispatch.BackendUnavailable, match=r"dropout_p=0.2"):
-        elsa_surgery.attention(q, q, q, dropout_p=0.2, backend="elsa")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(1, 1, 4, 16, device=dev)
+    v = torch.eye(16, device=dev).view(1, 1, 16, 16)[:, :, :4]
+    k = torch.zeros(1, 1, 4, 16, device=dev)  # equal logits: every probability 1/4
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(q, k, v, dropout_p=0.2, backend="elsa")
+    assert log[-1].backend == "elsa"
+    kept = out[..., :4] != 0
+    torch.testing.assert_close(out[..., :4][kept], torch.full_like(out[..., :4][kept], 0.25 / 0.8))
+
+
+def test_float64_refused_by_the_kernels_names_the_argument():
+    """Found by the GPU fuzz run: backend='elsa' on float64 said "dtype torch.float64" without naming q."""
+    if not (_interpreting() or torch.cuda.is_available()):
+        pytest.skip("needs the kernels")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert check(Case(B=1, Hq=1, Hkv=1, Nq=1, Nk=1, D=8, Dv=8, dtype="float64", backend="elsa", device=dev,
+                      seed=0)) == "refused with a clear error"
