@@ -36,11 +36,13 @@ This module imports transformers only inside functions (``import elsa_surgery`` 
 
 from __future__ import annotations
 
+
 import functools
 import inspect
 import logging
 import sys
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -145,7 +147,7 @@ def elsa_attention_forward(
 
     if mask is not None and mask.dim() == 2:
         # "elsa_varlen": a right-padded 2-D padding mask [B, S] (True/1 = token) -> per-row key lengths
-        kv_lengths = mask.sum(dim=-1, dtype=torch.int32)
+        kv_lengths = _lengths_of(mask)
         mask = None
         causal = False  # elsa_varlen_mask only hands over the 2-D mask for bidirectional masks
         _note_call(module, "varlen")
@@ -163,6 +165,21 @@ def elsa_attention_forward(
         backend=cfg.backend, precision=cfg.precision, kv_lengths=kv_lengths, dropout_p=dropout_p,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+_LAST_LENGTHS: list = [None, -1, None]  # (weakref to the 2-D padding mask, its _version, its per-row lengths)
+
+
+def _lengths_of(mask2d: torch.Tensor) -> torch.Tensor:
+    """Per-row key lengths of a right-padded 2-D padding mask, computed once per mask: every layer of a forward pass
+    gets the same tensor, so its value check (``semantics.canonical_lengths``, a host sync) runs once per forward."""
+    ref, version, lengths = _LAST_LENGTHS
+    if ref is not None and ref() is mask2d and version == mask2d._version and not torch.compiler.is_compiling():
+        return lengths
+    lengths = mask2d.sum(dim=-1, dtype=torch.int32)
+    if not torch.compiler.is_compiling():
+        _LAST_LENGTHS[:] = [weakref.ref(mask2d), mask2d._version, lengths]
+    return lengths
 
 
 def _passthrough_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):

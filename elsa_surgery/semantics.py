@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -246,11 +247,28 @@ def canonical_lengths(name: str, lengths: Lengths, batch: int, limit: int, devic
         raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
     if lengths.dim() != 1 or lengths.shape[0] != batch:
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {_shape(lengths)}")
-    if _data_checks_allowed(lengths) and batch > 0:
+    if _data_checks_allowed(lengths) and batch > 0 and not _validated(lengths, limit):
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}], got min {lo} and max {hi}")
+        _remember_valid(lengths, limit)
     return lengths.to(device=device, dtype=torch.int32)
+
+
+# Lengths tensors whose values were checked, while unchanged (same object, same in-place version): the layers of one
+# forward pass share one lengths tensor (the transformers adapter computes it once per padding mask), so the value
+# check, a host sync, runs once per forward instead of once per layer.
+_VALID_MAX = 8
+_valid: list = []  # [(weakref to the tensor, its _version, the checked limit)]
+
+
+def _validated(t: torch.Tensor, limit: int) -> bool:
+    return any(ref() is t and version == t._version and checked <= limit for ref, version, checked in _valid)
+
+
+def _remember_valid(t: torch.Tensor, limit: int) -> None:
+    _valid.append((weakref.ref(t), t._version, limit))
+    del _valid[:-_VALID_MAX]
 
 
 def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, windowed: bool, device):

@@ -486,3 +486,29 @@ def test_fuzz_hf_packed_sequences(lens, kind):
         model.set_attn_implementation("sdpa")
     for (a, b), x in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), alone):
         assert (out[:, a:b] - x).abs().max() < 1e-4
+
+
+def test_padding_lengths_checked_once_per_forward(monkeypatch):
+    """The per-row lengths of a padding mask are computed once per mask and their values checked once (a host sync),
+    not once per layer (BERT-base ran 0.68x native on an H100 with a sync per layer)."""
+    from transformers import BertConfig, BertModel
+
+    import elsa_surgery
+    from elsa_surgery import semantics
+
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=48,
+                     max_position_embeddings=32, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = BertModel(cfg).eval()
+    ids = torch.randint(1, 50, (2, 9))
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, 5:] = 0
+    ref = model(input_ids=ids, attention_mask=am).last_hidden_state
+    elsa_surgery.convert(model, backend="reference", verify=False)
+    checks = []
+    real = semantics._remember_valid
+    monkeypatch.setattr(semantics, "_remember_valid", lambda t, limit: (checks.append(limit), real(t, limit)))
+    out = model(input_ids=ids, attention_mask=am).last_hidden_state
+    assert len(checks) == 1, checks  # three layers, one value check
+    valid = am.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
