@@ -32,6 +32,17 @@ def _seeded():
 
 
 @pytest.fixture(autouse=True)
+def _no_sdpa_race(request, monkeypatch):
+    """``auto`` may take PyTorch's SDPA where a timed race says it is faster (elsa_surgery/autoselect.py): a choice
+    by timing, so it is off in the tests, which check which backend ran, and on in those marked ``race``."""
+    if request.node.get_closest_marker("race") is None:
+        from elsa_surgery import autoselect
+
+        monkeypatch.setattr(autoselect, "ENABLED", False)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _fresh_launch_plans():
     """Every test starts without launch plans (kernels/replay.py) and without memoised dispatch decisions
     (elsa_surgery/callcache.py), so that a test which patches the planner's module constants or the dispatch's

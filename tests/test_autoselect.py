@@ -18,6 +18,7 @@ import elsa_surgery  # noqa: E402
 from elsa_surgery import autoselect, callcache, dispatch  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.race  # the race is off in every other test (tests/conftest.py)
 
 
 @pytest.fixture
