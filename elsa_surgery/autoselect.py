@@ -17,15 +17,12 @@ TF32 products.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from . import sdpa
 from .dispatch import Decision
-
-logger = logging.getLogger("elsa_surgery")
 
 CALLS = 10  # at most this many timed calls of each side per round (fewer for long calls: BUDGET_MS)
 BUDGET_MS = 2.0  # a round of one side takes about this long (at least one call)

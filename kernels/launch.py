@@ -395,7 +395,7 @@ def _tiles(sig: CallSignature, d: Dims, dot: int, pack_rows: Optional[int] = Non
     short-query kernel's rows per K/V head (its row tiles then count per (batch, K/V head))."""
     itemsize = sig.dtype.itemsize
     if pack_rows is not None:
-        cfg = occ.decode_tile_config(dot, d.D, d.Dv, pack_rows)
+        cfg = occ.decode_tile_config(d.D, d.Dv, pack_rows)
         n_mb = -(-pack_rows // cfg.block_m)
         tiles = n_mb * d.B * d.Hkv
     else:

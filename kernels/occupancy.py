@@ -187,7 +187,7 @@ def decode_rows(*, n_q: int, groups: int, n_k: int, dot: int, varlen: bool) -> O
     return rows
 
 
-def decode_tile_config(dot: int, d: int, dv: int, rows: int) -> TileConfig:
+def decode_tile_config(d: int, dv: int, rows: int) -> TileConfig:
     """Tiles of the packed short-query kernel: the row tile holds the group's rows (at least 16, tl.dot's
     minimum); key tiles as wide as the head dims allow."""
     if _OVERRIDE is not None:
