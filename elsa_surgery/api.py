@@ -60,13 +60,25 @@ def attention(
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
         Rows with no visible key are zeros. Deliberate differences from SDPA: docs/fidelity.md.
     """
-    # build_problem + dispatch.decide (+ announce), memoised per signature: see callcache.py
+    # build_problem + dispatch.decide (+ announce), memoised per signature, and the direct route of a call seen
+    # before: see callcache.py
+    key = callcache.signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
+                              return_lse, q_lengths, kv_lengths, windowed_mask)
+    if key is not None:
+        res = callcache.direct(key, q, k, v, attn_mask, return_lse)
+        if res is not None:
+            return res
     p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
                              precision=precision, return_lse=return_lse, q_lengths=q_lengths,
-                             kv_lengths=kv_lengths, windowed_mask=windowed_mask)
+                             kv_lengths=kv_lengths, windowed_mask=windowed_mask, key=key,
+                             call=lambda: attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                                    backend=backend, precision=precision, return_lse=return_lse,
+                                                    windowed_mask=windowed_mask))
     pieces = [_run(piece, d, return_lse) for piece in p.row_pieces()]  # one, but for upper-left CausalBias
     out, lse = pieces[0] if len(pieces) == 1 else _cat_rows(pieces)
     out, lse = p.restore_shape(out, lse)
+    if key is not None:
+        callcache.learn(key, p, d, q, k, v, attn_mask, return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -13,6 +13,14 @@ mask gets its canonical 4-D view) and reuse the decision, which is still announc
 call. Under ``auto`` the first eager CUDA call of a signature may also race the kernels against PyTorch's SDPA
 (:mod:`elsa_surgery.autoselect`); the memo keeps the winner.
 
+Direct routes: once a signature's call has run with the same inputs (the canonical problem holds the caller's own
+q, k, v and mask: no 3-D or broadcast views, no rebuilt mask view; no dropout, lengths or gradient), its entry also
+keeps how to run it again without any of the above: for the kernels, the launch plan that ``kernels/replay.py``
+recorded for it (keyed here by what that plan's key adds: strides, 16-byte alignment, which inputs are one tensor,
+the current device and stream capture); for SDPA chosen by ``auto``, the plain SDPA call. :func:`direct` runs a
+call through its route (the decision still announced), the cheapest eager path there is; :func:`learn` makes
+routes after a call ran. A route is dropped with its plan (``replay.clear``) or when a knob the plan read changes.
+
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), calls with
 ``q_lengths`` / ``kv_lengths`` (their values are checked), a tensor ``scale``, arguments of other types than plain
 tensors, bools, numbers and strings (tensor subclasses, NumPy scalars), and calls traced by ``torch.compile``.
@@ -30,16 +38,18 @@ from .semantics import AttentionProblem, broadcast_batch_and_heads, build_proble
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
-_ENV_NAMES = (dispatch.ENV_BACKEND, dispatch.ENV_PRECISION, "TRITON_INTERPRET")
+# ELSA_LAUNCH_PLANS: whether the kernels' launch plans (and so direct routes) are used
+_ENV_NAMES = (dispatch.ENV_BACKEND, dispatch.ENV_PRECISION, "TRITON_INTERPRET", "ELSA_LAUNCH_PLANS")
 # the raw values, from the environment's store (CPython's encoded one where checked: kernels/internals.py); the knobs'
 # values are validated by the dispatch (kernels/knobs.py)
 _RAW = internals.ENVIRON
-_ENV_KEYS = tuple(internals.ENCODE(n) for n in _ENV_NAMES)
+_E0, _E1, _E2, _E3 = (internals.ENCODE(n) for n in _ENV_NAMES)
 
 _entries: dict = {}
 STATS = {"hits": 0, "misses": 0, "bypassed": 0}
+DIRECT = {"runs": 0, "routes": 0}  # calls run through a direct route (counted among the hits too), routes made
 
-_PLAIN = (bool, int, float, str, type(None))
+_PLAIN = frozenset((bool, int, float, str, type(None)))
 
 
 def clear() -> None:
@@ -52,40 +62,61 @@ def _tensor_sig(t):
     return t.shape, t.dtype, t.device
 
 
+class _Entry:
+    """What a signature's first call decided (and, once learnt, the direct routes of its calls)."""
+    __slots__ = ("squeeze", "scale", "causal", "dropout", "decision", "routes", "mask_shape")
+
+    def __init__(self, p: AttentionProblem, d: dispatch.Decision, direct_ok: bool):
+        self.squeeze, self.scale, self.causal, self.dropout, self.decision = (p.squeeze_head, p.scale, p.is_causal,
+                                                                              p.dropout_p, d)
+        self.routes = {} if direct_ok else None  # _extras(...) -> route; None: calls of the signature never have one
+        self.mask_shape = None if p.mask is None else tuple(p.mask.shape)  # a 4-D mask's canonical (expanded) view
+
+
+def signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
+              q_lengths, kv_lengths, windowed_mask) -> Optional[tuple]:
+    """The memo's key of an eager call, or None for a call validated in full every time (traced by
+    torch.compile, with lengths, or with arguments the key cannot hold: module docstring)."""
+    if q_lengths is not None or kv_lengths is not None or torch.compiler.is_compiling():
+        return None
+    return _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
+                windowed_mask)
+
+
 def _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
          windowed_mask) -> Optional[tuple]:
     """The signature :func:`prepare` memoises on, or None for a call it validates in full."""
-    sq, sk, sv = _tensor_sig(q), _tensor_sig(k), _tensor_sig(v)
-    if sq is None or sk is None or sv is None:
-        return None
+    T = torch.Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T or q.is_nested or k.is_nested or v.is_nested:
+        return None  # subclasses, nested and non-tensors: the full path
     sm = None
     if attn_mask is not None:
         sm = _tensor_sig(attn_mask)
         if sm is None:
             return None
     scalars = (dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse, windowed_mask)
-    for s in scalars:
-        if type(s) not in _PLAIN:
-            return None
-    # the scalars' types too: True and 1 hash alike but are not the same argument
-    return (sq, sk, sv, sm, scalars, tuple(map(type, scalars)), tuple(_RAW.get(e) for e in _ENV_KEYS))
+    types = tuple(map(type, scalars))  # in the key too: True and 1 hash alike but are not the same argument
+    if not _PLAIN.issuperset(types):
+        return None
+    return (q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, sm, scalars, types,
+            _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3))
 
 
 def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
             backend="auto", precision=None, return_lse=False, q_lengths=None, kv_lengths=None,
-            windowed_mask=False) -> Tuple[AttentionProblem, dispatch.Decision]:
+            windowed_mask=False, key=False, call=None) -> Tuple[AttentionProblem, dispatch.Decision]:
     """``(build_problem(...), dispatch.decide(...))`` of an :func:`elsa_surgery.attention` call, the decision
-    announced; memoised per signature (module docstring)."""
+    announced; memoised per signature (module docstring). ``key``: the call's :func:`signature` when the caller
+    has it; ``call``: the public call itself (auto's race makes it under each decision)."""
     if torch.compiler.is_compiling():
         # traced once per graph: nothing here is read or written (dynamo would guard on the memo and on STATS)
         p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                                     precision, return_lse, q_lengths, kv_lengths, windowed_mask)
         dispatch.announce(d)
         return p, d
-    key = None
-    if q_lengths is None and kv_lengths is None:
-        key = _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
-                   windowed_mask)
+    if key is False:
+        key = signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
+                        q_lengths, kv_lengths, windowed_mask)
     if key is None:
         STATS["bypassed"] += 1
         p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
@@ -96,14 +127,16 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             STATS["misses"] += 1
             p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                                         precision, return_lse, None, None, windowed_mask)
-            d = autoselect.choose(p, d, lambda: _run_kernels(p, d), backend=backend, precision=precision,
-                                  return_lse=return_lse)
+            entry = _Entry(p, d, _direct_ok(p, d, q, k, v, attn_mask))
             if len(_entries) >= MAX_ENTRIES:
                 del _entries[next(iter(_entries))]
-            _entries[key] = (p.squeeze_head, p.scale, p.is_causal, p.dropout_p, d)
+            _entries[key] = entry
+            if call is not None and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
+                                                           return_lse=return_lse) is None:
+                d = _race(entry, call)
         else:
             STATS["hits"] += 1
-            squeeze, scale_, causal, dropout, d = hit
+            squeeze, scale_, causal, dropout, d = hit.squeeze, hit.scale, hit.causal, hit.dropout, hit.decision
             if squeeze:
                 q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
             q, k, v = broadcast_batch_and_heads(q, k, v, enable_gqa)
@@ -116,10 +149,101 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     return p, d
 
 
-def _run_kernels(p: AttentionProblem, d: dispatch.Decision):
-    """The ELSA kernels on a problem (autoselect's race)."""
-    return dispatch.kernels_module().attention(p.q, p.k, p.v, scale=p.scale, mask=p.mask, is_causal=p.is_causal,
-                                               precision=d.precision, return_lse=False)
+def _direct_ok(p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask) -> bool:
+    """Whether calls of this signature can have direct routes: the problem is the caller's tensors as they are."""
+    return (d.backend in ("elsa", "sdpa") and p.q is q and p.k is k and p.v is v
+            and (attn_mask is None or attn_mask.dim() == 4)  # the canonical view: attn_mask.expand(mask_shape)
+            and p.causal_rows is None and p.dropout_p == 0 and p.q_lengths is None and p.kv_lengths is None
+            and (d.backend == "elsa" or (attn_mask is None and (not p.is_causal or p.n_q == p.n_k))))
+
+
+def _extras(q, k, v, mask) -> tuple:
+    """What a direct route depends on beyond the signature: the strides and 16-byte alignment its launch plan's
+    kernels were specialised for, which inputs are one tensor, the current device and stream capture (the rest of
+    the plan's key, kernels/launch.py), and whether autograd records the call (routes never do)."""
+    cuda = q.is_cuda
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (mask is not None and mask.requires_grad))
+    if mask is None:
+        m = None
+    else:
+        m = (mask.stride(), mask.data_ptr() % 16 == 0)
+    return (q.stride(), k.stride(), v.stride(), m, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
+            v.data_ptr() % 16 == 0, q is k, k is v, q is v, grad, torch.cuda.current_device() if cuda else None,
+            cuda and torch.cuda.is_current_stream_capturing())
+
+
+def direct(key: tuple, q, k, v, attn_mask, return_lse: bool):
+    """The call's result (as :func:`elsa_surgery.attention` returns it) through its direct route, the decision
+    announced; None when it has none (the caller takes the full path)."""
+    entry = _entries.get(key)
+    if entry is None or not entry.routes:
+        return None
+    route = entry.routes.get(_extras(q, k, v, attn_mask))
+    if route is None:
+        return None
+    d = entry.decision
+    if d.backend == "sdpa":
+        STATS["hits"] += 1
+        DIRECT["runs"] += 1
+        dispatch.announce(d)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=entry.causal, scale=entry.scale,
+                                                                enable_gqa=route)
+    plan, generation, current = route
+    if current[0] != generation or not plan.env_unchanged():
+        del entry.routes[_extras(q, k, v, attn_mask)]
+        return None
+    STATS["hits"] += 1
+    DIRECT["runs"] += 1
+    dispatch.announce(d)
+    mask = None if attn_mask is None else attn_mask.expand(entry.mask_shape)
+    out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "mask": mask})
+    return (out, lse) if return_lse else out
+
+
+def learn(key: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask, return_lse: bool) -> None:
+    """After a memoised call ran on the full path: keep its direct route if it can have one (module docstring)."""
+    entry = _entries.get(key)
+    if entry is None or entry.routes is None or entry.decision is not d:
+        return
+    extras = _extras(q, k, v, attn_mask)
+    if extras in entry.routes or extras[10]:  # known, or autograd records the call
+        return
+    if d.backend == "sdpa":
+        route = p.heads_q != p.heads_kv
+    else:
+        from .kernels import launch, replay  # the kernels ran: imported
+
+        plan = launch.attention_plan(q, k, v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
+                                     precision=d.precision or None, return_lse=return_lse)
+        if plan is None:
+            return
+        route = (plan, replay.GENERATION[0], replay.GENERATION)
+    entry.routes[extras] = route
+    DIRECT["routes"] += 1
+
+
+def _race(entry: _Entry, call) -> dispatch.Decision:
+    """auto's race (elsa_surgery/autoselect.py) for a new entry: ``call``, the public call, made with the entry set
+    to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner."""
+    d = entry.decision
+    sides = {"elsa": (d, entry.routes), "sdpa": (autoselect.SDPA_SIDE, None if entry.routes is None else {})}
+
+    def side(backend):
+        def run():
+            entry.decision, entry.routes = sides[backend]
+            return call()
+        return run
+
+    counts = dict(STATS), dict(DIRECT)
+    try:
+        with dispatch.unrecorded():
+            final = autoselect.choose(d, side("elsa"), side("sdpa"))
+    finally:
+        STATS.update(counts[0])
+        DIRECT.update(counts[1])
+    entry.decision, entry.routes = final, sides[final.backend][1]
+    return final
 
 
 def _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,

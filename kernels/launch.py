@@ -279,13 +279,33 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
                  out=out, lse=lse)
     if state is not None:
         slots.update(state_m=state[0], state_s=state[1], state_w=state[2])
-    cuda = q.is_cuda
-    key = ((q is k, k is v, q is v, cu_q is cu_k, q_lengths is kv_lengths), q.device, torch.cuda.current_device() if cuda else None,
-           cuda and torch.cuda.is_current_stream_capturing(), float(scale), precision, bool(is_causal), varlen_dims,
-           bool(want_lse), num_partitions, eta, _geometry(q), _geometry(k), _geometry(v), _geometry(mask),
-           _geometry(q_lengths), _geometry(kv_lengths), _geometry(cu_q), _geometry(cu_k), _geometry(out),
-           _geometry(lse), None if state is None else tuple(map(_geometry, state)))
+    key = _replay_key(q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=q_lengths,
+                      kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, is_causal=is_causal, varlen_dims=varlen_dims,
+                      out=out, lse=lse, state=state, want_lse=want_lse, num_partitions=num_partitions, eta=eta)
     return replay.run(key, slots, plan_and_run, _ALIASES)
+
+
+def _replay_key(q, k, v, *, scale, precision, mask, q_lengths, kv_lengths, cu_q, cu_k, is_causal, varlen_dims,
+                out, lse, state, want_lse, num_partitions, eta) -> tuple:
+    """The launch plan key of a :func:`_run` call (its signature: see kernels/replay.py)."""
+    cuda = q.is_cuda
+    return ((q is k, k is v, q is v, cu_q is cu_k, q_lengths is kv_lengths), q.device,
+            torch.cuda.current_device() if cuda else None, cuda and torch.cuda.is_current_stream_capturing(),
+            float(scale), precision, bool(is_causal), varlen_dims, bool(want_lse), num_partitions, eta, _geometry(q),
+            _geometry(k), _geometry(v), _geometry(mask), _geometry(q_lengths), _geometry(kv_lengths), _geometry(cu_q),
+            _geometry(cu_k), _geometry(out), _geometry(lse), None if state is None else tuple(map(_geometry, state)))
+
+
+def attention_plan(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None, return_lse=True):
+    """The replayable launch plan that :func:`attention` with these arguments (no lengths, no provided outputs)
+    replays now, or None: what ``elsa_surgery.callcache`` keeps as a call's direct route. ``plan.replay(slots)``
+    with ``slots = {"q": q, "k": k, "v": v, "mask": mask}`` of a call with the same key runs that call."""
+    if not replay.wanted(q):
+        return None
+    return replay.replayable(_replay_key(
+        q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
+        is_causal=is_causal, varlen_dims=None, out=None, lse=None, state=None, want_lse=return_lse,
+        num_partitions=None, eta=None))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ MAX_PLANS = 4096  # signatures kept (least recently recorded dropped first)
 
 _local = threading.local()
 _plans: Dict[tuple, "Plan"] = {}
+GENERATION = [0]  # bumped by clear(): a plan held outside this module (a direct route) is valid while it holds
 STATS = {"recorded": 0, "replayed": 0, "not_replayable": 0}
 
 
@@ -133,6 +134,7 @@ CLEAR_HOOKS = []  # called by clear(): caches of what the planner decided (launc
 def clear() -> None:
     """Forget every plan (tests that patch the planner's module constants call this)."""
     _plans.clear()
+    GENERATION[0] += 1
     for hook in CLEAR_HOOKS:
         hook()
 
@@ -187,6 +189,12 @@ def run(key: tuple, slots: Dict[str, Optional[torch.Tensor]], plan_and_run: Call
         del _plans[next(iter(_plans))]
     _plans[key] = plan
     return result
+
+
+def replayable(key: tuple) -> Optional["Plan"]:
+    """The recorded plan of ``key`` when it replays in the current environment, else None."""
+    plan = _plans.get(key)
+    return plan if plan is not None and plan.launches is not None and plan.env_unchanged() else None
 
 
 def why_not_replayable(key: tuple) -> Optional[str]:
@@ -379,13 +387,14 @@ class _Launch:
 
 
 class Plan:
-    __slots__ = ("env", "prep", "launches", "result", "why")
+    __slots__ = ("env", "env_keys", "env_values", "prep", "launches", "result", "why")
 
     def __init__(self, env, prep, launches, result, why):
         self.env, self.prep, self.launches, self.result, self.why = env, prep, launches, result, why
+        self.env_keys, self.env_values = tuple(e[0] for e in env), tuple(e[1] for e in env)
 
     def env_unchanged(self) -> bool:
-        return all(_RAW.get(key) == value for key, value in self.env)
+        return tuple(map(_RAW.get, self.env_keys)) == self.env_values
 
     def replay(self, slots):
         """Runs the plan on the call's ``slots`` (a dict this adds the allocated and derived tensors to)."""

@@ -190,3 +190,103 @@ def test_the_memo_is_bounded(monkeypatch):
     for s in (0.1, 0.2, 0.3, 0.4, 0.5):
         elsa_surgery.attention(q, k, v, scale=s)
     assert len(callcache._entries) == 3
+
+
+# ---- direct routes (callcache.direct / learn): a call seen before runs through its launch plan or plain SDPA ----
+
+def _plans_on_cpu(monkeypatch):
+    """Launch plans (and so direct routes) on the CPU too: the kernels in the interpreter, replayed."""
+    _kernels_on_cpu(monkeypatch)
+    if DEV == "cpu":
+        monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")
+
+
+def _direct_delta(before):
+    return {k: callcache.DIRECT[k] - before[k] for k in before}
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "padding"])
+def test_a_direct_route_computes_the_call_on_its_own_tensors(monkeypatch, mask_kind):
+    """Decoys first (same geometry, other values: the first call records the route), then the real call runs
+    through the route: anything kept of the first call fails the oracle. Decisions are announced on every call."""
+    _plans_on_cpu(monkeypatch)
+    q, k, v = _qkv(2, 3, 24, 16)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 3, 24, 24, device=DEV) > 0.3
+    elif mask_kind == "additive":
+        mask = torch.randn(2, 3, 24, 24, device=DEV)
+    elif mask_kind == "padding":  # [B, 1, 1, Nk]: its canonical view is expanded on every call
+        mask = torch.rand(2, 1, 1, 24, device=DEV) > 0.4
+    kw = dict(attn_mask=mask, scale=0.3, is_causal=mask_kind == "none")
+    before, direct_before = _counts(), dict(callcache.DIRECT)
+    with dispatch.record() as log:
+        elsa_surgery.attention(*(decoy(t) for t in (q, k, v)), **{**kw, "attn_mask": decoy(mask)})
+        assert _direct_delta(direct_before) == {"runs": 0, "routes": 1}  # made by the first call
+        out = elsa_surgery.attention(q, k, v, **kw)
+        assert _direct_delta(direct_before) == {"runs": 1, "routes": 1}
+        elsa_surgery.attention(*(decoy(t) for t in (q, k, v)), **{**kw, "attn_mask": decoy(mask)}, return_lse=True)
+        out2, lse = elsa_surgery.attention(q, k, v, **kw, return_lse=True)  # another signature, its own route
+    assert _direct_delta(direct_before) == {"runs": 2, "routes": 2}
+    assert _delta(before) == {"hits": 2, "misses": 2, "bypassed": 0}
+    assert [d.backend for d in log] == ["elsa"] * 4
+    ref, ref_lse = naive_attention(*(None if t is None else t.cpu() for t in (q, k, v, mask)),
+                                   is_causal=kw["is_causal"], scale=0.3)
+    assert rel_err(out.cpu(), ref) < 2e-6 and torch.equal(out, out2)
+    assert (lse.cpu().double() - ref_lse).abs().max() < 1e-5
+
+
+def test_direct_routes_follow_strides_aliasing_and_autograd(monkeypatch):
+    """Same signature, other strides / one tensor for q and k / inputs that want a gradient: each its own route or
+    the full path, never a route recorded for another geometry."""
+    _plans_on_cpu(monkeypatch)
+    x = torch.randn(2, 24, 3, 16, device=DEV)
+    q, k, v = _qkv(2, 3, 24, 16)
+    t = x.transpose(1, 2)  # [B, H, N, D] view of [B, N, H, D] memory
+    before = dict(callcache.DIRECT)
+    for args in ((q, k, v), (t, k, v), (q, q, v), (t, t, t)):
+        for _ in range(2):
+            out = elsa_surgery.attention(*args, scale=0.25)
+        assert rel_err(out.cpu(), _oracle(*args, scale=0.25)) < 2e-6
+    assert _direct_delta(before) == {"runs": 4, "routes": 4}
+    qg = q.clone().requires_grad_()
+    for _ in range(2):
+        out = elsa_surgery.attention(qg, k, v, scale=0.25)
+    out.sum().backward()
+    assert qg.grad is not None and _direct_delta(before)["runs"] == 4
+    with torch.no_grad():
+        elsa_surgery.attention(qg, k, v, scale=0.25)  # no gradient recorded: the route of (q, k, v)
+    assert _direct_delta(before)["runs"] == 5
+
+
+def test_direct_routes_are_dropped_with_their_plans(monkeypatch):
+    """replay.clear() (the planner's constants changed) and a knob the plan read: the route is not used."""
+    from elsa_surgery.kernels import internals, knobs, replay
+
+    _plans_on_cpu(monkeypatch)
+    q, k, v = _qkv(1, 2, 20, 16)
+    elsa_surgery.attention(q, k, v)
+    before = dict(callcache.DIRECT)
+    elsa_surgery.attention(q, k, v)
+    assert _direct_delta(before)["runs"] == 1
+    replay.clear()
+    out = elsa_surgery.attention(q, k, v)
+    assert _direct_delta(before) == {"runs": 1, "routes": 1}  # full path, route made anew
+    plan = next(iter(replay._plans.values()))
+    assert internals.ENCODE(knobs.NUM_PARTITIONS) in plan.env_keys  # the planner read it
+    monkeypatch.setenv(knobs.NUM_PARTITIONS, "2")
+    out2 = elsa_surgery.attention(q, k, v)
+    assert _direct_delta(before)["runs"] == 1
+    for o in (out, out2):
+        assert rel_err(o.cpu(), _oracle(q, k, v)) < 2e-6
+
+
+def test_sdpa_chosen_runs_plain_sdpa_directly():
+    q, k, v = _qkv(2, 4, 12, 8)
+    kv = [t[:, :2] for t in (k, v)]
+    before = dict(callcache.DIRECT)
+    with dispatch.record() as log:
+        for _ in range(2):
+            out = elsa_surgery.attention(q, *kv, backend="sdpa", enable_gqa=True, is_causal=True)
+    assert _direct_delta(before) == {"runs": 1, "routes": 1} and [d.backend for d in log] == ["sdpa"] * 2
+    assert rel_err(out.cpu(), _oracle(q, *kv, is_causal=True)) < 2e-6
