@@ -4,7 +4,10 @@
 calls whose time is host-bound, shapes where cuDNN's tiles beat ours) PyTorch's own SDPA kernel is. On the first
 eager CUDA call of a signature that PyTorch's SDPA answers with exactly our semantics (:func:`sdpa_reason`), both
 are timed back to back on the caller's own tensors (:func:`race`, :data:`CALLS` calls each, interleaved, host and
-GPU time: what an eager caller waits), and SDPA is kept only if it is faster by more than :data:`MIN_GAIN`. The
+GPU time: what an eager caller waits), and SDPA is kept only if it is faster by more than :data:`MIN_GAIN`. Each side
+is the whole public call as later calls of the signature will make it (``elsa_surgery/callcache.py`` runs the race
+with the signature's memo entry set to each decision in turn: direct routes, validation, launch plans and all),
+so the host cost of our Python counts against ELSA, as it does for the user. The
 choice is made once per signature (``elsa_surgery/callcache.py`` keeps it), and its :class:`~.dispatch.Decision`
 names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never
 races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
@@ -21,7 +24,6 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import sdpa
 from .dispatch import Decision
 
 CALLS = 10  # at most this many timed calls of each side per round (fewer for long calls: BUDGET_MS)
@@ -67,6 +69,7 @@ def _per_call_ms(fn: Callable[[], object], calls: int) -> float:
 def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float, float]:
     """``(elsa_ms, sdpa_ms)`` per call: both warmed up, then timed in interleaved rounds (median round) of up to
     :data:`CALLS` back-to-back calls, as many as fit :data:`BUDGET_MS`: a long call is timed a few times only."""
+    elsa()  # both warm (the kernels' first call compiles and records its launch plan, SDPA's picks its kernel)
     sdpa()
     calls = max(1, min(CALLS, int(BUDGET_MS / max(_per_call_ms(elsa, 1), 1e-3))))
     times = ([], [])
@@ -76,11 +79,13 @@ def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float,
     return tuple(sorted(t)[len(t) // 2] for t in times)
 
 
-def choose(p, d: Decision, elsa: Callable[[], object], *, backend, precision, return_lse) -> Decision:
-    """``d``, or an SDPA decision naming both timings when SDPA is faster by more than :data:`MIN_GAIN`."""
-    if sdpa_reason(p, d, backend=backend, precision=precision, return_lse=return_lse) is not None:
-        return d
-    elsa_ms, sdpa_ms = race(elsa, lambda: sdpa.run(p))
+SDPA_SIDE = Decision("sdpa", None, "auto's race: the PyTorch SDPA side")  # what the race's SDPA calls run under
+
+
+def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object]) -> Decision:
+    """``d`` (naming both timings), or an SDPA decision naming them when SDPA is faster by more than
+    :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way."""
+    elsa_ms, sdpa_ms = race(elsa, sdpa)
     verdict = (f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per eager call for this "
                f"signature (measured once, median of {ROUNDS} interleaved rounds)")
     if elsa_ms > MIN_GAIN * sdpa_ms:

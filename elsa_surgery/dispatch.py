@@ -156,6 +156,18 @@ def record():
         stack.remove(log)
 
 
+@contextlib.contextmanager
+def unrecorded():
+    """Decisions made in this thread inside the block reach no :func:`record` log (auto's race runs the call it is
+    deciding, elsa_surgery/autoselect.py: those trial calls are not the user's)."""
+    saved = getattr(_local, "stack", None)
+    _local.stack = []
+    try:
+        yield
+    finally:
+        _local.stack = [] if saved is None else saved
+
+
 def announce(decision: Decision) -> None:
     """Hand ``decision`` to every open :func:`record` log of this thread (and log a reference fallback once).
 

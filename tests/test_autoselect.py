@@ -49,6 +49,38 @@ def test_sdpa_taken_when_faster_and_named_with_both_timings(racing):
     assert torch.equal(out, ref) and torch.equal(out2, ref)
 
 
+def test_each_side_of_the_race_is_the_whole_public_call(racing, monkeypatch):
+    """The race times the call as later calls make it: the ELSA side runs the kernels, the SDPA side PyTorch's SDPA,
+    each through elsa_surgery.attention (so our host cost counts); neither is recorded nor counted."""
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+    kernels = dispatch.kernels_module()
+    real_kernels = kernels.attention
+
+    def spy(name, fn):
+        return lambda *a, **kw: (seen.append(name), fn(*a, **kw))[1]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy("sdpa", real_sdpa))
+    monkeypatch.setattr(kernels, "attention", spy("elsa", real_kernels))
+
+    def fake_race(elsa, sdpa):
+        seen.append("|")
+        elsa()
+        seen.append("|")
+        sdpa()
+        seen.append("|")
+        return racing[0]
+
+    monkeypatch.setattr(autoselect, "race", fake_race)
+    q, k, v = _qkv()
+    before = dict(callcache.STATS)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v)
+    assert seen == ["|", "elsa", "|", "sdpa", "|", "sdpa"]  # the race's two sides, then the call itself on SDPA
+    assert [d.backend for d in log] == ["sdpa"]
+    assert {n: callcache.STATS[n] - before[n] for n in before} == {"hits": 0, "misses": 1, "bypassed": 0}
+
+
 def test_elsa_kept_when_sdpa_is_not_faster_enough(racing):
     racing[0] = (0.104, 0.1)  # 4 % apart: under MIN_GAIN
     q, k, v = _qkv()
