@@ -44,6 +44,7 @@ from elsa_surgery import dispatch
 FUZZ_EXAMPLES_CPU = 500
 FUZZ_EXAMPLES_INTERP = 200
 GPU_EXAMPLES = int(os.environ.get("SDPA_FUZZ_EXAMPLES", "10000"))
+TRACE = os.environ.get("SDPA_FUZZ_TRACE")  # a file: every GPU case is appended before it runs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # the floor of the output tolerance (max abs error; values are N(0, 1)) and of the lse's (relative to 1 + |lse|)
@@ -58,7 +59,14 @@ EXTENSIONS = {
         lambda c: c.is_causal and c.mask in ("bool", "additive"),
     "an additive mask of another float dtype than q (float64 with lower-precision q)":
         lambda c: c.mask == "additive" and c.mask_dtype == "float64" and c.dtype != "float64",
+    "a float32 additive mask with fp16/bf16 q on CUDA (SDPA's fused kernels take only q's dtype there)":
+        lambda c: c.mask == "additive" and c.mask_dtype == "float32" and c.dtype in ("float16", "bfloat16")
+        and c.device == "cuda",
 }
+# PyTorch's CUDA SDPA refuses some calls its documentation accepts, from a fused kernel's constraint rather than the
+# arguments' meaning (a broadcast mask's stride-0 last axis, a bias dtype other than q's); its float64 math path takes
+# them. ELSA answering such a call is no infidelity: its answer is still checked against the float64 reference.
+SDPA_KERNEL_LIMITS = re.compile(r"last dimension must be contiguous|invalid dtype for bias")
 ARGUMENT_NAMES = r"\b(q|k|v|attn_mask|mask|dropout_p|is_causal|scale|enable_gqa|precision|return_lse|D|Dv)\b"
 
 
@@ -233,10 +241,17 @@ def _native(case, q, k, v, mask):
 
 def _native_equivalent(case, q, k, v, mask):
     """SDPA on the call ELSA's semantics mean, in the input dtype (bottom-right causal and its intersection with
-    the mask made explicit, additive masks in float32: the form SDPA takes for every input dtype)."""
+    the mask made explicit). An additive mask keeps its dtype where SDPA takes it (q's; float32 on the CPU); others
+    become q's dtype on CUDA (its fused kernels take no other bias dtype: "invalid dtype for bias") and float32
+    (float64 for float64 q) on the CPU."""
     if isinstance(mask, CausalBias) and case.is_causal:  # not an extension: refused as SDPA does
         return _native(case, q, k, v, mask)
-    eff = effective_mask(case, mask, q.device, torch.float64 if q.dtype == torch.float64 else torch.float32)
+    float_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if q.is_cuda:
+        float_dtype = q.dtype
+    elif isinstance(mask, torch.Tensor) and mask.dtype in (q.dtype, torch.float32):
+        float_dtype = mask.dtype
+    eff = effective_mask(case, mask, q.device, float_dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=eff, scale=case.scale, enable_gqa=case.enable_gqa)
 
 
@@ -277,7 +292,8 @@ def check(case: Case) -> str:
             return "refused with a clear error"
         _fail(case, f"ELSA refused a call SDPA answers{' (under our semantics)' if extension else ''}: "
                     f"{type(exc).__name__}: {exc}")
-    if equiv_exc is not None:
+    limit = equiv_exc is not None and SDPA_KERNEL_LIMITS.search(str(equiv_exc)) is not None
+    if equiv_exc is not None and not limit:
         _fail(case, f"ELSA answered a call SDPA refuses ({type(equiv_exc).__name__}: {equiv_exc})")
     _check_decision(case, q, log)
     out, lse = got if case.return_lse else (got, None)
@@ -293,7 +309,7 @@ def check(case: Case) -> str:
         _fail(case, f"max |out - SDPA(float64)| = {err:.3g} > tolerance {tol:.3g}")
     if lse is not None:
         _check_lse(case, lse, ref_lse)
-    return "extension" if extension else "match"
+    return "answered where SDPA's CUDA kernel refuses" if limit else "extension" if extension else "match"
 
 
 def _check_lse(case, lse, ref_lse):
@@ -393,6 +409,9 @@ def test_fuzz_kernels_interpreter(case):
 @given(case=cases(backends=["elsa", "auto", "reference", "sdpa"], device="cuda", max_n=300))
 def test_fuzz_every_backend_gpu(case):
     note(f"check({case!r})")
+    if TRACE:  # a case that breaks the CUDA context cannot be replayed by Hypothesis: the file names it
+        with open(TRACE, "a") as f:
+            f.write(f"check({case!r})\n")
     event(f"{case.backend}: {check(case)}")
 
 
