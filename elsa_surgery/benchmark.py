@@ -163,34 +163,41 @@ def environ(variables: Dict[str, Optional[str]]):
         put(saved)
 
 
-def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, warmup: int = 5) -> float:
+def synchronize(device="cuda") -> None:
+    """``torch.cuda.synchronize`` for a CUDA device; nothing for the CPU (whose calls return when done)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, warmup: int = 5,
+                device="cuda") -> float:
     """Mean ms per call of ``n`` back-to-back calls of ``fn`` on the GPU, after ``warmup`` calls: the clock
     stops after the device is synchronised (host and GPU time: the eager cost of a call), or before it with
-    ``host_only`` (the host's launch and Python time alone)."""
+    ``host_only`` (the host's launch and Python time alone). ``device="cpu"``: wall time, no synchronisation."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     t = time.perf_counter()
     for _ in range(n):
         fn()
     if not host_only:
-        torch.cuda.synchronize()
+        synchronize(device)
     ms = (time.perf_counter() - t) / n * 1e3
-    torch.cuda.synchronize()
+    synchronize(device)
     return ms
 
 
 def interleaved_ms(fns: Dict[str, Callable[[], object]], rounds: int = 3, calls: int = 10,
-                   warmup: int = 3) -> Dict[str, float]:
+                   warmup: int = 3, device="cuda") -> Dict[str, float]:
     """Median eager ms per call of each of ``fns``, timed in interleaved rounds (A/B/A/B...: clock and thermal drift
     hit every side alike): each round runs every function ``calls`` times back to back (:func:`per_call_ms`,
     host and GPU time), and the median over the rounds is reported."""
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for fn in fns.values():
-        per_call_ms(fn, 1, warmup=warmup)
+        per_call_ms(fn, 1, warmup=warmup, device=device)
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(per_call_ms(fn, calls, warmup=0))
+            times[name].append(per_call_ms(fn, calls, warmup=0, device=device))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

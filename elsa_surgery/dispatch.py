@@ -79,8 +79,15 @@ _KERNELS = None
 def kernels_module():
     """``elsa_surgery.kernels``, imported once on first use (Triton is not imported by ``import elsa_surgery``).
 
-    Cached in a global so that code traced by torch.compile reads an attribute instead of tracing an import."""
+    Cached in a global so that code traced by torch.compile reads an attribute instead of tracing an import. While
+    torch.compile traces, the global is neither read nor written (a guard on it would recompile the graph once it
+    is set) and the interface module stands in for the package: dynamo runs the import, not the binding of
+    ``kernels.load()``, so a first call traced in a fresh process compiles with ``fullgraph=True``."""
     global _KERNELS
+    if torch.compiler.is_compiling():
+        from .kernels import interface
+
+        return interface
     if _KERNELS is None:
         from . import kernels
 

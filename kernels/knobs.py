@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
@@ -179,6 +180,8 @@ def get(name: str):
     raw = _ENVIRON.get(knob.key)
     if _observer is not None:
         _observer(name, knob.key, raw)
+    if _tracing():  # parsed afresh: a traced read or write of the cache would guard the graph on the cache's
+        return knob.value_of(None if raw is None else decode(raw))  # contents, and its first write recompile it
     cache = knob.cache
     try:
         return cache[raw]
@@ -189,6 +192,12 @@ def get(name: str):
         cache.clear()
     cache[raw] = value
     return value
+
+
+def _tracing() -> bool:
+    """Whether torch.compile is tracing this call (torch is not imported here: see the module's docstring)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def raw(name: str) -> Optional[str]:

@@ -15,6 +15,18 @@ from torch import Tensor
 
 from . import launch
 
+# The dense output's layout under torch.compile: [B, Nq, Hq, Dv] in memory (STRIDED_OUTPUT, what the eager launcher
+# writes) or contiguous [B, Hq, Nq, Dv]. Inductor asserts the fake's strides on a custom op's output
+# (``assert_size_stride(buf, (B, H, N, Dv), (N*H*Dv, Dv, H*Dv, 1))``) and then reads it in place: the
+# ``out.transpose(1, 2).reshape(B, Nq, Hq * Dv) @ W`` after attention becomes a matmul on the op's buffer, where a
+# contiguous output costs a clone kernel before it. Seen with caches off on torch 2.14 (CPU, tests/test_compile.py,
+# this op) and torch 2.11 (H100, a toy custom op of the same fake): 0 generated kernels strided, 1 clone contiguous.
+# An earlier note here said torch 2.11's inductor asserted contiguous strides whatever the fake reported; the FX
+# graph cache reproduces that: it keys on the graph, not on the op's fake, so after a fake's layout changes it
+# replays code compiled for the old one (clear ~/.cache or /tmp/torchinductor_$USER). Older torch, untested, keeps
+# the contiguous layout.
+STRIDED_OUTPUT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
+
 NS = "elsa_surgery"
 if __name__ != "elsa_surgery.kernels.ops":  # see kernels/__init__.py: never register the ops twice
     raise ImportError(f"the ELSA custom ops live in elsa_surgery.kernels.ops, not {__name__}")
@@ -23,19 +35,23 @@ if __name__ != "elsa_surgery.kernels.ops":  # see kernels/__init__.py: never reg
 @torch.library.custom_op(f"{NS}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
                  kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str) -> Tuple[Tensor, Tensor]:
-    # contiguous under torch.compile (the eager path returns the [B, N, H, Dv]-in-memory layout): torch 2.11's
-    # inductor asserts contiguous strides on this op's output whatever the fake reports
-    out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
     out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=out)
+                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True,
+                                out=dense_out(q, v))
     return out, lse
+
+
+def dense_out(q: Tensor, v: Tensor) -> Tensor:
+    """The output ``[B, Hq, Nq, Dv]`` of the dense ops, real and fake alike, in the layout of
+    :data:`STRIDED_OUTPUT`."""
+    B, Hq, Nq, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    return launch._new_out(q, B, Hq, Nq, Dv) if STRIDED_OUTPUT else q.new_empty((B, Hq, Nq, Dv))
 
 
 @attention_op.register_fake
 def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     B, Hq, Nq, _ = q.shape
-    out = q.new_empty((B, Hq, Nq, v.shape[3]))  # the real output's strides too (contiguous, see above)
-    return out, q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NS}::attention_state", mutates_args=())

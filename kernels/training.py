@@ -45,9 +45,9 @@ def attention_dropout_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
                          dropout_p: float, seed: Tensor) -> Tuple[Tensor, Tensor]:
     """Dense attention with SDPA's attention dropout: the scan gives ``lse``, a second pass over the key blocks
     gives ``(softmax * keep / (1 - p)) @ v`` (``backward.row_pass``)."""
-    out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
     out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=out)
+                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True,
+                                out=ops.dense_out(q, v))
     bl.dropout_output(q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
                       dropout_p=dropout_p, seed=seed, **_call_args(q_lengths, kv_lengths, None, None, 0, 0))
     return out, lse
@@ -56,7 +56,7 @@ def attention_dropout_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
 @attention_dropout_op.register_fake
 def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, dropout_p, seed):
     B, Hq, Nq, _ = q.shape
-    return q.new_empty((B, Hq, Nq, v.shape[3])), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return ops.dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NS}::attention_backward", mutates_args=())

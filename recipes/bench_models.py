@@ -24,11 +24,24 @@ native ms, converted ms, their ratio (> 1: the converted model is faster), the a
 time (``torch.profiler``), the backends the converted calls ran, and the output difference; ``--out`` writes
 JSON and ``--plot`` a PNG heat map of the ratios (matplotlib).
 
+``--compile MODES`` (``default``, ``max-autotune``, ``reduce-overhead``; a comma list) runs the same workloads
+under ``torch.compile`` (issue 33): the native model compiled against a deep copy converted with
+``convert(verify=False)`` and then compiled (the converted one compiled first, so it never reuses kernels Inductor
+built for the native one), timed in interleaved rounds in one process. Each row has the compile time of each side
+(the first call's wall time, synchronised), their ratio, native ms / converted ms and the output difference;
+``--profile`` adds where one compiled call's device time goes on each side, by kind: ``elsa`` (the package's
+kernels), ``inductor`` (Inductor's fused ``triton_*`` kernels), ``copy`` (copies and transposes), ``sdpa``,
+``gemm`` and ``other``, with the largest kernels of each. ``--cpu-smoke`` checks the flow on the CPU with
+one-block models.
+
 Examples::
 
     python recipes/bench_models.py --out bench_models.json                      # everything, eager + cudagraph
     python recipes/bench_models.py --eager --workloads vit_b16,swin_t --dtypes fp32,bf16 --batches 1,8
     python recipes/bench_models.py --eager --list
+    python recipes/bench_models.py --compile default,max-autotune --workloads vit_b16,swin_t --dtypes fp32,bf16 \
+        --batches 8 --profile --out compiled.json
+    python recipes/bench_models.py --compile default --cpu-smoke --profile     # a check of the flow on the CPU
     python recipes/bench_models.py --models vit_l14_clip --sizes 336 --dtypes fp32 --modes eager,cudagraph,compile
     python recipes/bench_models.py --models swin_t --dtypes bf16 --batch 16
     python recipes/bench_models.py --list
@@ -85,16 +98,26 @@ HF_SHAPES = {  # 2-layer models of these shapes (random weights, no LM head)
 }
 
 
-def ab_build(name, dtype, batch, device):
-    """``(model, call)``: the model (random weights, eval) and a zero-argument forward on fixed random inputs."""
+# --cpu-smoke with --compile: the workloads it can shrink (a check of the script on the CPU, not a measurement)
+SMOKE_TIMM = dict(depth=1, img_size=32)  # ViT-style timm models: one block, 32 px
+SMOKE_HF = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+SMOKE_WORKLOADS = ("vit_b16", "deit3_s", "llama13b_2l_512", "qwen2_7b_2l_512")
+
+
+def ab_build(name, dtype, batch, device, smoke=False):
+    """``(model, call)``: the model (random weights, eval) and a zero-argument forward on fixed random inputs;
+    ``smoke``: a one-block model of the workload's family on short inputs (``SMOKE_WORKLOADS``)."""
     family, what, _ = WORKLOADS[name]
+    if smoke and name not in SMOKE_WORKLOADS:
+        raise ValueError(f"--cpu-smoke runs the workloads {', '.join(SMOKE_WORKLOADS)}, not {name}")
     g = torch.Generator(device=device).manual_seed(0)
     torch.manual_seed(0)
     if family == "timm":
         import timm
 
-        model = timm.create_model(what, pretrained=False, device=device).eval().to(device, dtype)
-        size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+        model = timm.create_model(what, pretrained=False, device=device, **(SMOKE_TIMM if smoke else {}))
+        model = model.eval().to(device, dtype)
+        size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1] if not smoke else SMOKE_TIMM["img_size"]
         x = torch.randn(batch, 3, size, size, device=device, dtype=dtype, generator=g)
         return model, lambda m: m(x)
     if family in HF_SHAPES:
@@ -102,8 +125,9 @@ def ab_build(name, dtype, batch, device):
 
         cls_cfg = transformers.LlamaConfig if family == "llama13b" else transformers.Qwen2Config
         cls_model = transformers.LlamaModel if family == "llama13b" else transformers.Qwen2Model
-        cfg = cls_cfg(num_hidden_layers=2, max_position_embeddings=what + 1, attn_implementation="sdpa",
-                      **HF_SHAPES[family])
+        what = 16 if smoke else what
+        cfg = cls_cfg(num_hidden_layers=1 if smoke else 2, max_position_embeddings=what + 1,
+                      attn_implementation="sdpa", **(SMOKE_HF if smoke else HF_SHAPES[family]))
         with torch.device(device):
             model = cls_model(cfg).to(dtype).eval()
         ids = torch.randint(0, cfg.vocab_size, (batch, what), device=device, generator=g)
@@ -191,6 +215,22 @@ def ab_cell(name, dt, batch, args):
     return rec
 
 
+def sweep(cells, run, describe, out, env) -> list:
+    """``run(*cell)`` for every cell (its record gets ``wall_s``), ``describe(cell, record)``'s lines printed, and
+    the records so far written to ``out`` after every cell: a cut-off run keeps what it measured."""
+    records = []
+    for cell in cells:
+        t0 = time.perf_counter()
+        rec = run(*cell)
+        rec["wall_s"] = time.perf_counter() - t0
+        records.append(rec)
+        for line in describe(cell, rec):
+            print(line, flush=True)
+        if out:
+            benchmark.write_json(out, dict(env=env, records=records), announce=False)
+    return records
+
+
 def ab_main(args) -> int:
     cells = [(w, d, b) for w in args.workloads for d in args.ab_dtypes
              for b in (args.batches or WORKLOADS[w][2])]
@@ -204,24 +244,185 @@ def ab_main(args) -> int:
     env = benchmark.env_info("cuda")
     print(f"# never-slower suite: {env.get('gpu')}, torch {env['torch']}; eager, interleaved rounds "
           f"({args.rounds} x {args.calls} calls), ratio = native ms / converted ms", flush=True)
-    records = []
-    for w, d, b in cells:
-        t0 = time.perf_counter()
-        rec = ab_cell(w, d, b, args)
-        rec["wall_s"] = time.perf_counter() - t0
-        records.append(rec)
+    def describe(cell, rec):
+        w, d, b = cell
         if "error" in rec:
-            print(f"{w} {d} b{b}: {rec['error'][:160]}", flush=True)
-        else:
-            share = rec.get("attention_share")
-            print(f"{w} {d} b{b}: native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
-                  f"ratio {rec['ratio']:.3f}" + (f", attention {share:.0%} of native" if share is not None else "")
-                  + f", {','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)",
-                  flush=True)
-        if args.out:
-            benchmark.write_json(args.out, dict(env=env, records=records), announce=False)
+            return [f"{w} {d} b{b}: {rec['error'][:160]}"]
+        share = rec.get("attention_share")
+        return [f"{w} {d} b{b}: native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
+                f"ratio {rec['ratio']:.3f}" + (f", attention {share:.0%} of native" if share is not None else "")
+                + f", {','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)"]
+
+    records = sweep(cells, lambda w, d, b: ab_cell(w, d, b, args), describe, args.out, env)
     if args.plot:
         ab_heatmap(records, args.plot)
+    return 0
+
+
+# --compile: native compiled vs converted-then-compiled
+# --------------------------------------------------------------------------------------------------
+
+COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")
+COPY_WORDS = ("copy", "memcpy", "transpose", "clone", "contiguous", "permute")
+# the ops of an Inductor kernel that only moves data (triton_poi_fused_clone_transpose_0, cpp_fused_clone_0)
+_MOVES = set(COPY_WORDS) | {"view", "unsafe", "expand", "reshape", "t"}
+
+
+def _inductor_copy(n: str) -> bool:
+    fused = n.split("fused_", 1)[-1].rsplit("_", 1)[0]
+    return all(word in _MOVES for word in fused.split("_") if word)
+
+
+# profile categories, first match wins: (category, test of a lower-cased kernel / op name)
+KERNEL_KINDS = (
+    ("elsa", lambda n: "elsa" in n),  # the package's Triton kernels (_elsa_fwd*, elsa_merge_rows) and custom ops
+    ("copy", lambda n: _inductor_copy(n) if n.startswith(("triton_", "cpp_fused"))
+        else any(w in n for w in COPY_WORDS)),
+    ("inductor", lambda n: n.startswith(("triton_", "cpp_fused"))),  # Inductor's fused kernels
+    ("sdpa", lambda n: any(w in n for w in ("flash", "fmha", "attention", "cudnn"))),
+    ("gemm", lambda n: any(w in n for w in ("gemm", "gemv", "cutlass", "xmma", "aten::mm", "aten::addmm",
+                                            "aten::bmm", "matmul"))),
+)
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    return next((kind for kind, test in KERNEL_KINDS if test(n)), "other")
+
+
+def compile_profile(fn, device, top: int = 3) -> dict:
+    """Where one call's time goes (``torch.profiler``): the self device time of every kernel (on the CPU, the self
+    CPU time of every op) summed by :func:`kernel_kind`, with the ``top`` names of each kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    fn()
+    benchmark.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        benchmark.synchronize(device)
+    kinds = {}
+    for ev in prof.key_averages():
+        if cuda:  # the kernels
+            us = ev.self_device_time_total if ev.device_type == torch.autograd.DeviceType.CUDA else 0.0
+        else:  # the ops, less the wrappers of the compiled region
+            us = 0.0 if ev.key.startswith(("Torch-Compiled", "TorchDynamo", "CompiledFunction", "## ")) \
+                else ev.self_cpu_time_total
+        if us <= 0:
+            continue
+        kind = kinds.setdefault(kernel_kind(ev.key), dict(us=0.0, calls=0, top=[]))
+        kind["us"] += us
+        kind["calls"] += ev.count
+        kind["top"].append((ev.key[:80], round(us, 1)))
+    total = sum(k["us"] for k in kinds.values()) or float("nan")
+    for k in kinds.values():
+        k["share"] = k["us"] / total
+        k["top"] = sorted(k["top"], key=lambda t: -t[1])[:top]
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def compile_first_call(model, call, mode, args, device):
+    """``(compiled model, seconds of its first call)``: compile and run once, synchronised, then two more calls
+    (reduce-overhead records its CUDA graphs there)."""
+    kw = dict(backend=args.compile_backend)
+    if args.compile_backend == "inductor" and mode != "default":
+        kw["mode"] = mode
+    compiled = torch.compile(model, **kw)
+    t0 = time.perf_counter()
+    call(compiled)
+    benchmark.synchronize(device)
+    seconds = time.perf_counter() - t0
+    for _ in range(2):
+        call(compiled)
+    benchmark.synchronize(device)
+    return compiled, seconds
+
+
+def compile_cell(name, dt, batch, mode, args):
+    """One compiled cell: native and converted (a deep copy, ``convert(verify=False)``) each compiled, the converted
+    one first (so that it never reuses kernels Inductor built for the native one), timed in interleaved rounds."""
+    import copy
+
+    import elsa_surgery
+
+    device = "cpu" if args.cpu_smoke else "cuda"
+    dtype, tf32 = AB_DTYPES[dt]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    rec = dict(workload=name, dtype=dt, batch=batch, mode=mode, backend=args.backend,
+               compile_backend=args.compile_backend)
+    try:
+        torch._dynamo.reset()
+        native, call = ab_build(name, dtype, batch, device, smoke=args.cpu_smoke)
+        converted = copy.deepcopy(native)
+        report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
+        rec["converted_modules"] = report.num_converted
+        with torch.inference_mode():
+            with elsa_surgery.dispatch.record() as log:  # compiled code records nothing: the eager call's decisions
+                call(converted)
+            used = benchmark.dispatch_summary(log)
+            rec["backends_used"], rec["fallbacks"] = used["backends"], used["fallbacks"]
+            cc, rec["converted_compile_s"] = compile_first_call(converted, call, mode, args, device)
+            nc, rec["native_compile_s"] = compile_first_call(native, call, mode, args, device)
+            rec["compile_time_ratio"] = rec["converted_compile_s"] / rec["native_compile_s"]
+            ref, out = call(nc).float(), call(cc).float()
+            rec["rel_err_vs_native"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+            del out, ref
+            times = benchmark.interleaved_ms({"native": lambda: call(nc), "converted": lambda: call(cc)},
+                                             rounds=args.rounds, calls=args.calls, device=device)
+            rec["native_ms"], rec["converted_ms"] = times["native"], times["converted"]
+            rec["ratio"] = times["native"] / times["converted"]
+            if args.profile:
+                rec["profile"] = {side: compile_profile(lambda: call(m), device) for side, m in
+                                  (("native", nc), ("converted", cc))}
+    except Exception as exc:  # one cell failing (OOM, a compile error) must not stop the sweep
+        rec["error"] = benchmark.error_text(exc)
+        rec["traceback"] = traceback.format_exc(limit=8)
+    finally:
+        native = converted = nc = cc = None
+        gc.collect()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rec
+
+
+def profile_lines(profile) -> list:
+    """``"  native: gemm 61% (…), inductor 20% (…)"`` per side: the kinds and their largest kernels."""
+    lines = []
+    for side, kinds in profile.items():
+        parts = [f"{kind} {k['share']:.0%} {k['us']:.0f} us ({', '.join(n for n, _ in k['top'][:2])})"
+                 for kind, k in kinds.items()]
+        lines.append(f"  {side}: " + "; ".join(parts))
+    return lines
+
+
+def compile_main(args) -> int:
+    cells = [(w, d, b, m) for w in args.workloads for d in args.ab_dtypes
+             for b in (args.batches or WORKLOADS[w][2]) for m in args.compile_modes]
+    if args.list:
+        for c in cells:
+            print(*c)
+        return 0
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench_models.py --compile needs a CUDA GPU (or --cpu-smoke to check the script)", file=sys.stderr)
+        return 2
+    env = benchmark.env_info("cpu" if args.cpu_smoke else "cuda")
+    env.setdefault("gpu", "cpu (smoke run: tiny models, not a measurement)")
+    print(f"# compiled never-slower suite: {env.get('gpu')}, torch {env['torch']}; torch.compile "
+          f"({args.compile_backend}), interleaved rounds ({args.rounds} x {args.calls} calls), "
+          "ratio = native ms / converted ms", flush=True)
+    def describe(cell, rec):
+        head = "{} {} b{} {}: ".format(*cell)
+        if "error" in rec:
+            return [head + rec["error"][:160]]
+        return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
+                f"ratio {rec['ratio']:.3f}; compile {rec['native_compile_s']:.1f} s -> "
+                f"{rec['converted_compile_s']:.1f} s ({rec['compile_time_ratio']:.2f}x), "
+                f"{','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)"
+                ] + profile_lines(rec.get("profile", {}))
+
+    sweep(cells, lambda w, d, b, m: compile_cell(w, d, b, m, args), describe, args.out, env)
     return 0
 
 
@@ -259,6 +460,13 @@ def ab_heatmap(records, path) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--eager", action="store_true", help="the never-slower suite (interleaved native/converted A/B)")
+    p.add_argument("--compile", default=None, metavar="MODES",
+                   help="the never-slower suite under torch.compile: comma list of " + ", ".join(COMPILE_MODES)
+                        + " (takes --eager's workload options)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="--compile: torch.compile's backend (modes apply to inductor only)")
+    p.add_argument("--profile", action="store_true",
+                   help="--compile: profile one native and one converted compiled call (where device time goes)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"--eager: comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--batches", default=None, help="--eager: comma list of batch sizes (default: each workload's)")
     p.add_argument("--rounds", type=int, default=3, help="--eager: interleaved rounds (median reported)")
@@ -283,10 +491,22 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the records as JSON here")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="run the flow on the CPU (eager only, wall-clock timing of 3 calls, no memory numbers): "
-                        "a check of this script, not a measurement")
+                   help="run the flow on the CPU (eager only, wall-clock timing of 3 calls, no memory numbers; "
+                        f"with --compile: one-block models of {', '.join(SMOKE_WORKLOADS)}, batch 1, at most 2 rounds "
+                        "of 2 calls): a check of this script, not a measurement")
     a = p.parse_args(argv)
-    if a.eager:
+    if a.eager and a.compile is not None:
+        p.error("--eager and --compile are two suites: choose one")
+    if a.compile is not None:
+        a.compile_modes = comma_list(p, "--compile", a.compile, COMPILE_MODES, "mode")
+        if not a.compile_modes:
+            p.error("--compile: name at least one mode")
+        if a.cpu_smoke:  # tiny models, few calls: a check of the script
+            a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
+            a.batches = a.batches or "1"
+            if a.workloads == p.get_default("workloads"):
+                a.workloads = ",".join(SMOKE_WORKLOADS)
+    if a.eager or a.compile is not None:
         a.workloads = comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")
         a.ab_dtypes = comma_list(p, "--dtypes", a.dtypes, AB_DTYPES, "dtype")
         a.batches = None if a.batches is None else comma_list(p, "--batches", a.batches, type=int)
@@ -429,6 +649,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.eager:
         return ab_main(args)
+    if args.compile is not None:
+        return compile_main(args)
     todo = [(n, s, d, m) for n, s, d in configs(args) for m in args.modes]
     if args.list:
         for t in todo:
@@ -452,17 +674,12 @@ def main(argv=None):
     env.update(triton=triton.__version__, timm=timm.__version__, matmul_tf32=bool(args.matmul_tf32))
     print(f"# {env['gpu']} (sm{''.join(map(str, env['capability']))}), torch {env['torch']}, triton {env['triton']}, "
           f"timm {env['timm']}, batch {args.batch}", flush=True)
-    records = []
-    for n, s, d, m in todo:
-        t0 = time.perf_counter()
-        rec = bench_one(n, s, d, m, args)
-        rec["wall_s"] = time.perf_counter() - t0
-        records.append(rec)
+    def describe(cell, rec):
         brief = rec.get("error") or (f"native {rec['native_ms']:.3f} ms, elsa {rec['elsa_ms']:.3f} ms, "
                                      f"{rec['speedup']:.3f}x, mem {rec['native_peak_mb']:.0f} -> {rec['elsa_peak_mb']:.0f} MiB")
-        print(f"{n} {s}px {d} {m}: {brief} ({rec['wall_s']:.0f} s)", flush=True)
-        if args.out:  # written after every configuration: a cut-off run keeps what it measured
-            benchmark.write_json(args.out, dict(env=env, records=records), announce=False)
+        return ["{} {}px {} {}: ".format(*cell) + f"{brief} ({rec['wall_s']:.0f} s)"]
+
+    records = sweep(todo, lambda n, s, d, m: bench_one(n, s, d, m, args), describe, args.out, env)
     print()
     print(table(records))
     return 0

@@ -1,0 +1,55 @@
+"""``recipes/bench_models.py --compile`` on the CPU: its profile summary sorts kernel names into the kinds it reports
+(the ELSA kernels, copies, Inductor's fused kernels, SDPA, GEMMs), its options are checked, and the whole flow
+(convert, compile each side, interleaved timing, profile, JSON rows) runs with ``--cpu-smoke`` on a one-block
+model (AOTAutograd as the compile backend: Inductor's C++ compile would take a minute on two cores)."""
+
+import json
+
+import pytest
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("_elsa_fwd_sm90", "elsa"), ("elsa_merge_rows", "elsa"), ("elsa_surgery::reference_attention", "elsa"),
+    ("triton_poi_fused_clone_transpose_0", "copy"), ("cpp_fused__unsafe_view_clone_3", "copy"),
+    ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", "copy"), ("Memcpy DtoD", "copy"),
+    ("triton_poi_fused_add_clone_mul_2", "inductor"), ("triton_red_fused_native_layer_norm_1", "inductor"),
+    ("cpp_fused_gelu_4", "inductor"), ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", "sdpa"),
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "gemm"), ("aten::addmm", "gemm"),
+    ("cudaLaunchKernel", "other"),
+])
+def test_profile_kinds(name, kind, load_recipe):
+    assert load_recipe("bench_models").kernel_kind(name) == kind
+
+
+def test_compile_options_are_checked(load_recipe, capsys):
+    m = load_recipe("bench_models")
+    for argv, words in ((["--compile", "fast"], "--compile: unknown mode 'fast'"),
+                        (["--compile", "default", "--eager"], "--eager and --compile"),
+                        (["--compile", ","], "--compile: name at least one mode")):
+        with pytest.raises(SystemExit):
+            m.parse_args(argv)
+        assert words in capsys.readouterr().err
+    a = m.parse_args(["--compile", "default,reduce-overhead,max-autotune", "--cpu-smoke"])
+    assert a.compile_modes == ["default", "reduce-overhead", "max-autotune"]
+    assert a.workloads == list(m.SMOKE_WORKLOADS) and a.batches == [1] and (a.rounds, a.calls) == (2, 2)
+    with pytest.raises(SystemExit) as exit_:
+        m.parse_args(["--help"])
+    assert exit_.value.code == 0 and "--compile MODES" in capsys.readouterr().out
+
+
+def test_compile_smoke_run_writes_rows(tmp_path, load_recipe, capsys):
+    m = load_recipe("bench_models")
+    out = tmp_path / "rows.json"
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--rounds", "1", "--calls", "1", "--profile", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["records"]
+    assert "error" not in row, row.get("traceback")
+    assert row["workload"] == "deit3_s" and row["mode"] == "default" and row["converted_modules"] == 1
+    assert row["backends_used"] == {"reference": 1} and not row["fallbacks"]
+    assert row["rel_err_vs_native"] < 1e-5
+    assert row["native_compile_s"] > 0 and row["converted_compile_s"] > 0 and row["ratio"] > 0
+    assert "elsa" in row["profile"]["converted"] and "elsa" not in row["profile"]["native"]
+    assert "sdpa" in row["profile"]["native"]
+    printed = capsys.readouterr().out
+    converted_line = next(line for line in printed.splitlines() if line.startswith("  converted: "))
+    assert "deit3_s fp32 b1 default: native" in printed and "elsa_surgery::reference_attention" in converted_line
