@@ -33,13 +33,13 @@ from typing import Optional, Tuple
 import torch
 
 from . import autoselect, dispatch
-from .kernels import internals
+from .kernels import internals, knobs
 from .semantics import AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_mask
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
 # ELSA_LAUNCH_PLANS: whether the kernels' launch plans (and so direct routes) are used
-_ENV_NAMES = (dispatch.ENV_BACKEND, dispatch.ENV_PRECISION, "TRITON_INTERPRET", "ELSA_LAUNCH_PLANS")
+_ENV_NAMES = (dispatch.ENV_BACKEND, dispatch.ENV_PRECISION, "TRITON_INTERPRET", knobs.LAUNCH_PLANS)
 # the raw values, from the environment's store (CPython's encoded one where checked: kernels/internals.py); the knobs'
 # values are validated by the dispatch (kernels/knobs.py)
 _RAW = internals.ENVIRON
