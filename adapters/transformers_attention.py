@@ -199,10 +199,22 @@ def _passthrough_sdpa(module, query, key, value, attention_mask, dropout, scalin
 # mask functions
 # --------------------------------------------------------------------------------------------------
 
-def _sdpa_mask():
-    from transformers.masking_utils import sdpa_mask
+_MASKING_UTILS: List[Any] = []
 
-    return sdpa_mask
+
+def _masking_utils():
+    """``transformers.masking_utils``, imported once, when the mask builders are registered (eagerly): torch 2.11's
+    dynamo cannot trace an import through transformers' lazy module ("Bad import result"), and the builders run
+    inside compiled models."""
+    if not _MASKING_UTILS:
+        import transformers.masking_utils as mu
+
+        _MASKING_UTILS.append(mu)
+    return _MASKING_UTILS[0]
+
+
+def _sdpa_mask():
+    return _masking_utils().sdpa_mask
 
 
 def elsa_mask(*args, **kwargs):
@@ -225,8 +237,7 @@ def elsa_varlen_mask(*args, **kwargs):
     passes ``q_length`` / ``q_offset`` or the older ``cache_position``: a bidirectional mask does not depend
     on the query positions).
     """
-    from transformers import masking_utils as mu
-
+    mu = _masking_utils()
     attention_mask = kwargs.get("attention_mask")
     mask_function = kwargs.get("mask_function")
     kv_offset = kwargs.get("kv_offset", 0)
@@ -272,8 +283,7 @@ def register_attention_functions() -> None:
 
 
 def register_mask_functions() -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-
+    AttentionMaskInterface = _masking_utils().AttentionMaskInterface
     AttentionMaskInterface.register(IMPL, elsa_mask)
     AttentionMaskInterface.register(IMPL_VARLEN, elsa_varlen_mask)
 

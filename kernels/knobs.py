@@ -178,10 +178,12 @@ def get(name: str):
     variable holds a bad value; KeyError for a name not declared here."""
     knob = KNOBS[name]
     raw = _ENVIRON.get(knob.key)
+    if tracing():  # parsed afresh: a traced read or write of the cache would guard the graph on the cache's
+        # contents, and its first write recompile it; no observer either (launch plans are never recorded while
+        # tracing, and its thread-local state would become a guard)
+        return knob.value_of(None if raw is None else decode(raw))
     if _observer is not None:
         _observer(name, knob.key, raw)
-    if _tracing():  # parsed afresh: a traced read or write of the cache would guard the graph on the cache's
-        return knob.value_of(None if raw is None else decode(raw))  # contents, and its first write recompile it
     cache = knob.cache
     try:
         return cache[raw]
@@ -194,7 +196,7 @@ def get(name: str):
     return value
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Whether torch.compile is tracing this call (torch is not imported here: see the module's docstring)."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.compiler.is_compiling()

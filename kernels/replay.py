@@ -79,7 +79,8 @@ def env(name: str) -> str:
     through ``knobs.get``) still has the recorded value."""
     key = _ENCODE(name)
     raw = _RAW.get(key)
-    _observe_read(name, key, raw)
+    if not knobs.tracing():  # nothing is recorded while torch.compile traces (thread-local state would be a guard)
+        _observe_read(name, key, raw)
     return "" if raw is None else knobs.decode(raw)
 
 

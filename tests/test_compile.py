@@ -48,7 +48,7 @@ def _torch_mha():
             self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
 
         def forward(self, x, pad):
-            causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
             y = self.mha(x, x, x, attn_mask=causal, need_weights=False)[0]
             return self.layer(y, src_key_padding_mask=pad)
 
@@ -194,6 +194,11 @@ def _op_layout(device, strided, monkeypatch):
     return same, kernels, "\n".join(code)
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels on CPU tensors run in Triton's "
+                              "interpreter, set up on machines without a GPU; the _gpu variants run them on CUDA")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("strided", [True, False])
 def test_op_output_layout_under_inductor(strided, monkeypatch):
     """The op under ``torch.compile(fullgraph=True)`` equals the eager op, in both layouts; with the strided one
@@ -212,6 +217,7 @@ def test_op_output_layout_under_inductor(strided, monkeypatch):
         assert kernels == 1 and "clone" in code, code
 
 
+@CPU_ONLY
 def test_op_compiled_equals_eager_through_the_api(monkeypatch):
     """``elsa_surgery.attention(backend="elsa")`` under compile goes through the custom op (mask, causal, GQA) and
     equals its eager call (the launchers), also when the compiled call is the first of the process (the kernels'
