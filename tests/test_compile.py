@@ -249,3 +249,43 @@ def test_op_output_layout_under_inductor_gpu(strided, monkeypatch):
     else:
         assert kernels >= 1, code
 
+
+
+def _block(x, w_qkv, w_out, heads):
+    """An attention block as the adapters run it: one qkv projection viewed as ``[B, H, N, D]`` q, k, v (strided
+    views of the projection's output, no copy), the op, heads back to channels, the output projection."""
+    B, N, C = x.shape
+    q, k, v = (x @ w_qkv).view(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    out, _ = torch.ops.elsa_surgery.attention(q, k, v, None, None, None, (C // heads) ** -0.5, False, "")
+    return out.transpose(1, 2).reshape(B, N, C) @ w_out
+
+
+def _block_code(device):
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(2, 16, 32, device=device, generator=gen)
+    w_qkv, w_out = torch.randn(32, 96, device=device, generator=gen), torch.randn(32, 32, device=device, generator=gen)
+    want = _block(x, w_qkv, w_out, 2)
+    inductor_metrics.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(_block, fullgraph=True), x, w_qkv, w_out, 2)
+    assert _rel(got, want) <= RTOL
+    return inductor_metrics.generated_kernel_count, "\n".join(code)
+
+
+@CPU_ONLY
+def test_op_reads_the_adapters_strided_views_without_a_copy():
+    """The q, k, v views the adapters hand over (``[B, N, 3, H, D]`` memory seen as ``[B, H, N, D]``) reach the op as
+    they are: with the strided output layout, Inductor generates no kernel at all around it (no clone of q, k or v
+    before it, none of the output after it): the two matmuls are library calls."""
+    if not ops.STRIDED_OUTPUT:
+        pytest.skip(f"torch {torch.__version__}: the op keeps the contiguous layout (kernels/ops.py)")
+    kernels, code = _block_code("cpu")
+    assert kernels == 0 and "clone" not in code, code
+
+
+@pytest.mark.gpu
+def test_op_reads_the_adapters_strided_views_without_a_copy_gpu():
+    if not ops.STRIDED_OUTPUT:
+        pytest.skip(f"torch {torch.__version__}: the op keeps the contiguous layout (kernels/ops.py)")
+    kernels, code = _block_code("cuda")
+    assert kernels == 0 and "clone" not in code, code

@@ -271,8 +271,13 @@ def check(case: Case) -> str:
     """Run one case on ELSA and SDPA and judge it (module docstring); returns the outcome's name."""
     q, k, v, mask = build(case)
     before = [t.clone() for t in (q, k, v) + ((mask,) if isinstance(mask, torch.Tensor) and type(mask) is torch.Tensor else ())]
-    _, sdpa_exc = _call(lambda: _native(case, q, k, v, mask))
-    native, equiv_exc = _call(lambda: _native_equivalent(case, q, k, v, mask))
+    # SDPA's side on the CPU: what SDPA accepts and answers is judged by PyTorch's math there, never by a CUDA fused
+    # kernel that may fail on the call and poison the CUDA context (torch 2.11's cuDNN attention does, on fp16 D=8
+    # with a 32-element q row stride and a [B, H, 1, 1] mask: "misaligned address"; docs/fidelity.md)
+    cq, ck, cv, cm = (t.cpu() if isinstance(t, torch.Tensor) and type(t) is torch.Tensor else t for t in (q, k, v, mask))
+    _, sdpa_exc = _call(lambda: _native(case, cq, ck, cv, cm))
+    native, equiv_exc = _call(lambda: _native_equivalent(case, cq, ck, cv, cm))
+    native = None if native is None else native.to(q.device)
     with dispatch.record() as log:
         got, exc = _call(lambda: elsa_surgery.attention(
             q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.enable_gqa,
