@@ -158,6 +158,14 @@ def elsa_attention_forward(
             # transformers builds no mask here only for a static-cache prefill whose trailing keys are
             # not filled yet (SDPA's top-left alignment); drop them, as its SDPA integration does
             key, value = key[:, :, :q_len], value[:, :, :q_len]
+        if (mask is not None and mask.dim() == 4 and mask.dtype == torch.bool and q_len <= CACHE_TAIL_MAX_QUERIES
+                and kv_len >= CACHE_TAIL_MIN_KEYS and not torch.compiler.is_compiling()):
+            # a short-query step over a pre-allocated (static) cache: the mask hides the unfilled tail; the
+            # kernels stop at each row's last visible key instead of reading the whole cache (exact: every key
+            # past it is masked; no copy of the cache)
+            kv_lengths = _visible_prefix(mask)
+            if kv_lengths.shape[0] != query.shape[0]:
+                kv_lengths = kv_lengths.expand(query.shape[0]).contiguous()
         _note_call(module, "mask" if mask is not None else ("causal" if causal else "dense"))
 
     out = elsa_surgery.attention(
@@ -167,19 +175,40 @@ def elsa_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+CACHE_TAIL_MAX_QUERIES = 64  # decode, speculative and chunked steps (the kernels' short-query path)
+CACHE_TAIL_MIN_KEYS = 1024  # below this, reading the masked tail costs less than finding it
+
 _LAST_LENGTHS: list = [None, -1, None]  # (weakref to the 2-D padding mask, its _version, its per-row lengths)
+_LAST_PREFIX: list = [None, -1, None]  # the same for a 4-D mask's visible prefix
+
+
+def _per_mask(memo: list, mask: torch.Tensor, compute):
+    """``compute(mask)``, kept while ``mask`` is the same unmodified tensor: every layer of a forward pass gets the
+    same result, so its value check (``semantics.canonical_lengths``, a host sync) runs once per forward."""
+    ref, version, value = memo
+    compiling = torch.compiler.is_compiling()
+    if ref is not None and ref() is mask and version == mask._version and not compiling:
+        return value
+    value = compute(mask)
+    if not compiling:
+        memo[:] = [weakref.ref(mask), mask._version, value]
+    return value
 
 
 def _lengths_of(mask2d: torch.Tensor) -> torch.Tensor:
-    """Per-row key lengths of a right-padded 2-D padding mask, computed once per mask: every layer of a forward pass
-    gets the same tensor, so its value check (``semantics.canonical_lengths``, a host sync) runs once per forward."""
-    ref, version, lengths = _LAST_LENGTHS
-    if ref is not None and ref() is mask2d and version == mask2d._version and not torch.compiler.is_compiling():
-        return lengths
-    lengths = mask2d.sum(dim=-1, dtype=torch.int32)
-    if not torch.compiler.is_compiling():
-        _LAST_LENGTHS[:] = [weakref.ref(mask2d), mask2d._version, lengths]
-    return lengths
+    """Per-row key lengths of a right-padded 2-D padding mask (once per mask)."""
+    return _per_mask(_LAST_LENGTHS, mask2d, lambda m: m.sum(dim=-1, dtype=torch.int32))
+
+
+def _last_visible(mask4d: torch.Tensor) -> torch.Tensor:
+    seen = mask4d.any(dim=2).any(dim=1)  # [B|1, S]: keys some query row of some head sees
+    position = torch.arange(1, seen.shape[-1] + 1, device=seen.device, dtype=torch.int32)
+    return (seen * position).amax(dim=-1).to(torch.int32)
+
+
+def _visible_prefix(mask4d: torch.Tensor) -> torch.Tensor:
+    """Per batch row of a 4-D bool mask, one past the last key any query row sees (0 when none), once per mask."""
+    return _per_mask(_LAST_PREFIX, mask4d, _last_visible)
 
 
 def _passthrough_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):

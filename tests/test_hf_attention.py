@@ -42,9 +42,9 @@ def _compare(model, inputs, impl="elsa", key=None):
 def _tiny_llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    kw = {"max_position_embeddings": 64, **kw}
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      pad_token_id=0, attn_implementation="sdpa", **kw)
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, attn_implementation="sdpa", **kw)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -512,3 +512,46 @@ def test_padding_lengths_checked_once_per_forward(monkeypatch):
     assert len(checks) == 1, checks  # three layers, one value check
     valid = am.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_static_cache_decode_reads_only_the_filled_keys(monkeypatch):
+    """A pre-allocated cache (StaticCache, 1100 slots) with left padding: each decode step's mask hides the unfilled
+    tail, and the adapter hands the kernels per-row kv_lengths (one past the last visible key), so they stop there;
+    the tokens and scores equal transformers' SDPA."""
+    from transformers import StaticCache
+
+    model = _tiny_llama(max_position_embeddings=2048)
+    ta.ensure_registered()
+    ids = _ids(2, 7, 97, seed=4)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[0, :2] = 0
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+    def cache():
+        return StaticCache(config=model.config, max_cache_len=1100)
+
+    seen = []
+    real = elsa_surgery.attention
+    monkeypatch.setattr(elsa_surgery, "attention", lambda *a, **k: (seen.append(k.get("kv_lengths")), real(*a, **k))[1])
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model.generate(ids, past_key_values=cache(), **kw)
+        model.set_attn_implementation("elsa")
+        out = model.generate(ids, past_key_values=cache(), **kw)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        assert (a - b).abs().max() < 1e-4
+    decode = [L for L in seen if L is not None]
+    # 2 layers x 4 decode steps (the 5th token needs no forward); the prefill sees 7 queries over the whole cache too
+    assert len(decode) >= 8, seen
+    assert [int(L.max()) for L in decode[-2:]] == [7 + 4] * 2  # the last step: prompt + 4 tokens in the cache
+    assert all(L.dtype == torch.int32 and L.shape == (2,) for L in decode)
+
+
+def test_visible_prefix_of_a_mask():
+    m = torch.zeros(3, 1, 2, 10, dtype=torch.bool)
+    m[0, 0, 0, :4] = True
+    m[0, 0, 1, 2:7] = True  # the last visible key of any query row counts
+    m[1, 0, :, 5] = True  # holes before it stay the mask's business
+    assert ta._last_visible(m).tolist() == [7, 6, 0]
