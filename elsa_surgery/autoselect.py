@@ -12,6 +12,12 @@ choice is made once per signature (``elsa_surgery/callcache.py`` keeps it), and 
 names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never
 races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
 
+Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the kernels against
+SDPA on fresh tensors of the call's (static) shapes, outside the graph (``torch.compiler.assume_constant_result``:
+a constant of the trace, no guard), once per signature; the graph then holds the winner (SDPA's op, which Inductor
+sees, or ours). The verdicts are logged once and kept in :data:`COMPILED` (``compiled_decisions()``). Dynamic shapes
+are not raced (the kernels are kept).
+
 SDPA is *exact* here in the sense the design asks: fp16/bf16 flash, cuDNN and memory-efficient kernels and fp32's
 memory-efficient kernel all compute softmax attention with fp32 accumulation; fp32 races only while PyTorch's
 matmuls are IEEE (``torch.backends.cuda.matmul.allow_tf32`` off), since SDPA's fp32 math path would otherwise run
@@ -20,11 +26,14 @@ TF32 products.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import logging
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .dispatch import Decision
+
+logger = logging.getLogger("elsa_surgery")
 
 CALLS = 10  # at most this many timed calls of each side per round (fewer for long calls: BUDGET_MS)
 BUDGET_MS = 2.0  # a round of one side takes about this long (at least one call)
@@ -91,3 +100,52 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object]) 
     if elsa_ms > MIN_GAIN * sdpa_ms:
         return Decision("sdpa", None, f"auto: PyTorch SDPA, faster here: {verdict}; backend='elsa' runs ELSA")
     return Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)
+
+
+COMPILED: Dict[tuple, Decision] = {}  # trace-time verdicts by signature (shapes, dtype, device, causal, scale, precision)
+
+
+def compiled_decisions() -> Dict[tuple, Decision]:
+    """Every trace-time choice made so far (signature -> decision naming both timings)."""
+    return dict(COMPILED)
+
+
+def choose_compiled(p, d: Decision) -> Decision:
+    """``d`` or SDPA's decision for a call being traced by torch.compile (module docstring); ``p`` holds fake
+    tensors, only their static shapes, dtype and device are read."""
+    shapes = (tuple(p.q.shape), tuple(p.k.shape), tuple(p.v.shape))
+    if not all(type(n) is int for shape in shapes for n in shape):
+        return d  # dynamic shapes: one graph serves many, no race
+    dev = p.q.device
+    sig = (shapes, str(p.q.dtype).replace("torch.", ""), dev.type, dev.index, bool(p.is_causal), float(p.scale),
+           d.precision)
+    backend, reason = _trace_time_choice(sig)
+    return d if backend == "elsa" else Decision("sdpa", None, reason)
+
+
+@torch.compiler.assume_constant_result
+def _trace_time_choice(sig: tuple) -> Tuple[str, str]:
+    """``(backend, reason)`` for a traced call's signature: raced on fresh tensors the first time (a constant of the
+    trace: dynamo runs this outside the graph and guards on nothing it reads)."""
+    known = COMPILED.get(sig)
+    if known is None:
+        (sq, sk, sv), dtype, dev_type, dev_index, causal, scale, precision = sig
+        device = torch.device(dev_type, dev_index)
+        dt = getattr(torch, dtype)
+        q, k, v = (torch.randn(s, device=device, dtype=dt) for s in (sq, sk, sv))
+        from .kernels import launch  # the kernels ran or will: imported
+
+        elsa = lambda: launch.attention(q, k, v, scale=scale, is_causal=causal, precision=precision,  # noqa: E731
+                                        return_lse=False)
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=sq[1] != sk[1])
+        elsa_ms, sdpa_ms = race(elsa, sdpa)
+        verdict = (f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per call for this signature "
+                   f"(raced once when torch.compile traced it)")
+        if elsa_ms > MIN_GAIN * sdpa_ms:
+            known = Decision("sdpa", None, f"auto under torch.compile: PyTorch SDPA, faster here: {verdict}")
+        else:
+            known = Decision("elsa", precision, f"auto under torch.compile: ELSA kept: {verdict}")
+        COMPILED[sig] = known
+        logger.info("elsa_surgery: %s", known.reason)
+    return known.backend, known.reason

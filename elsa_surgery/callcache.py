@@ -112,6 +112,8 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
         # traced once per graph: nothing here is read or written (dynamo would guard on the memo and on STATS)
         p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                                     precision, return_lse, q_lengths, kv_lengths, windowed_mask)
+        if autoselect.sdpa_reason(p, d, backend=backend, precision=precision, return_lse=return_lse) is None:
+            d = autoselect.choose_compiled(p, d)  # raced once when traced, outside the graph
         dispatch.announce(d)
         return p, d
     if key is False:

@@ -140,3 +140,32 @@ def test_real_race_on_the_gpu_is_recorded_and_exact():
     with dispatch.record() as log:
         elsa_surgery.attention(q, k, v, backend="elsa")
     assert log[0].backend == "elsa"
+
+
+@pytest.mark.parametrize("times,backend", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
+def test_compiled_call_holds_the_trace_time_winner(racing, monkeypatch, times, backend):
+    """Under torch.compile the race runs once when the call is traced (fresh tensors of its shapes, outside the
+    graph), and the graph holds the winner: SDPA's own op (which Inductor sees) or ELSA's; the verdict is kept."""
+    racing[0] = times
+    monkeypatch.setattr(autoselect, "COMPILED", {})
+    torch._dynamo.reset()
+    q, k, v = _qkv(n=24)
+    graphs = []
+
+    def backend_fn(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda a, b, c: elsa_surgery.attention(a, b, c, is_causal=True), backend=backend_fn,
+                      fullgraph=True)
+    for _ in range(2):
+        out = f(q, k, v)
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    sdpa_in_graph = any("scaled_dot_product_attention" in t for t in targets)
+    assert len(graphs) == 1 and sdpa_in_graph == (backend == "sdpa"), targets
+    assert any(t.startswith("elsa_surgery.attention") for t in targets) == (backend == "elsa"), targets
+    (decision,) = autoselect.compiled_decisions().values()
+    assert decision.backend == backend and "raced once when torch.compile traced it" in decision.reason
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert float((out - ref).abs().max()) < 1e-5
+    torch._dynamo.reset()
