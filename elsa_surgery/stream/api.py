@@ -206,6 +206,10 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         logger.info("elsa_surgery.stream: %s", note)
 
     order = list(range(len(plan.tasks))) if ranks is None else distributed.shard(plan, rank, size)
+    if dev.type == "cuda":  # the measured peak counts everything the run allocates, the device accumulator too
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
     acc = Accumulators(B, Hq, N, vs.shape[3], dev if plan.acc_on_device else "cpu")
     done: List[str] = []
     resumed = 0
@@ -226,9 +230,6 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
             ckpt.save(plan.settings(), done, acc.state)
             last_save[0] = time.perf_counter()
 
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
     deadline = None if max_seconds is None else time.time() + max_seconds
     complete = ex.run(order, acc, on_task_done=on_task_done, max_tasks=max_tasks, deadline=deadline)
     if ranks is not None:
