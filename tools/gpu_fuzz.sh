@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The differential fuzzer's GPU run (issue 30), as parallel Hypothesis seeds on one GPU: each process draws
+# EXAMPLES cases of tests/test_sdpa_fidelity.py::test_fuzz_every_backend_gpu, naming every case in its trace before
+# running it (a case that breaks the CUDA context cannot be replayed by Hypothesis). Prints the cases run, and each
+# failing seed with its repro or, for a crash, its last traced case.
+# Usage (repository root, on the device machine): bash tools/gpu_fuzz.sh OUTDIR [PROCS] [EXAMPLES] [SECONDS]
+# 16 processes x 700 cases fit one 10-minute call on an H100 host (session 24 ran 1.7 cases/s a process).
+set -uo pipefail
+out=${1:?OUTDIR}; procs=${2:-16}; examples=${3:-700}; seconds=${4:-500}
+repo=$(pwd)
+mkdir -p "$out"
+for s in $(seq 1 "$procs"); do
+  (cd /tmp && SDPA_FUZZ_TRACE="$out/trace_$s.txt" SDPA_FUZZ_EXAMPLES="$examples" timeout "$seconds" \
+     python3 -m pytest -q -p no:cacheprovider -p no:logging -c "$repo/pyproject.toml" --rootdir "$repo" \
+     "$repo/tests/test_sdpa_fidelity.py" -m gpu -k test_fuzz_every_backend_gpu --hypothesis-seed="$s" \
+     --hypothesis-show-statistics > "$out/fuzz_$s.log" 2>&1; echo "rc=$?" >> "$out/fuzz_$s.log") &
+done
+wait
+total=0
+for s in $(seq 1 "$procs"); do
+  n=$(grep -c . "$out/trace_$s.txt" 2>/dev/null || echo 0); total=$((total + n))
+  rc=$(grep -o "rc=[0-9]*" "$out/fuzz_$s.log" | tail -1)
+  case "$rc" in
+    rc=0) ;;
+    rc=124) echo "seed $s: $n cases, stopped by the clock" ;;
+    *) echo "seed $s: $n cases, $rc"; grep -m2 "why =\|AssertionError:" "$out/fuzz_$s.log" | cut -c1-300
+       grep -m1 "check(Case" "$out/fuzz_$s.log" | cut -c1-600 || true
+       echo "  last traced: $(tail -1 "$out/trace_$s.txt" 2>/dev/null | cut -c1-600)" ;;
+  esac
+done
+cat "$out"/trace_*.txt > "$out/cases.txt" 2>/dev/null; rm -f "$out"/trace_*.txt
+echo "cases run: $total"
