@@ -60,8 +60,10 @@ def swin_v2_forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, 
     B_, N, C = x.shape
     q, k, v = fused_qkv(self, x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # [H, 1, 1]
-    q = F.normalize(q, dim=-1) * logit_scale
-    k = F.normalize(k, dim=-1)
+    # in q's own dtype: under autocast the fp32 logit_scale (and normalize) would promote q and k to fp32, where
+    # timm's matmul runs them in the autocast dtype
+    q = (F.normalize(q, dim=-1) * logit_scale).to(v.dtype)
+    k = F.normalize(k, dim=-1).to(v.dtype)
     attn_mask, windowed = _window_mask(_v2_position_bias(self), mask)
     x = attention(q, k, v, attn_mask=attn_mask.to(q.dtype), dropout_p=self.attn_drop.p if self.training else 0.0,
                   scale=1.0, windowed_mask=windowed, backend=config.backend, precision=config.precision)

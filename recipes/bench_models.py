@@ -34,6 +34,16 @@ kernels), ``inductor`` (Inductor's fused ``triton_*`` kernels), ``copy`` (copies
 ``gemm`` and ``other``, with the largest kernels of each. ``--cpu-smoke`` checks the flow on the CPU with
 one-block models.
 
+``--train`` times training steps (issue 25): forward, a loss (the mean square of the output), backward and an
+``AdamW`` step (gradients freed after each step), eager, the native model against a deep copy converted with
+``convert(verify=False)``, in interleaved rounds in one process. Dtypes: ``fp32``, ``fp32-tf32``, ``bf16`` (the
+model cast) and ``bf16-autocast`` (fp32 weights, bf16 autocast: mixed-precision training). Default workloads:
+ViT-B/16, Swin-T, ViT-L/14 CLIP 336, LLaMA-13B-shaped 2 layers at 4K and 16K tokens; fp32 and bf16 autocast.
+Each row has native and converted ms per step, their ratio (> 1: the converted step is faster), the peak memory of
+one step on each side (MiB above the weights and optimizer state), the backends the converted forward ran, and the
+first step's loss and gradient difference from native; ``--cpu-smoke`` runs one one-block model on the CPU
+(reference backend): a check of the script, not a measurement.
+
 Examples::
 
     python recipes/bench_models.py --out bench_models.json                      # everything, eager + cudagraph
@@ -42,6 +52,9 @@ Examples::
     python recipes/bench_models.py --compile default,max-autotune --workloads vit_b16,swin_t --dtypes fp32,bf16 \
         --batches 8 --profile --out compiled.json
     python recipes/bench_models.py --compile default --cpu-smoke --profile     # a check of the flow on the CPU
+    python recipes/bench_models.py --train --out train.json                    # the training-step suite
+    python recipes/bench_models.py --train --workloads vit_b16 --dtypes fp32,bf16-autocast --batches 8,64
+    python recipes/bench_models.py --train --cpu-smoke                          # a check of the flow on the CPU
     python recipes/bench_models.py --models vit_l14_clip --sizes 336 --dtypes fp32 --modes eager,cudagraph,compile
     python recipes/bench_models.py --models swin_t --dtypes bf16 --batch 16
     python recipes/bench_models.py --list
@@ -79,6 +92,7 @@ WORKLOADS = {
     "swinv2_t": ("timm", "swinv2_tiny_window8_256", (1, 8)),
     "llama13b_2l_512": ("llama13b", 512, (1,)),
     "llama13b_2l_4k": ("llama13b", 4096, (1,)),
+    "llama13b_2l_16k": ("llama13b", 16384, (1,)),
     "llama13b_2l_32k": ("llama13b", 32768, (1,)),
     "qwen2_7b_2l_512": ("qwen2_7b", 512, (1,)),
     "qwen2_7b_2l_4k": ("qwen2_7b", 4096, (1,)),
@@ -96,6 +110,14 @@ HF_SHAPES = {  # 2-layer models of these shapes (random weights, no LM head)
     "qwen2_7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
                      vocab_size=32000),
 }
+
+
+# --train: dtype -> (model dtype, TF32 matmuls, autocast dtype or None); default workloads -> batches
+TRAIN_DTYPES = {"fp32": (torch.float32, False, None), "fp32-tf32": (torch.float32, True, None),
+                "bf16": (torch.bfloat16, False, None), "bf16-autocast": (torch.float32, False, torch.bfloat16)}
+TRAIN_WORKLOADS = {"vit_b16": (8, 64), "swin_t": (8, 64), "vit_l14_clip_336": (8,), "llama13b_2l_4k": (1,),
+                   "llama13b_2l_16k": (1,)}
+TRAIN_SMOKE_WORKLOAD = "deit3_s"
 
 
 # --cpu-smoke with --compile: the workloads it can shrink (a check of the script on the CPU, not a measurement)
@@ -397,18 +419,27 @@ def profile_lines(profile) -> list:
     return lines
 
 
-def compile_main(args) -> int:
-    cells = [(w, d, b, m) for w in args.workloads for d in args.ab_dtypes
-             for b in (args.batches or WORKLOADS[w][2]) for m in args.compile_modes]
+def open_suite(args, cells, flag):
+    """``(exit code, None)`` where a suite ends before measuring (``--list``: the cells printed, 0; no GPU and no
+    ``--cpu-smoke``: 2), else ``(None, the environment record)``."""
     if args.list:
         for c in cells:
             print(*c)
-        return 0
+        return 0, None
     if not args.cpu_smoke and not torch.cuda.is_available():
-        print("bench_models.py --compile needs a CUDA GPU (or --cpu-smoke to check the script)", file=sys.stderr)
-        return 2
+        print(f"bench_models.py {flag} needs a CUDA GPU (or --cpu-smoke to check the script)", file=sys.stderr)
+        return 2, None
     env = benchmark.env_info("cpu" if args.cpu_smoke else "cuda")
     env.setdefault("gpu", "cpu (smoke run: tiny models, not a measurement)")
+    return None, env
+
+
+def compile_main(args) -> int:
+    cells = [(w, d, b, m) for w in args.workloads for d in args.ab_dtypes
+             for b in (args.batches or WORKLOADS[w][2]) for m in args.compile_modes]
+    code, env = open_suite(args, cells, "--compile")
+    if env is None:
+        return code
     print(f"# compiled never-slower suite: {env.get('gpu')}, torch {env['torch']}; torch.compile "
           f"({args.compile_backend}), interleaved rounds ({args.rounds} x {args.calls} calls), "
           "ratio = native ms / converted ms", flush=True)
@@ -423,6 +454,121 @@ def compile_main(args) -> int:
                 ] + profile_lines(rec.get("profile", {}))
 
     sweep(cells, lambda w, d, b, m: compile_cell(w, d, b, m, args), describe, args.out, env)
+    return 0
+
+
+# --train: training steps (forward + backward + AdamW), native vs converted
+# --------------------------------------------------------------------------------------------------
+
+
+def train_step(model, call, opt, autocast_dtype, device):
+    """A zero-argument training step: forward (under autocast when ``autocast_dtype``), the mean square of the
+    output as the loss, backward, ``opt.step()``, gradients freed (so a step's peak holds one set of gradients)."""
+    device_type = torch.device(device).type
+
+    def step():
+        with torch.autocast(device_type, autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            loss = call(model).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def first_step_diff(native, converted, call, autocast_dtype, device) -> dict:
+    """Loss and parameter-gradient differences of one forward/backward on each side (same weights, same inputs),
+    before any optimizer step: ``loss_rel_err`` and ``grad_rel_err`` (the gradients' relative L2 distance, all
+    parameters as one vector, summed parameter by parameter: no second copy of a large model's gradients); with
+    the backends the converted forward ran. The gradients are freed afterwards."""
+    from elsa_surgery import dispatch
+
+    losses = {}
+    for side, m in (("native", native), ("converted", converted)):
+        with dispatch.record() as log:  # (the native model calls no elsa_surgery code: an empty log)
+            with torch.autocast(torch.device(device).type, autocast_dtype or torch.bfloat16,
+                                enabled=autocast_dtype is not None):
+                loss = call(m).float().square().mean()
+            loss.backward()
+        losses[side] = loss.detach().double()
+    used = benchmark.dispatch_summary(log)
+    diff2 = ref2 = 0.0
+    for (name, a), b in zip(native.named_parameters(), converted.parameters()):
+        if (a.grad is None) != (b.grad is None):
+            raise RuntimeError(f"parameter {name}: a gradient on one side only (native "
+                               f"{a.grad is not None}, converted {b.grad is not None})")
+        if a.grad is not None:
+            diff2 += float((b.grad.float() - a.grad.float()).norm()) ** 2
+            ref2 += float(a.grad.float().norm()) ** 2
+    native.zero_grad(set_to_none=True)
+    converted.zero_grad(set_to_none=True)
+    return dict(loss_rel_err=float((losses["converted"] - losses["native"]).abs() / losses["native"].abs()),
+                grad_rel_err=(diff2 / max(ref2, 1e-60)) ** 0.5, backends_used=used["backends"],
+                fallbacks=used["fallbacks"])
+
+
+def train_cell(name, dt, batch, args):
+    """One training cell: native and converted (a deep copy, ``convert(verify=False)``), each with its own AdamW,
+    timed in interleaved rounds of training steps; then one step of each under :class:`benchmark.PeakMemory`."""
+    import copy
+
+    import elsa_surgery
+
+    device = "cpu" if args.cpu_smoke else "cuda"
+    dtype, tf32, autocast_dtype = TRAIN_DTYPES[dt]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    rec = dict(workload=name, dtype=dt, batch=batch, backend=args.backend, precision=args.precision)
+    native = converted = steps = None
+    try:
+        native, call = ab_build(name, dtype, batch, device, smoke=args.cpu_smoke)
+        native.train()
+        converted = copy.deepcopy(native)
+        report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
+        rec["converted_modules"] = report.num_converted
+        rec.update(first_step_diff(native, converted, call, autocast_dtype, device))
+        steps = {side: train_step(m, call, torch.optim.AdamW(m.parameters(), lr=1e-6), autocast_dtype, device)
+                 for side, m in (("native", native), ("converted", converted))}
+        times = benchmark.interleaved_ms(steps, rounds=args.rounds, calls=args.calls, device=device)
+        rec["native_ms"], rec["converted_ms"] = times["native"], times["converted"]
+        rec["ratio"] = times["native"] / times["converted"]
+        for side, step in steps.items():  # AdamW's state exists by now: the peak is one step's own
+            with benchmark.PeakMemory(device) as mem:
+                step()
+            rec[f"{side}_peak_mib"], rec[f"{side}_peak_reserved_mib"] = mem.mib, mem.reserved_mib
+        if rec["native_peak_mib"]:
+            rec["memory_ratio"] = rec["converted_peak_mib"] / rec["native_peak_mib"]
+    except Exception as exc:  # one cell failing (OOM) must not stop the sweep
+        rec["error"] = benchmark.error_text(exc)
+        rec["traceback"] = traceback.format_exc(limit=8)
+    finally:
+        native = converted = steps = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rec
+
+
+def train_main(args) -> int:
+    cells = [(w, d, b) for w in args.workloads for d in args.ab_dtypes
+             for b in (args.batches or TRAIN_WORKLOADS.get(w) or WORKLOADS[w][2])]
+    code, env = open_suite(args, cells, "--train")
+    if env is None:
+        return code
+    print(f"# training-step suite: {env.get('gpu')}, torch {env['torch']}; forward + backward + AdamW, eager, "
+          f"interleaved rounds ({args.rounds} x {args.calls} steps), ratio = native ms / converted ms", flush=True)
+
+    def describe(cell, rec):
+        head = "{} {} b{}: ".format(*cell)
+        if "error" in rec:
+            return [head + rec["error"][:160]]
+        peaks = (benchmark.peak_text(rec[f"{side}_peak_mib"], 0) for side in ("native", "converted"))
+        mem = "peak {} -> {}, ".format(*peaks)
+        return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, ratio "
+                f"{rec['ratio']:.3f}, {mem}{','.join(rec['backends_used'])}, loss rel {rec['loss_rel_err']:.1e}, "
+                f"grad rel {rec['grad_rel_err']:.1e} ({rec['wall_s']:.0f} s)"]
+
+    sweep(cells, lambda w, d, b: train_cell(w, d, b, args), describe, args.out, env)
     return 0
 
 
@@ -463,6 +609,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", default=None, metavar="MODES",
                    help="the never-slower suite under torch.compile: comma list of " + ", ".join(COMPILE_MODES)
                         + " (takes --eager's workload options)")
+    p.add_argument("--train", action="store_true",
+                   help="the training-step suite: forward + backward + AdamW, native vs converted, interleaved "
+                        "(takes --eager's workload options; dtypes " + ", ".join(TRAIN_DTYPES) + ")")
     p.add_argument("--compile-backend", default="inductor",
                    help="--compile: torch.compile's backend (modes apply to inductor only)")
     p.add_argument("--profile", action="store_true",
@@ -493,10 +642,23 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the flow on the CPU (eager only, wall-clock timing of 3 calls, no memory numbers; "
                         f"with --compile: one-block models of {', '.join(SMOKE_WORKLOADS)}, batch 1, at most 2 rounds "
-                        "of 2 calls): a check of this script, not a measurement")
+                        f"of 2 calls; with --train: {TRAIN_SMOKE_WORKLOAD} one block, fp32, batch 2, reference "
+                        "backend): a check of this script, not a measurement")
     a = p.parse_args(argv)
-    if a.eager and a.compile is not None:
-        p.error("--eager and --compile are two suites: choose one")
+    if a.eager + (a.compile is not None) + a.train > 1:
+        p.error("--eager, --compile and --train are separate suites: choose one")
+    if a.train:
+        if a.workloads == p.get_default("workloads"):
+            a.workloads = TRAIN_SMOKE_WORKLOAD if a.cpu_smoke else ",".join(TRAIN_WORKLOADS)
+        if a.dtypes == p.get_default("dtypes"):
+            a.dtypes = "fp32" if a.cpu_smoke else "fp32,bf16-autocast"
+        if a.cpu_smoke:
+            smoke = set(comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")) - set(SMOKE_WORKLOADS)
+            if smoke:
+                p.error(f"--train --cpu-smoke runs the workloads {', '.join(SMOKE_WORKLOADS)}, not "
+                        f"{', '.join(sorted(smoke))}")
+            a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
+            a.batches = a.batches or "2"
     if a.compile is not None:
         a.compile_modes = comma_list(p, "--compile", a.compile, COMPILE_MODES, "mode")
         if not a.compile_modes:
@@ -506,9 +668,9 @@ def parse_args(argv=None):
             a.batches = a.batches or "1"
             if a.workloads == p.get_default("workloads"):
                 a.workloads = ",".join(SMOKE_WORKLOADS)
-    if a.eager or a.compile is not None:
+    if a.eager or a.compile is not None or a.train:
         a.workloads = comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")
-        a.ab_dtypes = comma_list(p, "--dtypes", a.dtypes, AB_DTYPES, "dtype")
+        a.ab_dtypes = comma_list(p, "--dtypes", a.dtypes, TRAIN_DTYPES if a.train else AB_DTYPES, "dtype")
         a.batches = None if a.batches is None else comma_list(p, "--batches", a.batches, type=int)
         if a.rounds < 1 or a.calls < 1:
             p.error("--rounds and --calls must be >= 1")
@@ -651,6 +813,8 @@ def main(argv=None):
         return ab_main(args)
     if args.compile is not None:
         return compile_main(args)
+    if args.train:
+        return train_main(args)
     todo = [(n, s, d, m) for n, s, d in configs(args) for m in args.modes]
     if args.list:
         for t in todo:

@@ -24,7 +24,7 @@ def test_profile_kinds(name, kind, load_recipe):
 def test_compile_options_are_checked(load_recipe, capsys):
     m = load_recipe("bench_models")
     for argv, words in ((["--compile", "fast"], "--compile: unknown mode 'fast'"),
-                        (["--compile", "default", "--eager"], "--eager and --compile"),
+                        (["--compile", "default", "--eager"], "--eager, --compile and --train are separate suites"),
                         (["--compile", ","], "--compile: name at least one mode")):
         with pytest.raises(SystemExit):
             m.parse_args(argv)

@@ -1,7 +1,10 @@
 """Converted models train on the kernels: ``convert(verify="grad")`` gradient parity with the native model (timm
-ViT, Swin's bias tables, HF LLaMA with GQA and padding, BERT), train mode with the module's own dropout on the
-kernels, and a compiled training step (``torch.compile(fullgraph=True)``) against eager. fp32, tiny configs,
-random weights; the kernels run in the Triton interpreter on CPU."""
+ViT, Swin's bias tables, SwinV2's continuous position bias, EVA with RoPE, HF LLaMA with GQA and padding, BERT,
+open_clip CLIP), bf16 (cast and autocast) judged against the float64 model's gradients, train mode with the module's
+own dropout on the kernels, and a compiled training step (``torch.compile(fullgraph=True)``) against eager. Tiny
+configs, random weights; the kernels run in the Triton interpreter on CPU."""
+
+import copy
 
 import pytest
 import torch
@@ -38,6 +41,132 @@ def test_timm_grad_parity(family):
         model(x).square().mean().backward()
         assert tables and all(t.grad is not None and t.grad.abs().max() > 0 for t in tables)
     revert(model)
+
+
+@pytest.mark.parametrize("family", ["eva", "eva_rope_gqa"])
+def test_timm_eva_rope_grad_parity(family):
+    """EVA-02 (EvaAttention, fused qkv) and AttentionRope with GQA: RoPE is applied to q and k before the kernels,
+    so dQ and dK pass back through the rotation to the projection weights."""
+    pytest.importorskip("timm")
+    from test_timm_adapters import build
+
+    model = build(family, depth=1).to(DEV)
+    assert model.rope is not None
+    rep = _grad_report(model)
+    assert set(rep.counts) == {"timm.eva.eva_attention" if family == "eva" else "timm.eva.attention_rope"}
+    revert(model)
+
+
+SWINV2 = dict(img_size=32, depths=(1,), num_heads=(2,))
+
+
+def _zero_mask_grad(monkeypatch):
+    """The kernels' backward with the additive mask's gradient zeroed (a broken dMask)."""
+    from elsa_surgery.kernels import backward_launch
+
+    real = backward_launch.attention_backward
+
+    def no_dmask(*a, **kw):
+        dq, dk, dv, dm = real(*a, **kw)
+        return dq, dk, dv, None if dm is None else torch.zeros_like(dm)
+
+    monkeypatch.setattr(backward_launch, "attention_backward", no_dmask)
+
+
+def test_swinv2_continuous_position_bias_grad_parity(monkeypatch):
+    """SwinV2: the continuous position bias (16·sigmoid(cpb_mlp(coords)), a float mask that requires grad) and the
+    cosine attention's logit scale get their gradients through the kernels' dMask and dQ; with dMask zeroed the
+    check fails on a cpb_mlp parameter."""
+    pytest.importorskip("timm")
+    from test_timm_adapters import build
+
+    model = build("swinv2", **SWINV2).to(DEV)
+    rep = _grad_report(model)
+    assert set(rep.counts) == {"timm.swin.window_attention_v2"}
+    revert(model)
+    names = [n for n, _ in model.named_parameters() if "cpb_mlp" in n or "logit_scale" in n]
+    assert len(names) == 4  # cpb_mlp.0.weight, cpb_mlp.0.bias, cpb_mlp.2.weight, logit_scale
+    native = elsa_surgery.verify.parameter_grads(model, torch.randn(2, 3, 32, 32, device=DEV))
+    assert all(native[n].abs().max() > 0 for n in names)  # the check compares gradients that are not all zero
+    _zero_mask_grad(monkeypatch)
+    with pytest.raises(elsa_surgery.ParityError, match="gradient check failed.*cpb_mlp"):
+        convert(model, backend="elsa", precision="strict", verify="grad")
+
+
+def test_open_clip_grad_parity():
+    """open_clip CLIP (both towers through nn.MultiheadAttention, the text tower with its float causal mask)."""
+    open_clip = pytest.importorskip("open_clip")
+    cfg = open_clip.get_model_config("ViT-B-32")
+    torch.manual_seed(0)
+    model = open_clip.create_model(
+        "ViT-B-32", pretrained=None, embed_dim=32,
+        vision_cfg=dict(cfg["vision_cfg"], width=32, layers=1, image_size=32, patch_size=8, head_width=8),
+        text_cfg=dict(cfg["text_cfg"], width=32, heads=4, layers=1, context_length=16, vocab_size=97)).eval().to(DEV)
+    rep = _grad_report(model)
+    assert rep.counts == {"torch.mha": 2} and rep.parity.inputs.startswith("adapter")
+    revert(model)
+
+
+def _rel_l2(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def _bf16_grad_errors(model, x, autocast):
+    """Per parameter: the relative L2 error of the bf16 native and bf16 converted gradients against the float64
+    model's (``verify.parameter_grads``' loss); bf16 by casting the model or by CPU/CUDA autocast."""
+    from elsa_surgery.verify import parameter_grads
+
+    ref = parameter_grads(copy.deepcopy(model).double(), x.double())
+    native = model if autocast else copy.deepcopy(model).bfloat16()
+    xin = x if autocast else x.bfloat16()
+    grads = {}
+    for side in ("native", "converted"):
+        if side == "converted":
+            convert(native, backend="elsa", verify=False)
+        with torch.autocast(DEV, torch.bfloat16, enabled=autocast), dispatch.record() as log:
+            grads[side] = parameter_grads(native, xin)
+        if side == "converted":
+            assert log and all(d.backend == "elsa" and d.precision is None for d in log)  # no fp32 mode: bf16, log
+    top = max(r.norm() for r in ref.values())
+    return {n: (_rel_l2(grads["native"][n], r), _rel_l2(grads["converted"][n], r))
+            for n, r in ref.items() if r.norm() > 1e-6 * top}  # k's bias: ~0 in exact arithmetic
+
+
+def _assert_bf16_as_good_as_native(errors):
+    """Each converted gradient within max(3x native's error, 0.05) of float64's, and on average no worse than 1.5x
+    native's bf16 error."""
+    bad = {n: e for n, e in errors.items() if e[1] > max(3 * e[0], 0.05)}
+    assert not bad, bad
+    mean_native = sum(e[0] for e in errors.values()) / len(errors)
+    mean_conv = sum(e[1] for e in errors.values()) / len(errors)
+    assert mean_conv <= 1.5 * mean_native, (mean_conv, mean_native)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+@pytest.mark.parametrize("family", ["vit", "swinv2"])
+def test_bf16_grad_parity_against_float64(family, autocast):
+    """bf16 training numerics: the converted model's parameter gradients (kernels in bf16) are as close to the
+    float64 model's as the native bf16 model's are. (``verify="grad"``'s bf16 tolerances are loose; this is the
+    tighter check.)"""
+    pytest.importorskip("timm")
+    from test_timm_adapters import build, images
+
+    model = build(family, depth=1) if family == "vit" else build(family, **SWINV2)
+    errors = _bf16_grad_errors(model.to(DEV), images(model).to(DEV), autocast)
+    assert len(errors) >= 18
+    _assert_bf16_as_good_as_native(errors)
+
+
+def test_bf16_grad_check_catches_a_broken_mask_grad(monkeypatch):
+    pytest.importorskip("timm")
+    from test_timm_adapters import build, images
+
+    model = build("swinv2", **SWINV2).to(DEV)
+    _zero_mask_grad(monkeypatch)
+    errors = _bf16_grad_errors(model, images(model).to(DEV), autocast=False)
+    assert errors["layers.0.blocks.0.attn.cpb_mlp.0.weight"][1] > 0.9
+    with pytest.raises(AssertionError, match="cpb_mlp"):
+        _assert_bf16_as_good_as_native(errors)
 
 
 def test_grad_check_catches_a_wrong_backward(monkeypatch):

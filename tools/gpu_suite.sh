@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
-#   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | exec (then: OUTDIR COMMAND...,
-#   run with the package mapped). tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests),
+#   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
+#   exec (then: OUTDIR COMMAND..., run with the package mapped). train-*: bench_models.py --train (issue 25's
+#   training-step targets), split in two so that each fits a call (not yet run on a GPU). tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests),
 #   tests-tiles (those) and tests-rest (every other GPU test): each part fits one call, the whole suite does not
 #   (session 16: tests/test_kernels_gpu.py alone ran past 560 s on a cold machine).
 # Works from a plain checkout: the package is mapped onto PYTHONPATH (kernels/ -> elsa_surgery.kernels,
@@ -57,6 +58,14 @@ case "$part" in
       2>&1 | tee "$out/vggt.log" | tail -30
     timeout 120 python3 recipes/hsimae_bench.py --out "$out/hsimae.json" 2>&1 | tee "$out/hsimae.log" | tail -20
     timeout 150 python3 recipes/clip_eval.py --model ViT-L-14 --out "$out/clip.json" 2>&1 | tee "$out/clip.log" | tail -30 ;;
+  train-vision)
+    timeout 560 python3 recipes/bench_models.py --train --workloads vit_b16,swin_t,vit_l14_clip_336 \
+      --dtypes fp32,bf16-autocast --batches 8 --rounds 3 --calls 5 --out "$out/train_vision.json" 2>&1 \
+      | tee "$out/train_vision.log" | tail -30 ;;
+  train-llama)
+    timeout 560 python3 recipes/bench_models.py --train --workloads llama13b_2l_4k,llama13b_2l_16k \
+      --dtypes fp32,bf16-autocast --rounds 3 --calls 3 --out "$out/train_llama.json" 2>&1 \
+      | tee "$out/train_llama.log" | tail -30 ;;
   exec) "$@" 2>&1 | tee "$out/exec.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
