@@ -2,10 +2,13 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
-#   exec (then: OUTDIR COMMAND..., run with the package mapped). train-*: bench_models.py --train (issue 25's
-#   training-step targets), split in two so that each fits a call (not yet run on a GPU). tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests),
-#   tests-tiles (those) and tests-rest (every other GPU test): each part fits one call, the whole suite does not
-#   (session 16: tests/test_kernels_gpu.py alone ran past 560 s on a cold machine).
+#   compile | fuzz | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
+#   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
+#   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
+#   training-step targets), split in two so that each fits a call. compile: bench_models.py --compile default on
+#   ViT-B/16 and Swin-T (issue 33; other modes and workloads through exec). fuzz: tools/gpu_fuzz.sh (issue 30).
+#   train-*, compile and fuzz were written without a GPU run (session 24): their timings are estimates.
 # Works from a plain checkout: the package is mapped onto PYTHONPATH (kernels/ -> elsa_surgery.kernels,
 # adapters/ -> elsa_surgery.adapters) when it is not installed. open_clip wheels, if carried in .whl/,
 # are installed into /tmp/site first.
@@ -66,6 +69,10 @@ case "$part" in
     timeout 560 python3 recipes/bench_models.py --train --workloads llama13b_2l_4k,llama13b_2l_16k \
       --dtypes fp32,bf16-autocast --rounds 3 --calls 3 --out "$out/train_llama.json" 2>&1 \
       | tee "$out/train_llama.log" | tail -30 ;;
+  compile)
+    timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
+      --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
+  fuzz) bash tools/gpu_fuzz.sh "$out/fuzz" 16 700 500 2>&1 | tee "$out/fuzz.log" | tail -40 ;;
   exec) "$@" 2>&1 | tee "$out/exec.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
