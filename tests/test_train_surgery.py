@@ -289,3 +289,63 @@ def test_compiled_training_step_matches_eager():
         assert torch.allclose(le, lc, rtol=1e-5, atol=1e-7), (le, lc)
     for (n, a), b in zip(eager.named_parameters(), compiled_model.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), n
+
+
+def test_hf_clip_grad_parity():
+    """transformers' CLIP, both towers (causal text with padding, bidirectional vision), through the attention
+    interface: gradient parity with the native model."""
+    pytest.importorskip("transformers")
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(text_config=dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=16),
+                     vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=32, patch_size=8),
+                     projection_dim=16, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = CLIPModel(cfg).to(DEV)
+    ids = torch.randint(1, 50, (2, 9))
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, 6:] = 0
+    rep = _grad_report(model, {"input_ids": ids.to(DEV), "attention_mask": am.to(DEV),
+                               "pixel_values": torch.randn(2, 3, 32, 32).to(DEV)})
+    assert rep.num_converted >= 2, str(rep)  # a text and a vision attention at least
+
+
+class _Embeds(nn.Module):
+    """A transformers model fed float embeddings (so that the float64 reference can run it) with a fixed padding
+    mask, returning its last hidden state."""
+
+    def __init__(self, model, mask):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        return self.model(inputs_embeds=x, attention_mask=self.mask).last_hidden_state
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_bf16_hf_grad_parity_against_float64(family):
+    """bf16 (model cast) LLaMA (GQA, causal, left padding) and BERT (right padding: the varlen lengths path) train as
+    closely to the float64 model as the native bf16 model does."""
+    pytest.importorskip("transformers")
+    am = torch.ones(2, 10, dtype=torch.long)
+    if family == "llama":
+        from test_hf_attention import _tiny_llama
+
+        model, width = _tiny_llama().model, 64
+        am[1, :3] = 0
+    else:
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=48, max_position_embeddings=32, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model, width = BertModel(cfg), 32
+        am[1, 7:] = 0
+    wrapped = _Embeds(model, am).to(DEV)
+    x = torch.randn(2, 10, width, generator=torch.Generator().manual_seed(3)).to(DEV)
+    errors = _bf16_grad_errors(wrapped, x, autocast=False)
+    assert len(errors) >= 8
+    _assert_bf16_as_good_as_native(errors)
