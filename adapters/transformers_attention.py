@@ -68,7 +68,7 @@ _local = threading.local()
 
 
 class UnsupportedAttention(NotImplementedError):
-    """An attention feature ELSA does not implement (soft-capping, sinks, dropout on packed sequences...)."""
+    """An attention feature ELSA does not implement (soft-capping, sinks, paged caches...)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,9 +121,6 @@ def elsa_attention_forward(
     packed = cu_q is not None and cu_k is not None and query.shape[0] == 1
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if packed:
-        if dropout_p:
-            raise UnsupportedAttention(f"attention dropout ({dropout_p}) on packed sequences: the varlen path has "
-                                       "none; train with padding instead of packing, or set the dropout to 0")
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(max_q) if max_q is not None else int(cu_q.diff().max())
         max_k = int(max_k) if max_k is not None else int(cu_k.diff().max())
@@ -142,7 +139,7 @@ def elsa_attention_forward(
         out = elsa_surgery.attention_varlen(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
             cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
-            is_causal=bool(causal), scale=scaling, backend=cfg.backend, precision=cfg.precision)
+            is_causal=bool(causal), scale=scaling, backend=cfg.backend, precision=cfg.precision, dropout_p=dropout_p)
         return out.unsqueeze(0).contiguous(), None
 
     if mask is not None and mask.dim() == 2:

@@ -145,16 +145,24 @@ def attention_varlen(
     backend: str = "auto",
     precision: Optional[str] = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
 ):
     """Packed variable-length attention, flash-attn's convention.
 
     ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``, ``v [total_k, Hkv, Dv]``; sequence ``b`` is rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v.
     Causality is bottom-right per sequence. Returns ``out [total_q, Hq, Dv]`` and, with
-    ``return_lse``, ``lse [Hq, total_q]`` (fp32).
+    ``return_lse``, ``lse [Hq, total_q]`` (fp32; without dropout's effect, as :func:`attention`'s).
+
+    ``dropout_p`` (in [0, 1]) is SDPA's attention dropout, applied within each sequence. On the kernels the mask is
+    drawn as :func:`attention`'s, from a seed taken from PyTorch's generator (``torch.manual_seed`` reproduces a
+    call; the backward regenerates the mask), and sequence ``b``'s mask is the one the padded dense call
+    ``[B, Hq, max_seqlen_q, max_seqlen_k]`` draws for batch row ``b``: it depends on the seed, ``b`` and the two
+    maxima, not on the other sequences of the pack. The reference backend draws its own masks (the same
+    distribution, other draws), as the dense reference does.
     """
     vp = build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              is_causal=is_causal, scale=scale)
+                              is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     d = dispatch.decide(vp.q, vp.k, vp.v, None, backend=backend, precision=precision, varlen=True,
                         need_lse=return_lse)
     dispatch.announce(d)
@@ -162,6 +170,7 @@ def attention_varlen(
         out, lse = _kernels().attention_varlen(
             vp.q, vp.k, vp.v, vp.cu_seqlens_q, vp.cu_seqlens_k, vp.max_seqlen_q, vp.max_seqlen_k,
             scale=vp.scale, is_causal=vp.is_causal, precision=d.precision, return_lse=return_lse,
+            dropout_p=vp.dropout_p,
         )
     else:
         out, lse = reference_ops.run_varlen(vp, return_lse=return_lse)

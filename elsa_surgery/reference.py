@@ -215,8 +215,14 @@ def run_backward(p: AttentionProblem, grad_out: Optional[torch.Tensor], grad_lse
         return run_state_backward(p, state, monoid.finalize_backward(state, grad_out, grad_lse), seed, mask_grad)
 
 
+def sequence_seed(seed: Optional[int], b: int) -> Optional[int]:
+    """The dropout seed of sequence ``b`` of a packed call seeded with ``seed`` (None: the global generator)."""
+    return None if seed is None else (seed + b) % (1 << 63)
+
+
 def _varlen_problems(vp: VarlenProblem):
-    """``(rows_q, rows_k, problem)`` per non-empty sequence: its slices of the packed axes and its dense problem."""
+    """``(b, rows_q, rows_k, problem)`` per non-empty sequence: its index, its slices of the packed axes and its
+    dense problem (dropout within the sequence)."""
     cq = vp.cu_seqlens_q.tolist()
     ck = vp.cu_seqlens_k.tolist()
     dense = lambda t: t.transpose(0, 1).unsqueeze(0)  # [n, H, X] -> [1, H, n, X]
@@ -224,31 +230,35 @@ def _varlen_problems(vp: VarlenProblem):
         if cq[b + 1] == cq[b]:
             continue
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        yield qs, ks, AttentionProblem(q=dense(vp.q[qs]), k=dense(vp.k[ks]), v=dense(vp.v[ks]), scale=vp.scale,
-                                       mask=None, is_causal=vp.is_causal, q_lengths=None, kv_lengths=None)
+        yield b, qs, ks, AttentionProblem(q=dense(vp.q[qs]), k=dense(vp.k[ks]), v=dense(vp.v[ks]), scale=vp.scale,
+                                          mask=None, is_causal=vp.is_causal, q_lengths=None, kv_lengths=None,
+                                          dropout_p=vp.dropout_p)
 
 
-def run_varlen(vp: VarlenProblem, return_lse: bool = False):
-    """Packed varlen: each sequence is an independent dense problem (bottom-right causal per sequence)."""
+def run_varlen(vp: VarlenProblem, return_lse: bool = False, seed: Optional[int] = None):
+    """Packed varlen: each sequence is an independent dense problem (bottom-right causal per sequence). Dropout
+    masks come from the global generator, one sequence after another, or with ``seed`` from
+    :func:`sequence_seed`'s per-sequence seeds (what :func:`run_varlen_backward` redraws)."""
     total_q, Hq, _ = vp.q.shape
     Dv = vp.v.shape[-1]
     out = vp.q.new_zeros((total_q, Hq, Dv))
     lse = torch.full((Hq, total_q), float("-inf"), dtype=_acc_dtype(vp.q.dtype), device=vp.q.device)
-    for qs, _, sub in _varlen_problems(vp):
-        o, l = run(sub, return_lse=True)
+    for b, qs, _, sub in _varlen_problems(vp):
+        o, l = run(sub, return_lse=True, seed=sequence_seed(seed, b))
         out[qs] = o[0].transpose(0, 1)
         lse[:, qs] = l[0]
     return out, (lse if return_lse else None)
 
 
-def run_varlen_backward(vp: VarlenProblem, grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
+def run_varlen_backward(vp: VarlenProblem, grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                        seed: Optional[int] = None):
     """``(dq, dk, dv)`` for gradients ``grad_out [total_q, Hq, Dv]``, ``grad_lse [Hq, total_q]`` (None = zero)
     of :func:`run_varlen`'s ``(out, lse)``, one sequence at a time with :func:`run_backward`."""
     dq, dk, dv = (t.new_zeros(t.shape) for t in (vp.q, vp.k, vp.v))
-    for qs, ks, sub in _varlen_problems(vp):
+    for b, qs, ks, sub in _varlen_problems(vp):
         g_out = None if grad_out is None else grad_out[qs].transpose(0, 1).unsqueeze(0)
         g_lse = None if grad_lse is None else grad_lse[:, qs].unsqueeze(0)
-        dq_b, dk_b, dv_b, _ = run_backward(sub, g_out, g_lse)
+        dq_b, dk_b, dv_b, _ = run_backward(sub, g_out, g_lse, sequence_seed(seed, b))
         dq[qs] = dq_b[0].transpose(0, 1)
         dk[ks] += dk_b[0].transpose(0, 1)
         dv[ks] += dv_b[0].transpose(0, 1)

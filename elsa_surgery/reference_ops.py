@@ -128,14 +128,17 @@ reference_attention_state_op.register_autograd(_backward(of_state=True), setup_c
 
 @torch.library.custom_op(f"{NS}::reference_attention_varlen", mutates_args=())
 def reference_attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                                  scale: float, is_causal: bool) -> Tuple[Tensor, Tensor]:
-    """``(out, lse)`` of :func:`elsa_surgery.reference.run_varlen` (its ``.tolist()`` happens inside the op)."""
-    out, lse = reference.run_varlen(_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal), True)
+                                  scale: float, is_causal: bool, dropout_p: float,
+                                  seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`elsa_surgery.reference.run_varlen` (its ``.tolist()`` happens inside the op;
+    dropout masks drawn from ``seed``)."""
+    vp = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p)
+    out, lse = reference.run_varlen(vp, True, seed=_seed(seed))
     return out, lse
 
 
 @reference_attention_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed):
     total, Hq, _ = q.shape
     return q.new_empty((total, Hq, v.shape[2])), q.new_empty((Hq, total), dtype=reference._acc_dtype(q.dtype))
 
@@ -143,33 +146,35 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal):
 @torch.library.custom_op(f"{NS}::reference_attention_varlen_backward", mutates_args=())
 def reference_attention_varlen_backward_op(grad_out: Optional[Tensor], grad_lse: Optional[Tensor], q: Tensor,
                                            k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                                           scale: float, is_causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    vp = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal)
-    dq, dk, dv = reference.run_varlen_backward(vp, grad_out, grad_lse)
+                                           scale: float, is_causal: bool, dropout_p: float,
+                                           seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    vp = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p)
+    dq, dk, dv = reference.run_varlen_backward(vp, grad_out, grad_lse, _seed(seed))
     return dq, dk, dv
 
 
 @reference_attention_varlen_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal):
+def _(grad_out, grad_lse, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal) -> VarlenProblem:
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p) -> VarlenProblem:
     # the max lengths are not read by the reference
     return VarlenProblem(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=0,
-                         max_seqlen_k=0, scale=scale, is_causal=is_causal)
+                         max_seqlen_k=0, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
 
 
 def _save_varlen_inputs(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal = inputs
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    ctx.scalars = (scale, is_causal)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, scale, is_causal, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, seed)
+    ctx.scalars = (scale, is_causal, dropout_p)
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    dq, dk, dv = reference_attention_varlen_backward_op(grad_out, grad_lse, *ctx.saved_tensors, *ctx.scalars)
+    q, k, v, cu_q, cu_k, seed = ctx.saved_tensors
+    dq, dk, dv = reference_attention_varlen_backward_op(grad_out, grad_lse, q, k, v, cu_q, cu_k, *ctx.scalars, seed)
     need = ctx.needs_input_grad
-    return dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None, None, None
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 6
 
 
 reference_attention_varlen_op.register_autograd(_varlen_backward, setup_context=_save_varlen_inputs)
@@ -211,6 +216,7 @@ def run_varlen(vp: VarlenProblem, return_lse: bool = False):
     torch.compile."""
     if not torch.compiler.is_compiling():
         return reference.run_varlen(vp, return_lse=return_lse)
+    seed = dropout_seed() if vp.dropout_p > 0 else None
     out, lse = reference_attention_varlen_op(vp.q, vp.k, vp.v, vp.cu_seqlens_q, vp.cu_seqlens_k, vp.scale,
-                                             vp.is_causal)
+                                             vp.is_causal, vp.dropout_p, seed)
     return out, (lse if return_lse else None)

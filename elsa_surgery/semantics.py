@@ -402,6 +402,7 @@ class VarlenProblem:
     max_seqlen_k: int
     scale: float
     is_causal: bool
+    dropout_p: float = 0.0  # attention-probability dropout (SDPA's), per sequence
 
     @property
     def batch(self) -> int:
@@ -439,7 +440,9 @@ def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str,
     return cu.to(device=device, dtype=torch.int32)
 
 
-def build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None) -> VarlenProblem:
+def build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
+                         scale=None, dropout_p=0.0) -> VarlenProblem:
+    dropout_p = check_dropout(dropout_p)
     check_qkv(q, k, v, layout="varlen")
     check_heads_and_dims(q, k, v, head_axis=1, seq_axis=0)
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)", "max_seqlen_q", max_seqlen_q, q.device)
@@ -451,4 +454,5 @@ def build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return VarlenProblem(
         q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k), scale=resolve_scale(scale, q.shape[-1]), is_causal=bool(is_causal),
+        dropout_p=dropout_p,
     )

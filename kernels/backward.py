@@ -21,7 +21,10 @@ Kernels (logits in base 2 as in ``scan.py``):
 
 Dropout: ``z_ij = rand(seed, counter_ij) >= p_drop`` with Triton's Philox (counter-based), ``seed`` an int64
 drawn from PyTorch's generator of the tensors' device (training.py), the counter the element's index
-``(b * crb + h * crh + row) * Nkc + key``: the backward regenerates exactly the forward's mask.
+``(b * crb + h * crh + row) * Nkc + key``: the backward regenerates exactly the forward's mask. ``row`` and ``key``
+count within the sequence, also for packed varlen, whose counters are those of the padded dense call
+``[B, Hq, max_seqlen_q, max_seqlen_k]``: a sequence's mask depends on the seed, its index ``b`` and the two
+maxima, never on the lengths or contents of the sequences packed with it (as a dense batch row's).
 Head dims that are not powers of two are padded with masked loads. Dot kinds as ``scan._dot`` (0 fp16/bf16,
 1 IEEE fp32, 2 TF32, 3 3xTF32, 4 interpreter bf16).
 """
@@ -189,7 +192,7 @@ def bwd_kv(
                        IS_CAUSAL, MASK_KIND, DOT)
             dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
             if DROPOUT:
-                keep = _keep(seed, b64 * crb + h64 * crh + q_row0 + rows.to(tl.int64), cols, Nkc, p_drop)
+                keep = _keep(seed, b64 * crb + h64 * crh + rows.to(tl.int64), cols, Nkc, p_drop)
                 pd = tl.where(keep, p * keep_scale, 0.0)
                 dp = tl.where(keep, dp * keep_scale, 0.0)
             else:
@@ -261,7 +264,7 @@ def row_pass(
     seed = 0
     if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
         seed = tl.load(SEED)
-    crow = b64 * crb + h64 * crh + q_row0 + rows.to(tl.int64)
+    crow = b64 * crb + h64 * crh + rows.to(tl.int64)  # rows within the sequence (packed too)
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh

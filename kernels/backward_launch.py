@@ -45,12 +45,11 @@ class _Call:
             self.B, self.Nq, self.Nk = varlen_dims
             self.Hq, self.D = q.shape[1], q.shape[2]
             self.Hkv, self.Dv = k.shape[1], v.shape[2]
-            total_q = q.shape[0]
-            self.counter = (0, total_q, self.Nk)  # crb, crh, Nkc (backward._keep)
         else:
             self.B, self.Hq, self.Nq, self.D = q.shape
             self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
-            self.counter = (self.Hq * self.Nq, self.Nq, self.Nk)
+        self.counter = (self.Hq * self.Nq, self.Nq, self.Nk)  # crb, crh, Nkc (backward._keep); packed: those of
+        # the padded dense call [B, Hq, max_q, max_k]
         self.q, self.k, self.v = q, k, v
         self.scale = float(scale)
         self.dot = launch._dot_kind(q.dtype, precision, q.device)
@@ -104,11 +103,10 @@ def dropout_output(q, k, v, out, lse, **call):
 
 
 def dropout_keep_mask(q, k, v, lse, **call):
-    """Debug hook: the keep mask the kernels draw for this call (``[B, Hq, Nq, Nk]`` bool, dense calls only).
-    Materialises ``B·Hq·Nq·Nk`` bytes: meant for tests at small N."""
+    """Debug hook: the keep mask the kernels draw for this call, ``[B, Hq, Nq, Nk]`` bool (packed varlen:
+    ``[B, Hq, max_q, max_k]``, sequence ``b``'s pairs at ``[b, :, :len_q, :len_k]``, False past them). Hidden pairs
+    (causal, beyond the lengths) may read False. Materialises ``B·Hq·Nq·Nk`` bytes: meant for tests at small N."""
     c = _Call(q, k, v, **call)
-    if c.varlen:
-        raise ValueError("dropout_keep_mask: dense calls only")
     keep = torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.uint8, device=q.device)
     c.row_pass(ROW_KEEP_MASK, keep, keep.stride(), lse=lse)
     return keep.bool()

@@ -145,7 +145,13 @@ def attention_state(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=Non
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal=False,
-                     precision=None, return_lse=False):
+                     precision=None, return_lse=False, dropout_p=0.0):
+    """As :func:`attention`: gradients and dropout through the custom ops."""
+    if dropout_p > 0:
+        out, lse = training.attention_varlen_dropout_op(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(scale),
+            bool(is_causal), precision or "", float(dropout_p), training.draw_seed(q.device))
+        return out, (lse if return_lse else None)
     if _eager() and not _wants_grad(q, k, v):
         return tuple(launch.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale=float(scale),

@@ -81,5 +81,10 @@ def attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
 
 @attention_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, precision):
+    return varlen_fake(q, v)
+
+
+def varlen_fake(q: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """The fake ``(out [total_q, Hq, Dv], lse [Hq, total_q])`` of the packed varlen ops."""
     total, Hq, _ = q.shape
     return q.new_empty((total, Hq, v.shape[2])), q.new_empty((Hq, total), dtype=torch.float32)

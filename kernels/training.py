@@ -1,6 +1,6 @@
 """Autograd for the kernels: ``torch.library`` ops for attention with dropout and for the backward, and the
-autograd formulas of the forward ops (``ops.attention_op``, ``ops.attention_varlen_op`` and
-``attention_dropout_op`` here), registered with ``torch.library.register_autograd``.
+autograd formulas of the forward ops (``ops.attention_op``, ``ops.attention_varlen_op``, and
+``attention_dropout_op`` and ``attention_varlen_dropout_op`` here), registered with ``torch.library.register_autograd``.
 
 One autograd path serves eager calls and ``torch.compile`` (which sees each op as one node with a fake
 implementation, so a training step compiles with ``fullgraph=True``). The backward op is itself registered
@@ -57,6 +57,24 @@ def attention_dropout_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
 def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, dropout_p, seed):
     B, Hq, Nq, _ = q.shape
     return ops.dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NS}::attention_varlen_dropout", mutates_args=())
+def attention_varlen_dropout_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                                scale: float, is_causal: bool, precision: str, dropout_p: float,
+                                seed: Tensor) -> Tuple[Tensor, Tensor]:
+    """Packed varlen attention with SDPA's attention dropout, as :func:`attention_dropout_op` (the keep mask of
+    sequence ``b`` is the one the padded dense call ``[B, Hq, max_q, max_k]`` draws for batch row ``b``)."""
+    out, lse = launch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
+                                       precision=precision or None, return_lse=True)
+    bl.dropout_output(q, k, v, out, lse, scale=scale, mask=None, is_causal=is_causal, precision=precision or None,
+                      dropout_p=dropout_p, seed=seed, **_call_args(None, None, cu_q, cu_k, max_q, max_k))
+    return out, lse
+
+
+@attention_varlen_dropout_op.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision, dropout_p, seed):
+    return ops.varlen_fake(q, v)
 
 
 @torch.library.custom_op(f"{NS}::attention_backward", mutates_args=())
@@ -123,28 +141,36 @@ def _backward_dense(ctx, grad_out, grad_lse):
 
 
 def _setup_varlen(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision = inputs
-    _save(ctx, q, k, v, None, None, None, cu_q, cu_k, output[0], output[1], None, max_q=max_q, max_k=max_k,
-          scale=scale, is_causal=is_causal, precision=precision, dropout_p=0.0, mask_needs_grad=False)
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision = inputs[:10]
+    dropout_p, seed = inputs[10:] if len(inputs) > 10 else (0.0, None)
+    _save(ctx, q, k, v, None, None, None, cu_q, cu_k, output[0], output[1], seed, max_q=max_q, max_k=max_k,
+          scale=scale, is_causal=is_causal, precision=precision, dropout_p=dropout_p, mask_needs_grad=False)
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
     dq, dk, dv, _ = _grads(ctx, grad_out, grad_lse)
-    return (dq, dk, dv) + (None,) * 7
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 for _op, _setup, _bwd in ((ops.attention_op, _setup_dense, _backward_dense),
                           (attention_dropout_op, _setup_dense, _backward_dense),
-                          (ops.attention_varlen_op, _setup_varlen, _backward_varlen)):
+                          (ops.attention_varlen_op, _setup_varlen, _backward_varlen),
+                          (attention_varlen_dropout_op, _setup_varlen, _backward_varlen)):
     torch.library.register_autograd(_op, _bwd, setup_context=_setup)
 
 
 def dropout_keep_mask(q, k, v, seed, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
-                      precision=None, dropout_p):
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, precision=None, dropout_p):
     """Debug hook (tests, small N): the keep mask ``[B, Hq, Nq, Nk]`` (bool) that :func:`attention_dropout_op`
-    draws from ``seed`` for these canonical inputs."""
-    _, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                              kv_lengths=kv_lengths, precision=precision, return_lse=True)
+    draws from ``seed`` for these canonical inputs; with ``cu_seqlens_q``/``cu_seqlens_k`` (packed ``[total, H, D]``
+    inputs) the mask ``[B, Hq, max_seqlen_q, max_seqlen_k]`` of :func:`attention_varlen_dropout_op`, sequence
+    ``b``'s at ``[b, :, :len_q, :len_k]``."""
+    if cu_seqlens_q is not None:
+        _, lse = launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                         scale=scale, is_causal=is_causal, precision=precision, return_lse=True)
+    else:
+        _, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                                  kv_lengths=kv_lengths, precision=precision, return_lse=True)
     return bl.dropout_keep_mask(q, k, v, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision,
-                                dropout_p=dropout_p, seed=seed,
-                                **_call_args(q_lengths, kv_lengths, None, None, 0, 0))
+                                dropout_p=dropout_p, seed=seed, **_call_args(q_lengths, kv_lengths, cu_seqlens_q,
+                                                                             cu_seqlens_k, max_seqlen_q, max_seqlen_k))

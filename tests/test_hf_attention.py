@@ -397,6 +397,51 @@ def test_llama_packed_sequences_use_cu_seqlens():
         assert (out[:, a:b] - x).abs().max() < 1e-4
 
 
+def test_llama_packed_sequences_train_with_attention_dropout(monkeypatch):
+    """In train() mode the module's attention_dropout reaches the packed varlen path (it used to be refused): the
+    call gets ``dropout_p``, ``torch.manual_seed`` reproduces the logits, another draw and eval() differ, and no
+    sequence sees another's tokens (the gradient of one sequence's logits is zero on the other tokens)."""
+    model = _tiny_llama(attention_dropout=0.5)
+    lens = [5, 3, 6]
+    ids = _ids(1, sum(lens), 97, seed=13)
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    cu = torch.tensor([0, 5, 8, 14], dtype=torch.int32)
+    ta.ensure_registered()
+    model.set_attn_implementation("elsa")
+    seen = []
+    real = elsa_surgery.attention_varlen
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("dropout_p"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(elsa_surgery, "attention_varlen", spy)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+
+    def run():
+        return model(inputs_embeds=embeds, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
+                     max_length_k=6, use_cache=False).logits
+
+    model.train()
+    with ta.trace_calls() as calls:
+        torch.manual_seed(5)
+        a = run()
+    assert set().union(*(c["paths"] for c in calls.values())) == {"packed"}
+    assert seen == [0.5, 0.5]  # both layers
+    b = run()
+    torch.manual_seed(5)
+    c = run()
+    assert torch.equal(a, c) and not torch.equal(a, b)
+    a[:, 5:8].sum().backward()  # the middle sequence's logits
+    assert embeds.grad[:, 5:8].abs().max() > 0
+    assert embeds.grad[:, :5].abs().max() == 0 and embeds.grad[:, 8:].abs().max() == 0
+    model.eval()
+    seen.clear()
+    with torch.no_grad():
+        e = run()
+    assert seen == [0.0, 0.0] and (e - a).abs().max() > 1e-3
+
+
 def test_convert_include_exclude_selects_modules():
     model = _tiny_llama()
     ids = _ids(2, 9, 97, seed=13)

@@ -198,7 +198,8 @@ def test_compiled_state_and_varlen_gradients_match_eager():
 
 def test_ops_registration_and_gradcheck():
     """The ops' schemas, fake implementations and autograd registrations (``torch.library.opcheck``), and a
-    float64 gradcheck of their backward scan: additive mask, causal, GQA, lengths, dropout from a fixed seed."""
+    float64 gradcheck of their backward scan: additive mask, causal, GQA, lengths, dropout from a fixed seed (packed
+    varlen too)."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 4, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -214,8 +215,9 @@ def test_ops_registration_and_gradcheck():
                      (q, k, v, mask > 0, lengths, None, 0.5, False, 0.0, None)):
             torch.library.opcheck(op, args)
     cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 4, 7], dtype=torch.int32)
-    varlen_args = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), *cu, 0.5, True)
+    varlen_args = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), *cu, 0.5, True, 0.3, seed)
     torch.library.opcheck(reference_ops.reference_attention_varlen_op, varlen_args)
+    torch.library.opcheck(reference_ops.reference_attention_varlen_op, varlen_args[:-2] + (0.0, None))
 
     def finite(outputs):  # the lse / m of the keyless row is -inf
         return tuple(t.masked_fill(t.isinf(), 0.0) for t in outputs)
