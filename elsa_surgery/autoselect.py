@@ -91,14 +91,17 @@ def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float,
 SDPA_SIDE = Decision("sdpa", None, "auto's race: the PyTorch SDPA side")  # what the race's SDPA calls run under
 
 
-def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object]) -> Decision:
+def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], *, traced: bool = False) -> Decision:
     """``d`` (naming both timings), or an SDPA decision naming them when SDPA is faster by more than
-    :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way."""
+    :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way; ``traced``: the race of a call torch.compile
+    is tracing (:func:`choose_compiled`)."""
     elsa_ms, sdpa_ms = race(elsa, sdpa)
-    verdict = (f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per eager call for this "
-               f"signature (measured once, median of {ROUNDS} interleaved rounds)")
+    how = ("call for this signature (raced once when torch.compile traced it)" if traced else
+           f"eager call for this signature (measured once, median of {ROUNDS} interleaved rounds)")
+    verdict = f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per {how}"
+    where = "auto under torch.compile" if traced else "auto"
     if elsa_ms > MIN_GAIN * sdpa_ms:
-        return Decision("sdpa", None, f"auto: PyTorch SDPA, faster here: {verdict}; backend='elsa' runs ELSA")
+        return Decision("sdpa", None, f"{where}: PyTorch SDPA, faster here: {verdict}; backend='elsa' runs ELSA")
     return Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)
 
 
@@ -139,13 +142,7 @@ def _trace_time_choice(sig: tuple) -> Tuple[str, str]:
                                         return_lse=False)
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
             q, k, v, is_causal=causal, scale=scale, enable_gqa=sq[1] != sk[1])
-        elsa_ms, sdpa_ms = race(elsa, sdpa)
-        verdict = (f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per call for this signature "
-                   f"(raced once when torch.compile traced it)")
-        if elsa_ms > MIN_GAIN * sdpa_ms:
-            known = Decision("sdpa", None, f"auto under torch.compile: PyTorch SDPA, faster here: {verdict}")
-        else:
-            known = Decision("elsa", precision, f"auto under torch.compile: ELSA kept: {verdict}")
+        known = choose(Decision("elsa", precision, "auto under torch.compile: ELSA kept"), elsa, sdpa, traced=True)
         COMPILED[sig] = known
         logger.info("elsa_surgery: %s", known.reason)
     return known.backend, known.reason

@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import autoselect, dispatch
-from .kernels import internals, knobs
+from .kernels import internals, knobs, replay
 from .semantics import AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_mask
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
@@ -177,27 +177,27 @@ def _extras(q, k, v, mask) -> tuple:
 
 def direct(key: tuple, q, k, v, attn_mask, return_lse: bool):
     """The call's result (as :func:`elsa_surgery.attention` returns it) through its direct route, the decision
-    announced; None when it has none (the caller takes the full path)."""
+    announced; None when it has none (the caller takes the full path). A route is ``enable_gqa`` for SDPA, ``(launch
+    plan, replay.GENERATION when it was recorded)`` for the kernels."""
     entry = _entries.get(key)
     if entry is None or not entry.routes:
         return None
-    route = entry.routes.get(_extras(q, k, v, attn_mask))
+    extras = _extras(q, k, v, attn_mask)
+    route = entry.routes.get(extras)
     if route is None:
         return None
     d = entry.decision
-    if d.backend == "sdpa":
-        STATS["hits"] += 1
-        DIRECT["runs"] += 1
-        dispatch.announce(d)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=entry.causal, scale=entry.scale,
-                                                                enable_gqa=route)
-    plan, generation, current = route
-    if current[0] != generation or not plan.env_unchanged():
-        del entry.routes[_extras(q, k, v, attn_mask)]
-        return None
+    if d.backend == "elsa":
+        plan, generation = route
+        if replay.GENERATION[0] != generation or not plan.env_unchanged():
+            del entry.routes[extras]
+            return None
     STATS["hits"] += 1
     DIRECT["runs"] += 1
     dispatch.announce(d)
+    if d.backend == "sdpa":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=entry.causal, scale=entry.scale,
+                                                                enable_gqa=route)
     mask = None if attn_mask is None else attn_mask.expand(entry.mask_shape)
     out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "mask": mask})
     return (out, lse) if return_lse else out
@@ -214,13 +214,13 @@ def learn(key: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_m
     if d.backend == "sdpa":
         route = p.heads_q != p.heads_kv
     else:
-        from .kernels import launch, replay  # the kernels ran: imported
+        from .kernels import launch  # the kernels ran: imported
 
         plan = launch.attention_plan(q, k, v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
                                      precision=d.precision or None, return_lse=return_lse)
         if plan is None:
             return
-        route = (plan, replay.GENERATION[0], replay.GENERATION)
+        route = (plan, replay.GENERATION[0])
     entry.routes[extras] = route
     DIRECT["routes"] += 1
 
