@@ -572,3 +572,10 @@ def test_float64_refused_by_the_kernels_names_the_argument():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     assert check(Case(B=1, Hq=1, Hkv=1, Nq=1, Nk=1, D=8, Dv=8, dtype="float64", backend="elsa", device=dev,
                       seed=0)) == "refused with a clear error"
+
+
+def test_found_sdpa_backend_float32_mask_with_float64_q():
+    """backend="sdpa" widens a float32 additive mask to float64 for float64 q: PyTorch 2.14's CPU SDPA returned a wrong
+    output for this call as given (max error 0.855); found by the CPU fuzz in CI."""
+    check(Case(B=1, Hq=1, Hkv=1, Nq=8, Nk=8, D=8, Dv=8, dtype="float64", mask="additive", mask_shape=(1, 1),
+               mask_dtype="float32", large="-1e4", backend="sdpa", device="cpu", seed=0))
