@@ -9,6 +9,13 @@ Modes (each prints one JSON line per measurement; docs/stream.md explains the me
 * ``compare``: ``cqs`` vs ``blocks`` (and what ``auto`` predicts/picks) at the same budget.
 * ``memory``: the planner's predicted peak vs the measured peak for several budgets; a PNG plot with ``--plot``
   (needs the ``plot`` extra: matplotlib; without it the points are saved and ``--plot-from`` draws them elsewhere).
+* ``scaling``: the ``target`` run in this process (one GPU, with its in-core and float64 checks after the timed
+  run), then the same run under ``torchrun --nproc-per-node
+  --ranks`` (one GPU each, every GPU capped at ``--budget``); the ranks' output is compared with the one-GPU output
+  bit for bit, and the aggregate throughputs give the scaling ratio; comm_share is the merge's time (collectives
+  and copies) as a share of the run, wait_share the time a rank waited for the slower ones.
+* ``drill``: a rank killed mid-run (``os._exit`` from the fault hook, checkpointing on): how long until the job
+  fails and with what error, then the rerun resuming every rank's finished tasks, compared with one GPU's output.
 * ``slices``: a memory-mapped run (default 32M tokens, H=1) in resumable slices: each invocation runs at most
   ``--slice-seconds`` (or ``--max-tasks``) and checkpoints into ``--data-dir``; rerun the same command until it
   prints ``"finished": true`` with the spot-row check.
@@ -22,21 +29,29 @@ Examples::
     python recipes/stream_bench.py --mode compare --n 1M --budget 2GiB
     python recipes/stream_bench.py --mode slices --n 32M --heads 1 --slice-seconds 480 --data-dir /tmp/s32m
     python recipes/stream_bench.py --device cpu --n 4096 --heads 2 --budget 8MiB --mode compare   # CPU smoke test
+    python recipes/stream_bench.py --mode scaling --ranks 2                # 8M on 1 GPU, then on 2 (torchrun)
+    python recipes/stream_bench.py --mode drill --ranks 2 --n 1M --budget 1GiB
+    python recipes/stream_bench.py --device cpu --mode scaling --ranks 2 --n 4096 --heads 2 --budget 8MiB  # gloo
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from elsa_surgery import stream
+from elsa_surgery.stream import faults
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -60,10 +75,11 @@ def host_inputs(args, device):
     shape = (1, args.heads, args.n, args.dim)
     out = []
     g = torch.Generator(device=device).manual_seed(0)
+    step = max(1, (64 << 20) // (4 * args.heads * args.dim))  # 64 MiB of fp32 draws a chunk (under any budget cap)
     for _ in range(3):
         t = torch.empty(shape, dtype=DTYPES[args.dtype], pin_memory=device.type == "cuda")
-        for a in range(0, args.n, 1 << 20):
-            b = min(args.n, a + (1 << 20))
+        for a in range(0, args.n, step):
+            b = min(args.n, a + step)
             t[:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
         out.append(t)
     return out
@@ -74,7 +90,7 @@ def spot_rows(q, k, v, out, rows, scale=None, device="cpu"):
     worst = 0.0
     D = q.shape[-1]
     scale = D ** -0.5 if scale is None else scale
-    step = 1 << 17  # keys a chunk: 1 GiB of float64 K at H=8, D=64 (under the 8 GiB cap)
+    step = max(1, (64 << 20) // (8 * q.shape[1] * D))  # keys a chunk: 64 MiB of float64 K (under any budget cap)
     for r in rows:
         qr = q[:, :, r].to(device, torch.float64)  # [B, H, D]
         m = None
@@ -120,30 +136,140 @@ def in_core_tflops(args, device, tile: int) -> float:
     return 4.0 * args.heads * tile * tile * args.dim / (ms * 1e-3) / 1e12
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def run(args, q, k, v, schedule, budget, **kw):
+    kill = args.exit_after is not None and _rank() == args.exit_rank
+    if args.checkpoint_dir and "checkpoint_dir" not in kw:
+        kw.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     t = time.perf_counter()
-    out = stream.attention(q, k, v, is_causal=True, schedule=schedule, memory_budget=budget, progress=args.progress,
-                           device=args.device, **kw)
+    with faults.inject(exit_after=args.exit_after) if kill else contextlib.nullcontext():
+        out = stream.attention(q, k, v, is_causal=True, schedule=schedule, memory_budget=budget,
+                               progress=args.progress, device=args.device, **kw)
     secs = time.perf_counter() - t
     rep = stream.last_report()
     row = {"schedule": rep.schedule, "settings": rep.settings, "n_cap": rep.n_cap, "budget": budget,
            "predicted_peak": rep.predicted_peak, "measured_peak": rep.measured_peak, "calibrated": rep.calibrated,
            "seconds": round(secs, 2), "stream_tflops": rep.tflops,
+           # every rank's FLOPs over this rank's wall time: the job's throughput (the same as stream_tflops alone)
+           "throughput_tflops": rep.plan_flops / secs / 1e12, "comm": rep.comm,
+           # the merge's collectives and copies, and the wait for the slower ranks, as shares of this rank's run
+           "comm_share": rep.comm.get("seconds", 0.0) / secs, "wait_share": rep.comm.get("wait_seconds", 0.0) / secs,
+           "resumed": rep.resumed, "tasks_run": rep.tasks_run,
            "events": rep.events, "auto": rep.auto, "finished": rep.finished, "rank": rep.rank, "world": rep.world}
     return out, row
+
+
+def compare(out, path) -> dict:
+    """``out`` against the output saved at ``path`` (the one-GPU run): bit for bit, else how far."""
+    ref = torch.load(path)
+    diff = (out.float() - ref.float()).abs()
+    return {"identical_to": str(path), "bit_identical": bool(torch.equal(out, ref)),
+            "max_abs_diff": diff.max().item(), "differing_elements": int((out != ref).sum())}
 
 
 def mode_target(args, device, budget):
     q, k, v = host_inputs(args, device)
     out, row = run(args, q, k, v, args.schedule, budget)
-    tile = stream.last_report().task_tokens  # the in-core kernel on one task's size (a tile x tile call)
-    row["in_core_tile"] = tile
-    row["in_core_tflops"] = in_core_tflops(args, device, tile)
-    row["ratio_vs_in_core"] = row["stream_tflops"] / row["in_core_tflops"]
-    rows = sorted({0, 1, args.n // 3, args.n // 2, args.n - 1})
-    row["spot_rows"] = rows
-    row["spot_max_rel_err_vs_fp64"] = spot_rows(q, k, v, out, rows, device=device)
+    if _rank() == 0 and args.in_core:
+        tile = stream.last_report().task_tokens  # the in-core kernel on one task's size (a tile x tile call)
+        row["in_core_tile"] = tile
+        row["in_core_tflops"] = in_core_tflops(args, device, tile)
+        row["ratio_vs_in_core"] = row["stream_tflops"] / row["in_core_tflops"]
+    if _rank() == 0 and args.spot:
+        rows = sorted({0, 1, args.n // 3, args.n // 2, args.n - 1})
+        row["spot_rows"] = rows
+        row["spot_max_rel_err_vs_fp64"] = spot_rows(q, k, v, out, rows, device=device)
+    if _rank() == 0 and args.save_out:
+        torch.save(out, args.save_out)
+    if _rank() == 0 and args.compare_to:
+        row.update(compare(out, args.compare_to))
     emit({"mode": "target", "n": args.n, "heads": args.heads, "dim": args.dim, "dtype": args.dtype, **row})
+    return row
+
+
+def _torchrun(args, extra, timeout=None):
+    """This script under ``torchrun --standalone --nproc-per-node args.ranks`` (target mode, the same shape);
+    returns (exit code, seconds, rank rows, stderr tail). ``--tokens``, not ``--n``: torchrun's parser rejects
+    ``--n`` anywhere on its command line as an ambiguous prefix of its own options."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+           os.path.abspath(__file__), "--mode", "target", "--ranks", str(args.ranks), "--tokens", str(args.n),
+           "--heads", str(args.heads), "--dim", str(args.dim), "--dtype", args.dtype, "--budget", str(args.budget),
+           "--schedule", args.schedule, "--device", torch.device(args.device).type, "--timeout", str(args.timeout),
+           "--no-progress", "--no-in-core", "--no-spot", *extra] + (["--no-enforce"] if args.no_enforce else [])
+    # torchrun sets OMP_NUM_THREADS=1 unless it is set: the ranks' host-side gathers and finalize would then run on
+    # one core each (measured: 2 ranks slower than 1 process on an H200 pair); give each rank its share of the cores
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                           str(max(1, (os.cpu_count() or 1) // args.ranks)))}
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    secs = time.perf_counter() - t
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    tail = [x for x in p.stderr.splitlines() if x.strip()][-12:]
+    return p.returncode, secs, sorted(rows, key=lambda r: r.get("rank", 0)), tail
+
+
+def _one_gpu_reference(args, device, budget, path):
+    """The target mode's run in this process, its output saved at ``path`` for the ranks to compare with."""
+    args.save_out = str(path)
+    row = mode_target(args, device, budget)
+    args.save_out = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def mode_scaling(args, device, budget):
+    d = Path(args.data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    ref = d / "one_gpu_out.pt"
+    one = _one_gpu_reference(args, device, budget, ref)  # timed alone; then its in-core and spot-row checks
+    rc, secs, rows, tail = _torchrun(args, ["--compare-to", str(ref)])
+    for r in rows:
+        emit({"mode": "scaling", "ranks": args.ranks, **r})
+    if rc != 0 or not rows:
+        emit({"mode": "scaling", "error": f"torchrun exited {rc}", "stderr_tail": tail})
+        sys.exit(1)
+    r0 = rows[0]
+    emit({"mode": "scaling", "summary": True, "ranks": args.ranks, "n": args.n,
+          "one_gpu_seconds": one["seconds"], "ranks_seconds": max(r["seconds"] for r in rows),
+          "scaling": one["seconds"] / max(r["seconds"] for r in rows),
+          "throughput_tflops": {"1": one["throughput_tflops"], str(args.ranks): min(r["throughput_tflops"] for r in rows)},
+          "comm_share": max(r["comm_share"] for r in rows), "wait_share": max(r["wait_share"] for r in rows),
+          "merge": r0["comm"].get("merge"), "merge_bytes_per_rank": r0["comm"].get("bytes"),
+          "bit_identical": r0.get("bit_identical"), "max_abs_diff": r0.get("max_abs_diff"),
+          "torchrun_seconds": round(secs, 1)})
+
+
+def mode_drill(args, device, budget):
+    d = Path(args.data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    ref, ck = d / "drill_ref.pt", d / "drill_ckpt"
+    if ck.exists():
+        import shutil
+
+        shutil.rmtree(ck)
+    args.spot = args.in_core = False
+    one = _one_gpu_reference(args, device, budget, ref)
+    kill_after = max(1, one["tasks_run"] // (2 * args.ranks))  # half of a rank's share
+    common = ["--checkpoint-dir", str(ck), "--checkpoint-every", str(args.checkpoint_every)]
+    rc, secs, rows, tail = _torchrun(args, common + ["--exit-rank", str(args.ranks - 1),
+                                                     "--exit-after", str(kill_after)], timeout=args.timeout + 300)
+    killed = {"mode": "drill", "phase": "killed", "exit_code": rc, "seconds_to_failure": round(secs, 1),
+              "timeout_s": args.timeout, "killed_rank": args.ranks - 1, "after_tasks": kill_after,
+              "stderr_tail": tail, "rows": rows}
+    emit(killed)
+    rc2, secs2, rows2, tail2 = _torchrun(args, common + ["--compare-to", str(ref)])
+    emit({"mode": "drill", "phase": "rerun", "exit_code": rc2, "seconds": round(secs2, 1),
+          "resumed": [r.get("resumed") for r in rows2], "tasks_run": [r.get("tasks_run") for r in rows2],
+          "bit_identical": rows2[0].get("bit_identical") if rows2 else None, "stderr_tail": tail2 if rc2 else []})
+    if rc == 0 or rc2 != 0:
+        sys.exit(1)
 
 
 def mode_compare(args, device, budget):
@@ -218,8 +344,9 @@ def mode_slices(args, device, budget):
         maps[name] = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
         if fresh and name != "o":
             g = torch.Generator(device=device).manual_seed(ord(name))
-            for a in range(0, args.n, 1 << 20):
-                b = min(args.n, a + (1 << 20))
+            step = max(1, (64 << 20) // (4 * args.heads * args.dim))
+            for a in range(0, args.n, step):
+                b = min(args.n, a + step)
                 maps[name][:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
     out, row = run(args, maps["q"], maps["k"], maps["v"], args.schedule, budget, out=maps["o"],
                    checkpoint_dir=str(d / "ckpt"), max_tasks=args.max_tasks, max_seconds=args.slice_seconds,
@@ -236,9 +363,9 @@ def mode_slices(args, device, budget):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("target", "compare", "memory", "slices"), default="target")
+    p.add_argument("--mode", choices=("target", "compare", "memory", "slices", "scaling", "drill"), default="target")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--n", type=size, default=None, help="tokens (8M; 32M in slices mode); suffixes k/M")
+    p.add_argument("--n", "--tokens", dest="n", type=size, default=None, help="tokens (8M; 32M in slices mode); suffixes k/M")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
@@ -252,7 +379,17 @@ def main(argv=None):
     p.add_argument("--checkpoint-every", type=float, default=300.0,
                    help="slices mode: seconds between saves (each writes the fp32 accumulators: 8 GiB at 32M, H=1)")
     p.add_argument("--no-enforce", action="store_true", help="do not cap the allocator at the budget")
-    p.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks")
+    p.add_argument("--ranks", type=int, default=1, help="target: run under torchrun with this many ranks; "
+                   "scaling / drill: launch torchrun with this many")
+    p.add_argument("--timeout", type=float, default=1800.0, help="the process group's timeout (s)")
+    p.add_argument("--checkpoint-dir", default=None, help="target mode: a resumable run")
+    p.add_argument("--save-out", default=None, help="target mode: torch.save the output here (rank 0)")
+    p.add_argument("--compare-to", default=None, help="target mode: compare the output with one saved earlier")
+    p.add_argument("--no-in-core", dest="in_core", action="store_false", help="target: skip the in-core timing")
+    p.add_argument("--no-spot", dest="spot", action="store_false", help="target: skip the float64 spot rows")
+    p.add_argument("--exit-rank", type=int, default=0, help="drills: the rank that --exit-after kills")
+    p.add_argument("--exit-after", type=int, default=None,
+                   help="drills: os._exit(17) on --exit-rank when it starts its (n+1)-th task")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--plot-from", default=None, help="draw --plot from memory-mode JSON lines saved earlier")
     args = p.parse_args(argv)
@@ -265,7 +402,9 @@ def main(argv=None):
     if args.n is None:
         args.n = (32 << 20) if args.mode == "slices" else (8 << 20)
     device = torch.device(args.device)
-    if args.ranks > 1:
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction needs an index (2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.ranks > 1 and args.mode not in ("scaling", "drill"):
         import torch.distributed as dist
 
         if int(os.environ.get("WORLD_SIZE", "1")) != args.ranks:
@@ -274,7 +413,7 @@ def main(argv=None):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
             args.device = str(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
     if device.type == "cuda" and not args.no_enforce:
         total = torch.cuda.get_device_properties(device).total_memory
         cap = max(args.budget, *(size(b) for b in args.budgets.split(","))) if args.mode == "memory" else args.budget
@@ -285,6 +424,10 @@ def main(argv=None):
         mode_compare(args, device, args.budget)
     elif args.mode == "memory":
         mode_memory(args, device, [size(b) for b in args.budgets.split(",")])
+    elif args.mode == "scaling":
+        mode_scaling(args, device, args.budget)
+    elif args.mode == "drill":
+        mode_drill(args, device, args.budget)
     else:
         mode_slices(args, device, args.budget)
 

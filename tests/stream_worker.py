@@ -2,8 +2,9 @@
 ``python tests/stream_worker.py MODE ...``).
 
 * ``kill INPUTS CKPT EXIT_AT``: a checkpointed run that the fault hook ends with ``os._exit(17)`` at task EXIT_AT.
-* ``rank RANK WORLD INIT_FILE INPUTS RESULT EXIT_AT TIMEOUT_S``: one gloo rank (init_method file://); it writes
-  ``RESULT`` (torch.save of {"out" or "error", "seconds"}); EXIT_AT >= 0 kills this rank at that task.
+* ``rank RANK WORLD INIT_FILE INPUTS RESULT EXIT_AT TIMEOUT_S [CKPT]``: one gloo rank (init_method file://); it
+  writes ``RESULT`` (torch.save of {"out" or "error", "seconds"}); EXIT_AT >= 0 kills this rank at that task; CKPT: a
+  checkpointed run (saved after every task).
 """
 
 import sys
@@ -31,13 +32,14 @@ def main(argv):
 
         rank, world, init, inputs, result, exit_at, timeout = argv[1:8]
         rank, world, exit_at = int(rank), int(world), int(exit_at)
+        ck = dict(checkpoint_dir=argv[8], checkpoint_every=0.0) if len(argv) > 8 else {}
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=float(timeout)))
         d = torch.load(inputs)
         t = time.perf_counter()
         try:
             with faults.inject(exit_at=exit_at if exit_at >= 0 else None):
-                out = stream.attention(d["q"], d["k"], d["v"], progress=False, **d["kw"])
+                out = stream.attention(d["q"], d["k"], d["v"], progress=False, **d["kw"], **ck)
             torch.save({"out": out, "seconds": time.perf_counter() - t, "report": vars(stream.last_report())}, result)
         except Exception as e:  # reported to the parent test
             torch.save({"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t}, result)

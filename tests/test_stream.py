@@ -124,6 +124,31 @@ def test_n_cap_does_not_change_a_bit():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_a_precomputed_task_merges_like_a_computed_one():
+    """On the GPU the calibration run's results (kept on the host by api._calibrate) stand in for that task's run:
+    the accumulators come out with the same bits, and the task is not computed again."""
+    from elsa_surgery.stream.executor import Accumulators, Executor
+    from elsa_surgery.stream.sources import Source
+
+    q, k, v = _qkv(n=96)
+    B, H, N, D = q.shape
+    plan = planner.make_plan(planner.Shape(B, H, k.shape[1], N, D, v.shape[3], 4), "blocks", True, None, block=16)
+    states, computed = [], []
+    for reuse in (False, True):
+        ex = Executor(plan, Source(q, "q"), Source(k, "k"), Source(v, "v"), scale=D ** -0.5,
+                      device=torch.device("cpu"), progress=False)
+        if reuse:
+            t = plan.tasks[7]
+            ex.precomputed[7] = ex._compute(t, ex._load(t))
+        real = ex._compute
+        ex._compute = lambda task, data, real=real: computed.append(task.tid) or real(task, data)
+        acc = Accumulators(B, H, N, v.shape[3], "cpu")
+        assert ex.run(range(len(plan.tasks)), acc)
+        states.append(acc.state)
+    assert computed.count(plan.tasks[7].tid) == 1 and len(computed) == 2 * len(plan.tasks) - 1
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+
+
 def test_logits_of_1e4_stay_finite_where_fp16_num_den_overflows():
     q, k, v = _qkv(n=64, D=16)
     q = q * (1e4 / ((q @ k.transpose(-1, -2)) * 16 ** -0.5).abs().max())  # the largest |logit| is 1e4

@@ -1,5 +1,7 @@
 """elsa_surgery.stream in several processes (CPU): resume after a hard kill, resumable slices, checkpoint refusal,
-2 and 4 gloo ranks against one, and a rank killed mid-run reported within the process group's timeout."""
+2 and 4 gloo ranks against one (bit for bit where every query row merges on one rank), a rank killed mid-run
+reported within the process group's timeout and the rerun resuming from every rank's finished tasks; the shard and
+ownership arithmetic."""
 
 import json
 import multiprocessing
@@ -10,10 +12,12 @@ import torch
 
 import stream_worker
 from elsa_surgery import stream
+from elsa_surgery.stream import distributed, planner
 from stream_fixtures import cpu_stream  # noqa: F401 (autouse)
 from oracle import rel_err
 
 KW = dict(is_causal=True, schedule="cqs", itr=2, c=7)
+BLOCKS = dict(is_causal=True, schedule="blocks", block=8)  # 10 query rows of tiles, 55 tasks at n=80
 
 
 def _inputs(tmp_path, n=80, kw=KW):
@@ -66,38 +70,78 @@ def _child(argv):
     return p
 
 
-def _ranks(tmp_path, world, exit_at=None, timeout=20):
-    init = tmp_path / f"init{world}"
+def _ranks(tmp_path, world, exit_at=None, timeout=20, ckpt=None, tag=""):
+    init = tmp_path / f"init{world}{tag}"
     procs = []
     for r in range(world):
         ex = exit_at if (exit_at is not None and r == world - 1) else -1
         procs.append(_child(["rank", str(r), str(world), str(init), str(tmp_path / "inputs.pt"),
-                             str(tmp_path / f"res{world}-{r}.pt"), str(ex), str(timeout)]))
+                             str(tmp_path / f"res{world}-{r}.pt"), str(ex), str(timeout)]
+                            + ([str(ckpt)] if ckpt else [])))
     for p in procs:
         p.join(240)
     return [p.exitcode for p in procs]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gloo_ranks_match_one_process(tmp_path, world):
-    d = _inputs(tmp_path)
-    one = stream.attention(d["q"], d["k"], d["v"], progress=False, **KW)
+def _plan(kw, n=80):
+    """The plan every rank makes for _inputs' shape (no budget, no calibration on the CPU)."""
+    fixed = {x: kw.get(x) for x in ("itr", "c", "block")}
+    return planner.make_plan(planner.Shape(1, 2, 2, n, 16, 16, 4), kw["schedule"], kw["is_causal"], None, **fixed)
+
+
+@pytest.mark.parametrize("world,kw", [(2, KW), (4, KW), (2, BLOCKS), (4, BLOCKS)], ids=["cqs2", "cqs4", "blk2", "blk4"])
+def test_gloo_ranks_match_one_process(tmp_path, world, kw):
+    d = _inputs(tmp_path, kw=kw)
+    one = stream.attention(d["q"], d["k"], d["v"], progress=False, **kw)
     assert _ranks(tmp_path, world) == [0] * world
     runs = 0
     for r in range(world):
         res = torch.load(tmp_path / f"res{world}-{r}.pt")
-        assert res["report"]["world"] == world and res["report"]["rank"] == r
-        runs += res["report"]["tasks_run"]
-        assert rel_err(res["out"], one) <= 1e-6  # another merge order: equal up to fp32 rounding
-    assert runs == 49  # every task ran on exactly one rank
+        rep = res["report"]
+        assert rep["world"] == world and rep["rank"] == r and rep["comm"]["seconds"] > 0
+        runs += rep["tasks_run"]
+        if kw is BLOCKS:  # every query row merged on one rank, in one process's order: the same bits
+            assert torch.equal(res["out"], one)
+            assert rep["comm"]["shared_tokens"] == 0 and rep["comm"]["owned_tokens"] == 80
+        else:  # CQS: a query chunk's subsequences on several ranks, another merge order: fp32 rounding
+            assert rel_err(res["out"], one) <= 1e-6
+            assert rep["comm"]["shared_tokens"] > 0
+    assert runs == len(_plan(kw).tasks)  # every task ran on exactly one rank
 
 
-def test_a_killed_rank_is_reported_not_hung_on(tmp_path):
-    _inputs(tmp_path)
+def test_shards_deal_whole_query_rows_and_balance_flops():
+    plan = _plan(BLOCKS, n=64)  # 8 causal query rows of 8-token tiles: row r holds r + 1 tiles
+    rank_of = distributed.assignment(plan, 2)
+    for g in distributed.groups(plan):
+        assert len({rank_of[i] for i in g}) == 1  # a query row stays on one rank
+    load = [sum(planner.task_flops(plan.shape, t) for i, t in enumerate(plan.tasks) if rank_of[i] == r)
+            for r in range(2)]
+    assert load[0] == load[1]  # rows 7+4+3+0 and 6+5+2+1 (diagonal tiles half): an even split
+    assert sorted(distributed.shard(plan, 0, 2) + distributed.shard(plan, 1, 2)) == list(range(len(plan.tasks)))
+    own = distributed.owners(plan, 2)
+    assert own[0][0] == 0 and own[-1][1] == 64 and all(a[1] == b[0] for a, b in zip(own, own[1:]))
+    diag = {t.segments[0][0] // 8: i for i, t in enumerate(plan.tasks) if len(t.segments) == 1}  # row -> tile (r, r)
+    for a, b, mask in own:
+        assert all(mask == 1 << rank_of[diag[row]] for row in range(a // 8, b // 8))  # one owner: the row's rank
+    cqs = _plan(KW)
+    assert any(bin(m).count("1") > 1 for _, _, m in distributed.owners(cqs, 2))  # CQS rows are shared
+
+
+def test_a_killed_rank_is_reported_not_hung_on_and_the_rerun_resumes(tmp_path):
+    d = _inputs(tmp_path, kw=BLOCKS)
+    one = stream.attention(d["q"], d["k"], d["v"], progress=False, **BLOCKS)
+    mine = distributed.shard(_plan(BLOCKS), 1, 2)
+    kill_at = mine[len(mine) // 2]  # half way through rank 1's share
+    ck = tmp_path / "ck"
     t = time.perf_counter()
-    rcs = _ranks(tmp_path, 2, exit_at=45, timeout=20)  # task 45 is in rank 1's shard (the last half)
+    rcs = _ranks(tmp_path, 2, exit_at=kill_at, timeout=20, ckpt=ck)
     assert rcs == [3, 17]
     res = torch.load(tmp_path / "res2-0.pt")
-    assert "rank 0 of 2: merging the partial states failed" in res["error"]
+    assert "rank 0 of 2: waiting for every rank to finish its share failed" in res["error"]
     assert res["seconds"] < 20 + 10, res  # within the collective timeout (plus slack), not hung
     assert time.perf_counter() - t < 120
+    # the rerun (same world): rank 0 saved its whole share before waiting, rank 1 the tasks before the kill
+    assert _ranks(tmp_path, 2, ckpt=ck, tag="rerun") == [0, 0]
+    for r, resumed in ((0, len(distributed.shard(_plan(BLOCKS), 0, 2))), (1, len(mine) // 2)):
+        res = torch.load(tmp_path / f"res2-{r}.pt")
+        assert res["report"]["resumed"] == resumed and torch.equal(res["out"], one)

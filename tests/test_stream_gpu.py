@@ -60,3 +60,25 @@ def test_injected_oom_on_the_gpu_gives_the_same_output():
     with faults.inject(oom_at=[3, 20], oom_times=3):
         out = stream.attention(q, k, v, is_causal=True, schedule="cqs", itr=2, n_cap=2, progress=False)
     assert rel_err(out, clean) <= 1e-2 and stream.last_report().events
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL ranks")
+def test_two_nccl_ranks_give_one_gpus_bits(tmp_path):
+    """recipes/stream_bench.py --mode scaling: one GPU in the test's child process, then torchrun with 2 NCCL ranks
+    (gloo control group beside it); the blocks schedule deals whole query rows, so the outputs are bit-identical."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "recipes" / "stream_bench.py"
+    p = subprocess.run([sys.executable, str(bench), "--mode", "scaling", "--ranks", "2", "--n", "256k", "--heads", "4",
+                        "--budget", "96MiB", "--schedule", "blocks", "--no-progress", "--data-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=240)
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    summary = rows[-1]
+    assert summary["summary"] and summary["bit_identical"] is True, summary
+    ranks = [r for r in rows if r.get("mode") == "scaling" and r.get("world") == 2]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["comm"]["shared_tokens"] == 0 for r in ranks)
+    assert sum(r["tasks_run"] for r in ranks) == ranks[0]["settings"]["tasks"]

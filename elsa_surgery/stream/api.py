@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -44,6 +45,10 @@ class StreamReport:
     tflops: float = 0.0
     rank: int = 0
     world: int = 1
+    # several ranks: seconds waiting for the others to finish their shares, and the merge's traffic and seconds
+    # (distributed.merge_finalize): {"wait_seconds", "merge", "owned_tokens", "shared_tokens", "bytes", "seconds"}
+    comm: Dict = field(default_factory=dict)
+    plan_flops: float = 0.0  # every task's FLOPs, all ranks together (aggregate throughput: plan_flops / wall time)
 
 
 _last = StreamReport()
@@ -110,28 +115,36 @@ def _plan(shape, schedule, causal, budget, device, *, itr, n_cap, c, block, over
     return plans[pick], {"predicted_seconds": secs, "picked": pick, "refused": errors}
 
 
-def _calibrate(plan, shape, schedule, causal, budget, device, q, k, v, scale, backend, fixed):
-    """Run the largest task once on the GPU; its measured peak minus the model's becomes the plan's overhead."""
+def _calibrate(plan, shape, schedule, causal, budget, device, q, k, v, scale, backend, fixed, ranks):
+    """Run the largest task once on the GPU; its measured peak minus the model's becomes the plan's overhead (under
+    several ranks the largest overhead any rank measured, so that every rank makes the same plan). Returns the new
+    plan and the task's results (states moved to the host): the run reuses them when the new plan holds the same
+    task and this rank runs it (the largest task is ~1/30 of a blocks run: computing it twice cost ~5 % of a
+    2-rank run's time at 8M tokens)."""
     if device.type != "cuda" or not plan.tasks:
         plan.notes.append("calibration skipped: no device memory to measure on " + device.type)
-        return plan
+        return plan, None
     big = max(plan.tasks, key=lambda t: t.q_tokens + t.k_tokens)
     ex = Executor(plan, q, k, v, scale=scale, device=device, backend=backend, progress=False, budget=budget)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     data = ex._load(big)
-    ex._compute(big, data)
+    results = ex._compute(big, data)
     torch.cuda.synchronize(device)
     measured = torch.cuda.max_memory_allocated(device) - base
     del data
+    kept = (big, [(rng, monoid.State(*(t.cpu() for t in st))) for rng, st in results])
+    del results
     predicted = shape.input_bytes(big.q_tokens, big.k_tokens) + shape.state_bytes(big.q_tokens)
     overhead = max(0, measured - predicted)
+    if ranks is not None:
+        overhead = int(distributed.agree(overhead, "max", *ranks))
     new, _ = _plan(shape, schedule if schedule != "auto" else plan.schedule, causal, budget, device,
                    overhead=overhead, **fixed)
     new.calibrated, new.overhead = True, overhead
     new.notes.append(f"calibrated on {big.tid}: measured {measured} B, model {predicted} B, overhead {overhead} B")
-    return new
+    return new, kept
 
 
 def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None, memory_budget=None,
@@ -181,6 +194,13 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     shape = planner.Shape(B, Hq, ks.shape[1], N, D, vs.shape[3], qs.dtype.itemsize)
     ranks = distributed.world()
     rank, size = ranks or (0, 1)
+    if ranks is not None and torch.get_num_threads() == 1 and (os.cpu_count() or 1) >= 2 * size:
+        logger.warning("elsa_surgery.stream: rank %d runs torch's CPU ops (token gathers, finalize) on 1 thread "
+                       "(torchrun sets OMP_NUM_THREADS=1 unless it is set); set OMP_NUM_THREADS to about "
+                       "cores / ranks (%d here) for host-resident inputs", rank, (os.cpu_count() or 1) // size)
+    if ranks is not None:  # one plan on every rank: the smallest budget (a fraction of free memory differs by rank)
+        agreed = distributed.agree(budget, "min", rank, size)
+        budget = None if agreed is None else int(agreed)
 
     ckpt = resume = None
     fixed = dict(itr=itr, n_cap=n_cap, c=c, block=block)
@@ -198,10 +218,12 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
             plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, acc_on_device=p["acc_on_device"],
                                      **fixed)
             auto = {}
+    kept = None
     if resume is None:
         plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)
         if calibrate:
-            plan = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend, fixed)
+            plan, kept = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend, fixed,
+                              ranks)
     for note in plan.notes:
         logger.info("elsa_surgery.stream: %s", note)
 
@@ -222,6 +244,12 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
 
     ex = Executor(plan, qs, ks, vs, scale=scale, device=dev, backend=backend, progress=progress and rank == 0,
                   budget=budget)
+    if kept is not None:
+        for i in order:  # the calibrated task, if this rank runs it in the final plan: its results, not a rerun
+            t = plan.tasks[i]
+            if t.tid == kept[0].tid and t.segments == kept[0].segments and np.array_equal(t.pairs, kept[0].pairs):
+                ex.precomputed[i] = kept[1]
+        del kept
     last_save = [time.perf_counter()]
 
     def on_task_done(index: int, flushed: bool) -> None:
@@ -232,35 +260,44 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
 
     deadline = None if max_seconds is None else time.time() + max_seconds
     complete = ex.run(order, acc, on_task_done=on_task_done, max_tasks=max_tasks, deadline=deadline)
-    if ranks is not None:
-        complete = distributed.all_finished(complete, rank, size)
     measured = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
-    if ckpt is not None:
+    if ckpt is not None:  # before waiting for the other ranks: this rank's share survives their failure
         ckpt.save(plan.settings(), done, acc.state)
+    comm: Dict = {}
+    if ranks is not None:
+        t_wait = time.perf_counter()
+        complete = distributed.all_finished(complete, rank, size)
+        comm["wait_seconds"] = time.perf_counter() - t_wait
     secs = time.perf_counter() - t0
     _last = StreamReport(plan.schedule, plan.settings(), ex.n_cap, budget, plan.predicted_peak if plan.tasks else 0,
                          measured, plan.calibrated, plan.overhead, auto, ex.events, ex.tasks_run, len(plan.tasks),
                          max((t.q_tokens for t in plan.tasks), default=0),
                          resumed, complete, secs, ex.flops / max(secs, 1e-9) / 1e12, rank,
-                         size)
+                         size, comm, sum(planner.task_flops(shape, t) for t in plan.tasks))
     if not complete:
         logger.info("elsa_surgery.stream: stopped after a slice; %d of %d tasks done, resume from %s", len(done),
                     len(order) + resumed, checkpoint_dir)
         return None
-    if ranks is not None:
-        distributed.merge_states(acc.state, rank, size)
-    return _finalize(acc, qs, shape_out, out)
-
-
-def _finalize(acc: Accumulators, qs: Source, shape_out, out):
     if out is None:
         out = torch.empty(shape_out, dtype=qs.dtype, device=qs.device if qs.kind == "tensor" else "cpu")
-    N = shape_out[2]
-    for a in range(0, N, FINALIZE_CHUNK_TOKENS):
-        b = min(N, a + FINALIZE_CHUNK_TOKENS)
-        y, _ = monoid.finalize(acc.view(a, b))
+    dtype = torch.from_numpy(np.empty(0, dtype=out.dtype)).dtype if isinstance(out, np.ndarray) else out.dtype
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        """Output rows ``[a, b)`` in ``dtype``, finalized where the accumulator is (one process and every rank of
+        several alike). A host accumulator's rows stay on the host: copying the fp32 state to the GPU to divide
+        there was slower (8M tokens, H=8, 2x H200 host: 9.5 s against 7.3 s on the host's cores)."""
+        return monoid.finalize(acc.view(a, b))[0].to(dtype)
+
+    def write(a: int, b: int, y: torch.Tensor) -> None:
         if isinstance(out, np.ndarray):
-            out[:, :, a:b] = y.to(torch.from_numpy(np.empty(0, dtype=out.dtype)).dtype).cpu().numpy()
+            out[:, :, a:b] = y.cpu().numpy()
         else:
             out[:, :, a:b].copy_(y)
+
+    if ranks is not None:
+        comm.update(distributed.merge_finalize(acc.state, plan, rank, size, rows, write, dtype))
+        return out
+    for a in range(0, N, FINALIZE_CHUNK_TOKENS):
+        b = min(N, a + FINALIZE_CHUNK_TOKENS)
+        write(a, b, rows(a, b))
     return out

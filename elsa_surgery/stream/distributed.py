@@ -1,24 +1,44 @@
 """Sharding tasks over ``torch.distributed`` ranks and merging their partial states (torch.distributed only).
 
-Each rank runs a contiguous share of the task list (balanced by FLOPs, so the query-major blocks order keeps its
-locality) into its own full-sequence accumulator, whose rows are the identity where the rank computed nothing.
-The partial states then merge exactly like the monoid, token chunk by token chunk:
-``m* = all_reduce(m, MAX)``; ``S ← S·e^(m − m*)``, ``W ← W·e^(m − m*)``; ``all_reduce(S, SUM)``,
-``all_reduce(W, SUM)``; ``m ← m*`` — every rank ends with the full result. NCCL needs device tensors: chunks travel
-through the rank's GPU; gloo reduces host tensors. A rank that died, or never reaches the collective, surfaces as
-the process group's timeout error (``init_process_group(timeout=...)``), re-raised naming this rank.
+**Shards.** Tasks are grouped by query ranges (consecutive tasks of the plan with the same query segments: one query
+row of tiles in the blocks schedule; one task each in CQS) and the groups are dealt to ranks largest first, each to
+the rank with the least work so far (by FLOPs). A rank runs its tasks in plan order into its own full-sequence
+accumulator, whose rows stay the identity where it computed nothing. Whole groups, not single tasks, go to a rank, so
+a blocks query row merges on one rank in the same order as in one process.
+
+**Merge** (:func:`merge_finalize`), token range by token range, by which ranks computed the range's rows:
+
+* one rank (*owned*): that rank finalizes the rows from its own state and broadcasts the output rows (``out``'s
+  dtype; no state travels). The rows are bit for bit those of one process running the same tasks in the same order.
+* several ranks (*shared*: CQS, or a range split across groups): ``m* = all_reduce(m, MAX)``;
+  ``S ← S·e^(m − m*)``, ``W ← W·e^(m − m*)``; ``all_reduce(S, SUM)``, ``all_reduce(W, SUM)``; then every rank
+  finalizes. Another merge order than one process: equal up to fp32 rounding.
+
+Every rank ends with the full output. NCCL needs device tensors: the chunks travel through the rank's GPU; gloo works
+on host tensors.
+
+**Control plane.** Small agreements (the budget, the calibrated overhead, whether every rank finished its share) go
+through a gloo group. Under NCCL that is a second group on the same ranks (:func:`control`): a rank that died is then
+seen at once by gloo (its socket closes) instead of after NCCL's watchdog timeout, and the other ranks raise
+``RuntimeError("stream.attention: rank r of w: ... another rank died ...")`` before any NCCL collective of the merge
+starts. A rank that is alive but slow is waited for up to the process group's timeout.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import logging
+import time
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import monoid
 from .planner import Plan, task_flops
 
+logger = logging.getLogger("elsa_surgery.stream")
 MERGE_CHUNK_TOKENS = 1 << 16
+_CONTROL: Dict[int, object] = {}  # id(default group) -> the gloo control group (NCCL runs only)
 
 
 def world() -> Optional[Tuple[int, int]]:
@@ -30,59 +50,181 @@ def world() -> Optional[Tuple[int, int]]:
     return None
 
 
-def shard(plan: Plan, rank: int, size: int) -> List[int]:
-    """Task indices of ``rank``: a contiguous run of the task list holding ~1/size of its FLOPs."""
-    costs = [task_flops(plan.shape, t) for t in plan.tasks]
-    total = sum(costs) or 1.0
-    mine, acc = [], 0.0
-    for i, c in enumerate(costs):
-        mid = (acc + c / 2) / total  # a task belongs to the rank whose share holds its midpoint
-        if min(int(mid * size), size - 1) == rank:
-            mine.append(i)
-        acc += c
-    return mine
+def _nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend() == "nccl"
+
+
+def _default_timeout() -> Optional[timedelta]:
+    """The default group's timeout (``init_process_group(timeout=...)``), read from its backend's options; None
+    (torch's gloo default) where this torch version does not expose it."""
+    import torch.distributed as dist
+
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
+        t = pg._get_backend(dev).options._timeout
+        return t if isinstance(t, timedelta) else None
+    except Exception:  # private API: absent or changed in this torch version
+        return None
+
+
+def control():
+    """The group for the control plane: the default group under gloo; under NCCL a gloo group on the same ranks
+    (created once per default group, collectively: every rank calls this at the same point of the run)."""
+    import torch.distributed as dist
+
+    if not _nccl():
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _CONTROL:
+        timeout = _default_timeout()
+        if timeout is None:
+            logger.info("elsa_surgery.stream: the process group's timeout is not readable in this torch version; "
+                        "the gloo control group uses torch's default")
+        _CONTROL[key] = dist.new_group(backend="gloo", timeout=timeout)
+    return _CONTROL[key]
+
+
+def _error(rank: int, size: int, what: str, e: Exception) -> RuntimeError:
+    return RuntimeError(f"stream.attention: rank {rank} of {size}: {what} failed — another rank died or did not "
+                        f"reach the collective within the process group's timeout ({type(e).__name__}: {e})")
+
+
+def agree(value: Optional[float], op: str, rank: int, size: int, what: str = "agreeing on a setting"
+          ) -> Optional[float]:
+    """``value`` reduced over the ranks with ``op`` ("min" / "max") on the control plane; None stands for +inf."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float("inf") if value is None else float(value)], dtype=torch.float64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=control())
+    except Exception as e:
+        raise _error(rank, size, what, e) from e
+    x = t.item()
+    return None if x == float("inf") else x
 
 
 def all_finished(finished: bool, rank: int, size: int) -> bool:
     """Whether every rank finished its share (a slice run stops all ranks together: no rank waits in the merge
     for one that stopped)."""
+    return agree(1.0 if finished else 0.0, "min", rank, size, "waiting for every rank to finish its share") == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ shards
+def groups(plan: Plan) -> List[List[int]]:
+    """Runs of consecutive task indices with the same query ranges."""
+    out: List[List[int]] = []
+    prev = None
+    for i, t in enumerate(plan.tasks):
+        key = tuple(t.segments[j] for j in t.query_segments())
+        if key != prev or not out:
+            out.append([])
+        out[-1].append(i)
+        prev = key
+    return out
+
+
+def assignment(plan: Plan, size: int) -> List[int]:
+    """The rank of every task: whole query groups, largest first, each to the least loaded rank (ties: the lowest
+    rank), so the ranks' FLOPs differ by at most the smallest group's."""
+    gs = groups(plan)
+    cost = [sum(task_flops(plan.shape, plan.tasks[i]) for i in g) for g in gs]
+    load = [0.0] * size
+    rank_of = [0] * len(plan.tasks)
+    for gi in sorted(range(len(gs)), key=lambda x: (-cost[x], x)):
+        r = min(range(size), key=lambda x: (load[x], x))
+        load[r] += cost[gi]
+        for i in gs[gi]:
+            rank_of[i] = r
+    return rank_of
+
+
+def shard(plan: Plan, rank: int, size: int) -> List[int]:
+    """Task indices of ``rank``, in plan order."""
+    return [i for i, r in enumerate(assignment(plan, size)) if r == rank]
+
+
+def owners(plan: Plan, size: int) -> List[Tuple[int, int, int]]:
+    """``(start, stop, mask)`` covering ``[0, N)``: bit r of ``mask`` is set when rank r computed rows of that token
+    range (adjacent ranges with the same mask joined)."""
+    rank_of = assignment(plan, size)
+    per_rank: List[List[Tuple[int, int]]] = [[] for _ in range(size)]
+    for i, t in enumerate(plan.tasks):
+        per_rank[rank_of[i]].extend(t.segments[j] for j in t.query_segments())
+    delta: Dict[int, int] = {0: 0, plan.shape.N: 0}
+    for r, segs in enumerate(per_rank):
+        segs.sort()
+        union: List[List[int]] = []
+        for a, b in segs:
+            if union and a <= union[-1][1]:
+                union[-1][1] = max(union[-1][1], b)
+            else:
+                union.append([a, b])
+        for a, b in union:
+            delta[a] = delta.get(a, 0) + (1 << r)
+            delta[b] = delta.get(b, 0) - (1 << r)
+    points = sorted(delta)
+    out: List[Tuple[int, int, int]] = []
+    mask = 0
+    for a, b in zip(points, points[1:]):
+        mask += delta[a]
+        if out and out[-1][2] == mask:
+            out[-1] = (out[-1][0], b, mask)
+        else:
+            out.append((a, b, mask))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ merge
+def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
+                   finalize: Callable[[int, int], torch.Tensor], write: Callable[[int, int, torch.Tensor], None],
+                   out_dtype: torch.dtype) -> Dict:
+    """Every rank's output rows written with ``write(a, b, rows)``: owned ranges finalized by their rank
+    (``finalize(a, b)``: the rows in ``out_dtype``) and broadcast, shared ranges all_reduced as states (in place
+    in ``state``) and finalized on every rank. Returns what travelled and how long it took."""
     import torch.distributed as dist
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if finished else 0], dtype=torch.int32, device=dev)
+    dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
+    B, H, _, Dv = state.W.shape
+    stats = {"merge": "owned ranges: broadcast of the owner's output rows; shared ranges: all_reduce of the states",
+             "owned_tokens": 0, "shared_tokens": 0, "bytes": 0, "seconds": 0.0}
+    t0 = time.perf_counter()
     try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    except Exception as e:
-        raise _merge_error(rank, size, e) from e
-    return bool(flag.item())
-
-
-def _merge_error(rank: int, size: int, e: Exception) -> RuntimeError:
-    return RuntimeError(f"stream.attention: rank {rank} of {size}: merging the partial states failed — another "
-                        f"rank died or did not reach the collective within the process group's timeout "
-                        f"({type(e).__name__}: {e})")
-
-
-def merge_states(state: monoid.State, rank: int, size: int) -> None:
-    """All ranks' partial states merged in place into every rank's ``state`` (``[B, H, N]`` / ``[B, H, N, Dv]``)."""
-    import torch.distributed as dist
-
-    nccl = dist.get_backend() == "nccl"
-    dev = torch.device("cuda", torch.cuda.current_device()) if nccl else state.m.device
-    n = state.m.shape[-1]
-    try:
-        for a in range(0, n, MERGE_CHUNK_TOKENS):
-            b = min(n, a + MERGE_CHUNK_TOKENS)
-            m, S, W = (t[:, :, a:b].to(dev).contiguous() for t in state)
-            gm = m.clone()
-            dist.all_reduce(gm, op=dist.ReduceOp.MAX)
-            f = torch.exp(m - torch.where(gm == float("-inf"), torch.zeros_like(gm), gm))
-            S.mul_(f)
-            W.mul_(f.unsqueeze(-1))
-            dist.all_reduce(S, op=dist.ReduceOp.SUM)
-            dist.all_reduce(W, op=dist.ReduceOp.SUM)
-            for dst, src in zip(state, (gm, S, W)):
-                dst[:, :, a:b].copy_(src)
+        for a0, b0, mask in owners(plan, size):
+            holders = [r for r in range(size) if mask >> r & 1]
+            stats["owned_tokens" if len(holders) <= 1 else "shared_tokens"] += b0 - a0
+            for a in range(a0, b0, MERGE_CHUNK_TOKENS):
+                b = min(b0, a + MERGE_CHUNK_TOKENS)
+                if not holders:  # rows no task touched (none in a valid plan): the identity's zeros, locally
+                    write(a, b, finalize(a, b))
+                elif len(holders) == 1:
+                    src = holders[0]
+                    if rank == src:
+                        rows = finalize(a, b)
+                        buf = rows.to(dev).contiguous()  # broadcast leaves the source's tensor as it is
+                    else:
+                        buf = torch.empty((B, H, b - a, Dv), dtype=out_dtype, device=dev)
+                    dist.broadcast(buf, src=src)
+                    stats["bytes"] += buf.numel() * buf.element_size()
+                    write(a, b, rows if rank == src else buf)
+                else:
+                    m, S, W = (t[:, :, a:b].to(dev).contiguous() for t in state)
+                    gm = m.clone()
+                    dist.all_reduce(gm, op=dist.ReduceOp.MAX)
+                    f = torch.exp(m - torch.where(gm == float("-inf"), torch.zeros_like(gm), gm))
+                    S.mul_(f)
+                    W.mul_(f.unsqueeze(-1))
+                    dist.all_reduce(S, op=dist.ReduceOp.SUM)
+                    dist.all_reduce(W, op=dist.ReduceOp.SUM)
+                    for dst, src_t in zip(state, (gm, S, W)):
+                        dst[:, :, a:b].copy_(src_t)
+                    stats["bytes"] += sum(t.numel() * t.element_size() for t in (gm, S, W))
+                    write(a, b, finalize(a, b))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     except Exception as e:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, timeouts)
-        raise _merge_error(rank, size, e) from e
-
+        raise _error(rank, size, "merging the partial states", e) from e
+    stats["seconds"] = time.perf_counter() - t0
+    return stats

@@ -4,7 +4,9 @@
 top-level task 3 and task 7 (indices into the plan's task list, in this rank's order) — ``oom_times`` times per
 task, so ``oom_times=2`` with ``n_cap=2`` exercises the ladder's second step (refinement). ``exit_at=k`` ends the
 process with ``os._exit(exit_code)`` when task ``k`` starts (a hard kill: no ``finally``, no flush), which is
-how the resume and dead-rank tests kill a run mid-way. ``log`` lists what was injected.
+how the resume and dead-rank tests kill a run mid-way; ``exit_after=n`` does it when this process starts its
+(n+1)-th task, whichever it is (a rank's share is known only once the plan is made). ``log`` lists what was
+injected.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class FaultPlan:
     oom_at: Dict[int, int] = field(default_factory=dict)  # task index -> OOMs left to raise
     exit_at: Optional[int] = None
     exit_code: int = 17
+    exit_after: Optional[int] = None
+    started: set = field(default_factory=set)
     log: List[str] = field(default_factory=list)
 
 
@@ -29,10 +33,11 @@ _active: Optional[FaultPlan] = None
 
 
 @contextlib.contextmanager
-def inject(oom_at: Iterable[int] = (), *, oom_times: int = 1, exit_at: Optional[int] = None, exit_code: int = 17):
+def inject(oom_at: Iterable[int] = (), *, oom_times: int = 1, exit_at: Optional[int] = None, exit_code: int = 17,
+           exit_after: Optional[int] = None):
     """Arm the executor's fault hook for the ``with`` block; yields the :class:`FaultPlan` (its ``log``)."""
     global _active
-    plan = FaultPlan({int(i): int(oom_times) for i in oom_at}, exit_at, exit_code)
+    plan = FaultPlan({int(i): int(oom_times) for i in oom_at}, exit_at, exit_code, exit_after)
     prev, _active = _active, plan
     try:
         yield plan
@@ -45,7 +50,9 @@ def check(index: int, tid: str) -> None:
     plan = _active
     if plan is None:
         return
-    if plan.exit_at is not None and index == plan.exit_at:
+    plan.started.add(index)
+    if (plan.exit_at is not None and index == plan.exit_at) or (
+            plan.exit_after is not None and len(plan.started) > plan.exit_after):
         os._exit(plan.exit_code)
     left = plan.oom_at.get(index, 0)
     if left > 0:
