@@ -283,11 +283,60 @@ def test_bad_input_names_the_argument(tmp_path):
         assert torch.equal(t, b)
 
 
-def test_autograd_is_refused_clearly():
+def _grads_vs_float64(q, k, v, **kw):
+    """Max relative error of stream.attention's dq, dk, dv against float64 autograd of the naive attention."""
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = stream.attention(q, k, v, progress=False, **kw)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+    out.backward(g)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = naive_attention(q64, k64, v64, is_causal=kw.get("is_causal", False))
+    ref.backward(g.double())
+    return [rel_err(a.grad, b.grad) for a, b in ((q, q64), (k, k64), (v, v64))], stream.last_report()
+
+
+@pytest.mark.parametrize("kw", [dict(schedule="cqs", itr=2, c=7, is_causal=True),
+                                dict(schedule="cqs", itr=1, c=7, is_causal=False),
+                                dict(schedule="blocks", block=16, is_causal=True),
+                                dict(schedule="blocks", block=32, is_causal=False)],
+                         ids=["cqs2-causal", "cqs1", "blocks-causal", "blocks"])
+def test_backward_matches_float64_autograd(kw):
+    errs, rep = _grads_vs_float64(*_qkv(n=90), **kw)
+    assert max(errs) <= 1e-5, errs
+    assert rep.backward["backward_tasks"] == rep.tasks_total > 1
+
+
+def test_backward_gqa_dv_scale():
+    q, k, v = _qkv(n=70, Hq=4, Hkv=2, D=16, Dv=8, seed=3)
+    errs, _ = _grads_vs_float64(q, k, v, schedule="blocks", block=16, is_causal=True)
+    assert max(errs) <= 1e-5, errs
+    q2 = q.clone().requires_grad_(True)
+    stream.attention(q2, k, v, scale=0.3, progress=False, schedule="cqs", itr=1).sum().backward()
+    q64 = q.double().requires_grad_(True)
+    naive_attention(q64, k.double(), v.double(), scale=0.3)[0].sum().backward()
+    assert rel_err(q2.grad, q64.grad) <= 1e-5
+
+
+def test_backward_plan_fits_a_third_of_the_budget():
+    from elsa_surgery.stream import backward
+
+    shape = planner.Shape(1, 2, 2, 4096, 16, 16, 4)
+    fwd = planner.make_plan(shape, "blocks", True, 1 << 20)
+    bwd = backward.backward_plan(fwd, 1 << 20)
+    assert len(bwd.tasks) > len(fwd.tasks)
+    assert 3 * max(shape.input_bytes(t.q_tokens, t.k_tokens) for t in bwd.tasks) <= 1 << 20
+    assert backward.backward_plan(fwd, None) is fwd
+
+
+def test_autograd_refusals_name_the_argument(tmp_path):
     q, k, v = _qkv(n=20)
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward is not supported yet"):
-        stream.attention(q, k, v, progress=False)
+    with pytest.raises(ValueError, match="out: not supported when q, k or v require grad"):
+        stream.attention(q, k, v, out=torch.empty(1, 2, 20, 16), progress=False)
+    with pytest.raises(ValueError, match="checkpoint_dir / max_tasks / max_seconds: not supported"):
+        stream.attention(q, k, v, checkpoint_dir=tmp_path, progress=False)
+    with pytest.raises(TypeError, match="autograd needs q, k and v as torch tensors"):
+        stream.attention(q, k.numpy(), v, progress=False)
     with torch.no_grad():
         out = stream.attention(q, k, v, progress=False)
     assert out.shape == q.shape

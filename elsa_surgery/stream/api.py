@@ -49,6 +49,7 @@ class StreamReport:
     # (distributed.merge_finalize): {"wait_seconds", "merge", "owned_tokens", "shared_tokens", "bytes", "seconds"}
     comm: Dict = field(default_factory=dict)
     plan_flops: float = 0.0  # every task's FLOPs, all ranks together (aggregate throughput: plan_flops / wall time)
+    backward: Dict = field(default_factory=dict)  # after a backward: {"backward_tasks", "backward_seconds"}
 
 
 _last = StreamReport()
@@ -151,7 +152,7 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
               schedule: str = "cqs", itr: Optional[int] = None, n_cap: Optional[int] = None, out=None,
               checkpoint_dir=None, progress: bool = True, c: Optional[int] = None, block: Optional[int] = None,
               device=None, backend: str = "auto", calibrate: bool = True, checkpoint_every: float = 60.0,
-              max_tasks: Optional[int] = None, max_seconds: Optional[float] = None):
+              max_tasks: Optional[int] = None, max_seconds: Optional[float] = None, _grad: Optional[Dict] = None):
     """Exact softmax attention of ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]``, ``v [B, Hkv, N, Dv]`` streamed
     through the compute device as independent tasks whose ``(m, S, W)`` states merge with the ELSA monoid.
 
@@ -165,15 +166,31 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     ``max_seconds`` stop after a slice of work (needs ``checkpoint_dir``) and return None when unfinished.
     ``device`` / ``backend``: where and with what tasks run (default: the inputs' GPU, else CUDA if present,
     else CPU with the reference backend). Under ``torch.distributed`` tasks are sharded over the ranks and every
-    rank returns the full output. See docs/stream.md.
+    rank returns the full output. Autograd: when q, k or v (torch tensors) require grad, the result is an autograd
+    node whose backward streams the tasks again and accumulates dQ, dK, dV per task (one process; not with
+    ``out``, checkpoints or slices). See docs/stream.md.
     """
     global _last
     t0 = time.perf_counter()
     tensors = [x for x in (q, k, v) if isinstance(x, torch.Tensor)]
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        raise NotImplementedError(
-            "stream.attention: backward is not supported yet (it needs the ELSA backward kernels); call it under "
-            "torch.no_grad() or with inputs that do not require grad")
+        if len(tensors) != 3:
+            raise TypeError("stream.attention: autograd needs q, k and v as torch tensors (numpy memmaps and "
+                            "safetensors slices carry no gradient)")
+        if out is not None:
+            raise ValueError("out: not supported when q, k or v require grad (the output is an autograd node); "
+                             "pass out=None")
+        if checkpoint_dir is not None or max_tasks is not None or max_seconds is not None:
+            raise ValueError("checkpoint_dir / max_tasks / max_seconds: not supported when q, k or v require grad "
+                             "(a run stopped in slices returns no autograd graph); run under torch.no_grad()")
+        if distributed.world() is not None:
+            raise NotImplementedError("stream.attention: the backward under several torch.distributed ranks is not "
+                                      "supported yet (one process only); run the forward under torch.no_grad()")
+        from .backward import StreamAttention
+
+        return StreamAttention.apply(q, k, v, dict(
+            is_causal=is_causal, scale=scale, memory_budget=memory_budget, schedule=schedule, itr=itr, n_cap=n_cap,
+            progress=progress, c=c, block=block, device=device, backend=backend, calibrate=calibrate))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
     for name, val, lo in (("itr", itr, 1), ("n_cap", n_cap, 1), ("block", block, 1)):
@@ -300,4 +317,6 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     for a in range(0, N, FINALIZE_CHUNK_TOKENS):
         b = min(N, a + FINALIZE_CHUNK_TOKENS)
         write(a, b, rows(a, b))
+    if _grad is not None:  # backward.StreamAttention: each row's final log-sum-exp and the plan
+        _grad.update(lse=acc.state.m + torch.log(acc.state.S), plan=plan, device=dev, budget=budget)
     return out
