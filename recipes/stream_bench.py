@@ -239,7 +239,8 @@ def mode_scaling(args, device, budget):
     emit({"mode": "scaling", "summary": True, "ranks": args.ranks, "n": args.n,
           "one_gpu_seconds": one["seconds"], "ranks_seconds": max(r["seconds"] for r in rows),
           "scaling": one["seconds"] / max(r["seconds"] for r in rows),
-          "throughput_tflops": {"1": one["throughput_tflops"], str(args.ranks): min(r["throughput_tflops"] for r in rows)},
+          "throughput_tflops": {"1": one["throughput_tflops"],
+                                str(args.ranks): min(r["throughput_tflops"] for r in rows)},
           "comm_share": max(r["comm_share"] for r in rows), "wait_share": max(r["wait_share"] for r in rows),
           "merge": r0["comm"].get("merge"), "merge_bytes_per_rank": r0["comm"].get("bytes"),
           "bit_identical": r0.get("bit_identical"), "max_abs_diff": r0.get("max_abs_diff"),
@@ -365,7 +366,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("target", "compare", "memory", "slices", "scaling", "drill"), default="target")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--n", "--tokens", dest="n", type=size, default=None, help="tokens (8M; 32M in slices mode); suffixes k/M")
+    p.add_argument("--n", "--tokens", dest="n", type=size, default=None,
+                   help="tokens (8M; 32M in slices mode); suffixes k/M")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")

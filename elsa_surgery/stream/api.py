@@ -239,8 +239,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     if resume is None:
         plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)
         if calibrate:
-            plan, kept = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend, fixed,
-                              ranks)
+            plan, kept = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend,
+                                    fixed, ranks)
     for note in plan.notes:
         logger.info("elsa_surgery.stream: %s", note)
 
