@@ -2,9 +2,9 @@
 ``python tests/stream_worker.py MODE ...``).
 
 * ``kill INPUTS CKPT EXIT_AT``: a checkpointed run that the fault hook ends with ``os._exit(17)`` at task EXIT_AT.
-* ``rank RANK WORLD INIT_FILE INPUTS RESULT EXIT_AT TIMEOUT_S [CKPT]``: one gloo rank (init_method file://); it
-  writes ``RESULT`` (torch.save of {"out" or "error", "seconds"}); EXIT_AT >= 0 kills this rank at that task; CKPT: a
-  checkpointed run (saved after every task).
+* ``rank RANK WORLD INIT_FILE INPUTS RESULT EXIT_AT TIMEOUT_S [CKPT | grad]``: one gloo rank (init_method
+  file://); it writes ``RESULT`` (torch.save of {"out" or "error", "seconds"}); EXIT_AT >= 0 kills this rank at that
+  task; CKPT: a checkpointed run (saved after every task); ``grad``: also the backward of ``out · g`` (dq, dk, dv).
 """
 
 import sys
@@ -32,15 +32,23 @@ def main(argv):
 
         rank, world, init, inputs, result, exit_at, timeout = argv[1:8]
         rank, world, exit_at = int(rank), int(world), int(exit_at)
-        ck = dict(checkpoint_dir=argv[8], checkpoint_every=0.0) if len(argv) > 8 else {}
+        grad = len(argv) > 8 and argv[8] == "grad"  # the backward: q, k, v require grad, out.backward(d["g"])
+        ck = dict(checkpoint_dir=argv[8], checkpoint_every=0.0) if len(argv) > 8 and not grad else {}
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=float(timeout)))
         d = torch.load(inputs)
         t = time.perf_counter()
         try:
+            q, k, v = (x.requires_grad_(grad) for x in (d["q"], d["k"], d["v"]))
             with faults.inject(exit_at=exit_at if exit_at >= 0 else None):
-                out = stream.attention(d["q"], d["k"], d["v"], progress=False, **d["kw"], **ck)
-            torch.save({"out": out, "seconds": time.perf_counter() - t, "report": vars(stream.last_report())}, result)
+                out = stream.attention(q, k, v, progress=False, **d["kw"], **ck)
+            grads = {}
+            if grad:
+                out.backward(d["g"])
+                grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+                out = out.detach()
+            torch.save({"out": out, "seconds": time.perf_counter() - t, "report": vars(stream.last_report()),
+                        **grads}, result)
         except Exception as e:  # reported to the parent test
             torch.save({"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t}, result)
             raise SystemExit(3)

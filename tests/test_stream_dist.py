@@ -70,14 +70,14 @@ def _child(argv):
     return p
 
 
-def _ranks(tmp_path, world, exit_at=None, timeout=20, ckpt=None, tag=""):
+def _ranks(tmp_path, world, exit_at=None, timeout=20, ckpt=None, tag="", grad=False):
     init = tmp_path / f"init{world}{tag}"
     procs = []
     for r in range(world):
         ex = exit_at if (exit_at is not None and r == world - 1) else -1
         procs.append(_child(["rank", str(r), str(world), str(init), str(tmp_path / "inputs.pt"),
                              str(tmp_path / f"res{world}-{r}.pt"), str(ex), str(timeout)]
-                            + ([str(ckpt)] if ckpt else [])))
+                            + ([str(ckpt)] if ckpt else []) + (["grad"] if grad else [])))
     for p in procs:
         p.join(240)
     return [p.exitcode for p in procs]
@@ -107,6 +107,25 @@ def test_gloo_ranks_match_one_process(tmp_path, world, kw):
             assert rel_err(res["out"], one) <= 1e-6
             assert rep["comm"]["shared_tokens"] > 0
     assert runs == len(_plan(kw).tasks)  # every task ran on exactly one rank
+
+
+@pytest.mark.parametrize("world,kw", [(2, BLOCKS), (3, KW)], ids=["blk2", "cqs3"])
+def test_backward_on_gloo_ranks_matches_one_process(tmp_path, world, kw):
+    """Each rank runs the backward of its shard (lse of every row from the merge), then dQ, dK, dV are summed."""
+    d = _inputs(tmp_path, kw=kw)
+    d["g"] = torch.randn(1, 2, 80, 16, generator=torch.Generator().manual_seed(8))
+    torch.save(d, tmp_path / "inputs.pt")
+    q, k, v = (d[x].clone().requires_grad_(True) for x in "qkv")
+    one = stream.attention(q, k, v, progress=False, **kw)
+    one.backward(d["g"])
+    assert _ranks(tmp_path, world, grad=True) == [0] * world
+    for r in range(world):
+        res = torch.load(tmp_path / f"res{world}-{r}.pt")
+        assert rel_err(res["out"], one.detach()) <= 1e-6
+        for name, ref in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            assert rel_err(res[name], ref) <= 1e-6, (r, name)  # summed in another order: fp32 rounding
+    assert sum(torch.load(tmp_path / f"res{world}-{r}.pt")["report"]["backward"]["backward_tasks"]
+               for r in range(world)) == len(_plan(kw).tasks)
 
 
 def test_shards_deal_whole_query_rows_and_balance_flops():
@@ -145,3 +164,36 @@ def test_a_killed_rank_is_reported_not_hung_on_and_the_rerun_resumes(tmp_path):
     for r, resumed in ((0, len(distributed.shard(_plan(BLOCKS), 0, 2))), (1, len(mine) // 2)):
         res = torch.load(tmp_path / f"res2-{r}.pt")
         assert res["report"]["resumed"] == resumed and torch.equal(res["out"], one)
+
+
+def _bench(tmp_path, *args):
+    """recipes/stream_bench.py on the CPU (it launches torchrun itself); its JSON rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "recipes" / "stream_bench.py"
+    p = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--n", "4096", "--heads", "2", "--dim", "16",
+                        "--budget", "256KiB", "--schedule", "blocks", "--no-progress", "--data-dir", str(tmp_path),
+                        *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    return [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_torchrun_gloo_ranks_give_one_process_bits(tmp_path, ranks):
+    """torchrun (not forked children) with 2 and 4 gloo ranks: the same bits as one process, every task once."""
+    rows = _bench(tmp_path, "--mode", "scaling", "--ranks", str(ranks))
+    summary = rows[-1]
+    assert summary["summary"] and summary["bit_identical"] is True and summary["ranks"] == ranks, summary
+    per_rank = [r for r in rows if r.get("world") == ranks]
+    assert sorted(r["rank"] for r in per_rank) == list(range(ranks))
+    assert sum(r["tasks_run"] for r in per_rank) == per_rank[0]["settings"]["tasks"] > ranks
+
+
+def test_torchrun_drill_fails_fast_and_the_rerun_resumes(tmp_path):
+    rows = _bench(tmp_path, "--mode", "drill", "--ranks", "2", "--checkpoint-every", "0", "--timeout", "30")
+    killed, rerun = rows[-2], rows[-1]
+    assert killed["phase"] == "killed" and killed["exit_code"] != 0 and killed["seconds_to_failure"] < 30 + 60
+    assert any("exitcode  : 17" in line for line in killed["stderr_tail"]), killed  # torchrun names the dead rank
+    assert rerun["exit_code"] == 0 and rerun["bit_identical"] is True and sum(rerun["resumed"]) > 0, rerun

@@ -167,8 +167,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     ``device`` / ``backend``: where and with what tasks run (default: the inputs' GPU, else CUDA if present,
     else CPU with the reference backend). Under ``torch.distributed`` tasks are sharded over the ranks and every
     rank returns the full output. Autograd: when q, k or v (torch tensors) require grad, the result is an autograd
-    node whose backward streams the tasks again and accumulates dQ, dK, dV per task (one process; not with
-    ``out``, checkpoints or slices). See docs/stream.md.
+    node whose backward streams the tasks again and accumulates dQ, dK, dV per task (under several ranks each rank
+    its share, then summed; not with ``out``, checkpoints or slices). See docs/stream.md.
     """
     global _last
     t0 = time.perf_counter()
@@ -183,9 +183,6 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         if checkpoint_dir is not None or max_tasks is not None or max_seconds is not None:
             raise ValueError("checkpoint_dir / max_tasks / max_seconds: not supported when q, k or v require grad "
                              "(a run stopped in slices returns no autograd graph); run under torch.no_grad()")
-        if distributed.world() is not None:
-            raise NotImplementedError("stream.attention: the backward under several torch.distributed ranks is not "
-                                      "supported yet (one process only); run the forward under torch.no_grad()")
         from .backward import StreamAttention
 
         return StreamAttention.apply(q, k, v, dict(
@@ -312,7 +309,10 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
             out[:, :, a:b].copy_(y)
 
     if ranks is not None:
-        comm.update(distributed.merge_finalize(acc.state, plan, rank, size, rows, write, dtype))
+        lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
+        comm.update(distributed.merge_finalize(acc.state, plan, rank, size, rows, write, dtype, lse_out=lse))
+        if _grad is not None:
+            _grad.update(lse=lse, plan=plan, device=dev, budget=budget)
         return out
     for a in range(0, N, FINALIZE_CHUNK_TOKENS):
         b = min(N, a + FINALIZE_CHUNK_TOKENS)

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import divide, planner
+from . import distributed, divide, planner
 from .executor import Executor
 from .sources import Source
 
@@ -42,7 +42,9 @@ def backward_plan(plan: planner.Plan, budget: Optional[int]) -> planner.Plan:
 
 def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, scale: float,
         device: torch.device, backend: str, stats: Dict) -> tuple:
-    """``(dq, dk, dv)`` of ``stream.attention`` for the upstream gradient ``dout`` (see the module docstring)."""
+    """``(dq, dk, dv)`` of ``stream.attention`` for the upstream gradient ``dout`` (see the module docstring).
+    Under several ranks (every rank holds every row's ``lse``) each rank runs its shard of the tasks and the
+    partial sums are summed over the ranks (:func:`distributed.all_reduce_sum_`)."""
     from ..api import attention
 
     t0 = time.perf_counter()
@@ -55,11 +57,15 @@ def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout:
     dv = torch.zeros(B, Hkv, N, Dv, dtype=torch.float32, device=home)
     ex = Executor(plan, qs, ks, vs, scale=scale, device=device, backend=backend, progress=False)
     gqa = Hq != Hkv
+    ranks = distributed.world()
+    order = range(len(plan.tasks)) if ranks is None else distributed.shard(plan, *ranks)
     with torch.enable_grad():  # autograd.Function.backward runs with grad mode off
-        for task in plan.tasks:
-            _task(task, ex, attention, dout, out, lse, dq, dk, dv, scale=scale, device=device, backend=backend,
-                  gqa=gqa, home=home)
-    stats.update({"backward_tasks": len(plan.tasks), "backward_seconds": time.perf_counter() - t0})
+        for i in order:
+            _task(plan.tasks[i], ex, attention, dout, out, lse, dq, dk, dv, scale=scale, device=device,
+                  backend=backend, gqa=gqa, home=home)
+    if ranks is not None:
+        distributed.all_reduce_sum_((dq, dk, dv), *ranks)
+    stats.update({"backward_tasks": len(order), "backward_seconds": time.perf_counter() - t0})
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -180,10 +180,12 @@ def owners(plan: Plan, size: int) -> List[Tuple[int, int, int]]:
 # ------------------------------------------------------------------------------------------------ merge
 def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                    finalize: Callable[[int, int], torch.Tensor], write: Callable[[int, int, torch.Tensor], None],
-                   out_dtype: torch.dtype) -> Dict:
+                   out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None) -> Dict:
     """Every rank's output rows written with ``write(a, b, rows)``: owned ranges finalized by their rank
     (``finalize(a, b)``: the rows in ``out_dtype``) and broadcast, shared ranges all_reduced as states (in place
-    in ``state``) and finalized on every rank. Returns what travelled and how long it took."""
+    in ``state``) and finalized on every rank. ``lse_out`` (``[B, H, N]`` fp32, for the backward): every rank also
+    gets every row's log-sum-exp (broadcast from the owner, or from the all_reduced state). Returns what travelled
+    and how long it took."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
@@ -199,6 +201,8 @@ def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                 b = min(b0, a + MERGE_CHUNK_TOKENS)
                 if not holders:  # rows no task touched (none in a valid plan): the identity's zeros, locally
                     write(a, b, finalize(a, b))
+                    if lse_out is not None:
+                        lse_out[:, :, a:b] = _lse(state, a, b)
                 elif len(holders) == 1:
                     src = holders[0]
                     if rank == src:
@@ -209,6 +213,12 @@ def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                     dist.broadcast(buf, src=src)
                     stats["bytes"] += buf.numel() * buf.element_size()
                     write(a, b, rows if rank == src else buf)
+                    if lse_out is not None:
+                        lb = (_lse(state, a, b).to(dev).contiguous() if rank == src
+                              else torch.empty((B, H, b - a), dtype=torch.float32, device=dev))
+                        dist.broadcast(lb, src=src)
+                        stats["bytes"] += lb.numel() * 4
+                        lse_out[:, :, a:b] = lb
                 else:
                     m, S, W = (t[:, :, a:b].to(dev).contiguous() for t in state)
                     gm = m.clone()
@@ -222,9 +232,34 @@ def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                         dst[:, :, a:b].copy_(src_t)
                     stats["bytes"] += sum(t.numel() * t.element_size() for t in (gm, S, W))
                     write(a, b, finalize(a, b))
+                    if lse_out is not None:
+                        lse_out[:, :, a:b] = _lse(state, a, b)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     except Exception as e:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, timeouts)
         raise _error(rank, size, "merging the partial states", e) from e
     stats["seconds"] = time.perf_counter() - t0
     return stats
+
+
+def _lse(state: monoid.State, a: int, b: int) -> torch.Tensor:
+    """Log-sum-exp of rows ``[a, b)`` of a merged state (``-inf`` where no key was seen)."""
+    return state.m[:, :, a:b] + torch.log(state.S[:, :, a:b])
+
+
+def all_reduce_sum_(tensors, rank: int, size: int, chunk_tokens: int = MERGE_CHUNK_TOKENS) -> None:
+    """In-place SUM over the ranks of ``[B, H, N, ...]`` tensors, token chunk by token chunk (through the rank's GPU
+    under NCCL): the backward's partial dQ, dK, dV."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else None
+    try:
+        for t in tensors:
+            for a in range(0, t.shape[2], chunk_tokens):
+                b = min(t.shape[2], a + chunk_tokens)
+                part = t[:, :, a:b]
+                buf = part.to(dev).contiguous() if dev is not None else part.contiguous()
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+                part.copy_(buf)
+    except Exception as e:
+        raise _error(rank, size, "summing the gradients", e) from e
