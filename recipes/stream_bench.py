@@ -67,7 +67,10 @@ def size(text: str) -> int:
 
 
 def emit(row: dict) -> None:
-    print(json.dumps(row), flush=True)
+    """One JSON line in one write (ranks share torchrun's stdout: print's separate newline write interleaved
+    them)."""
+    sys.stdout.write(json.dumps(row) + "\n")
+    sys.stdout.flush()
 
 
 def host_inputs(args, device):

@@ -8,8 +8,9 @@ a blocks query row merges on one rank in the same order as in one process.
 
 **Merge** (:func:`merge_finalize`), token range by token range, by which ranks computed the range's rows:
 
-* one rank (*owned*): that rank finalizes the rows from its own state and broadcasts the output rows (``out``'s
-  dtype; no state travels). The rows are bit for bit those of one process running the same tasks in the same order.
+* one rank (*owned*): that rank finalizes the rows from its own state and the ranks all_gather the output rows
+  (``out``'s dtype; no state travels), every rank finalizing a chunk of its own rows at each step. The rows are bit
+  for bit those of one process running the same tasks in the same order.
 * several ranks (*shared*: CQS, or a range split across groups): ``m* = all_reduce(m, MAX)``;
   ``S ← S·e^(m − m*)``, ``W ← W·e^(m − m*)``; ``all_reduce(S, SUM)``, ``all_reduce(W, SUM)``; then every rank
   finalizes. Another merge order than one process: equal up to fp32 rounding.
@@ -181,59 +182,75 @@ def owners(plan: Plan, size: int) -> List[Tuple[int, int, int]]:
 def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                    finalize: Callable[[int, int], torch.Tensor], write: Callable[[int, int, torch.Tensor], None],
                    out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None) -> Dict:
-    """Every rank's output rows written with ``write(a, b, rows)``: owned ranges finalized by their rank
-    (``finalize(a, b)``: the rows in ``out_dtype``) and broadcast, shared ranges all_reduced as states (in place
+    """Every rank's output rows written with ``write(a, b, rows)``.
+
+    Owned ranges (one rank computed their rows) go in steps: at step ``s`` every rank finalizes the ``s``-th chunk of
+    its own rows (``finalize(a, b)``: the rows in ``out_dtype``) and the ranks ``all_gather`` the chunks, so the
+    ranks finalize in parallel and each writes the others' rows. Shared ranges are all_reduced as states (in place
     in ``state``) and finalized on every rank. ``lse_out`` (``[B, H, N]`` fp32, for the backward): every rank also
-    gets every row's log-sum-exp (broadcast from the owner, or from the all_reduced state). Returns what travelled
+    gets every row's log-sum-exp (gathered from the owner, or from the all_reduced state). Returns what travelled
     and how long it took."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
     B, H, _, Dv = state.W.shape
-    stats = {"merge": "owned ranges: broadcast of the owner's output rows; shared ranges: all_reduce of the states",
-             "owned_tokens": 0, "shared_tokens": 0, "bytes": 0, "seconds": 0.0}
+    stats = {"merge": "owned ranges: all_gather of the owners' output rows (each rank finalizes its own); shared "
+                      "ranges: all_reduce of the states", "owned_tokens": 0, "shared_tokens": 0, "bytes": 0,
+             "seconds": 0.0}
+    chunks = lambda a0, b0: [(a, min(b0, a + MERGE_CHUNK_TOKENS)) for a in range(a0, b0, MERGE_CHUNK_TOKENS)]
+    own: List[List[Tuple[int, int]]] = [[] for _ in range(size)]  # per rank: its owned chunks, in token order
+    shared: List[Tuple[int, int]] = []
+    for a0, b0, mask in owners(plan, size):
+        holders = [r for r in range(size) if mask >> r & 1]
+        if len(holders) == 1:
+            own[holders[0]] += chunks(a0, b0)
+            stats["owned_tokens"] += b0 - a0
+        else:
+            shared += [(a, b, bool(holders)) for a, b in chunks(a0, b0)]
+            stats["shared_tokens"] += (b0 - a0) if holders else 0
     t0 = time.perf_counter()
     try:
-        for a0, b0, mask in owners(plan, size):
-            holders = [r for r in range(size) if mask >> r & 1]
-            stats["owned_tokens" if len(holders) <= 1 else "shared_tokens"] += b0 - a0
-            for a in range(a0, b0, MERGE_CHUNK_TOKENS):
-                b = min(b0, a + MERGE_CHUNK_TOKENS)
-                if not holders:  # rows no task touched (none in a valid plan): the identity's zeros, locally
-                    write(a, b, finalize(a, b))
-                    if lse_out is not None:
-                        lse_out[:, :, a:b] = _lse(state, a, b)
-                elif len(holders) == 1:
-                    src = holders[0]
-                    if rank == src:
-                        rows = finalize(a, b)
-                        buf = rows.to(dev).contiguous()  # broadcast leaves the source's tensor as it is
+        for step in range(max(map(len, own))):
+            spans = [lst[step] if step < len(lst) else (0, 0) for lst in own]
+            width = max(b - a for a, b in spans)
+            mine = spans[rank]
+            rows = finalize(*mine) if mine[1] > mine[0] else None
+            parts = [(rows, "out", Dv, out_dtype)]
+            if lse_out is not None:
+                parts.append((_lse(state, *mine) if rows is not None else None, "lse", None, torch.float32))
+            for local, what, last, dtype in parts:
+                shape = (B, H, width) + ((last,) if last is not None else ())
+                send = torch.zeros(shape, dtype=dtype, device=dev)
+                if local is not None:
+                    send[:, :, :mine[1] - mine[0]].copy_(local)
+                recv = [torch.empty_like(send) for _ in range(size)]
+                dist.all_gather(recv, send)
+                stats["bytes"] += send.numel() * send.element_size() * size
+                for r, (a, b) in enumerate(spans):
+                    if b <= a:
+                        continue
+                    got = local if r == rank else recv[r][:, :, :b - a]
+                    if what == "out":
+                        write(a, b, got)
                     else:
-                        buf = torch.empty((B, H, b - a, Dv), dtype=out_dtype, device=dev)
-                    dist.broadcast(buf, src=src)
-                    stats["bytes"] += buf.numel() * buf.element_size()
-                    write(a, b, rows if rank == src else buf)
-                    if lse_out is not None:
-                        lb = (_lse(state, a, b).to(dev).contiguous() if rank == src
-                              else torch.empty((B, H, b - a), dtype=torch.float32, device=dev))
-                        dist.broadcast(lb, src=src)
-                        stats["bytes"] += lb.numel() * 4
-                        lse_out[:, :, a:b] = lb
-                else:
-                    m, S, W = (t[:, :, a:b].to(dev).contiguous() for t in state)
-                    gm = m.clone()
-                    dist.all_reduce(gm, op=dist.ReduceOp.MAX)
-                    f = torch.exp(m - torch.where(gm == float("-inf"), torch.zeros_like(gm), gm))
-                    S.mul_(f)
-                    W.mul_(f.unsqueeze(-1))
-                    dist.all_reduce(S, op=dist.ReduceOp.SUM)
-                    dist.all_reduce(W, op=dist.ReduceOp.SUM)
-                    for dst, src_t in zip(state, (gm, S, W)):
-                        dst[:, :, a:b].copy_(src_t)
-                    stats["bytes"] += sum(t.numel() * t.element_size() for t in (gm, S, W))
-                    write(a, b, finalize(a, b))
-                    if lse_out is not None:
-                        lse_out[:, :, a:b] = _lse(state, a, b)
+                        lse_out[:, :, a:b] = got
+        for a, b, any_holder in shared:
+            if any_holder:
+                m, S, W = (t[:, :, a:b].to(dev).contiguous() for t in state)
+                gm = m.clone()
+                dist.all_reduce(gm, op=dist.ReduceOp.MAX)
+                f = torch.exp(m - torch.where(gm == float("-inf"), torch.zeros_like(gm), gm))
+                S.mul_(f)
+                W.mul_(f.unsqueeze(-1))
+                dist.all_reduce(S, op=dist.ReduceOp.SUM)
+                dist.all_reduce(W, op=dist.ReduceOp.SUM)
+                for dst, src_t in zip(state, (gm, S, W)):
+                    dst[:, :, a:b].copy_(src_t)
+                stats["bytes"] += sum(t.numel() * t.element_size() for t in (gm, S, W))
+            # (rows no task touched, none in a valid plan: the identity's zeros, locally)
+            write(a, b, finalize(a, b))
+            if lse_out is not None:
+                lse_out[:, :, a:b] = _lse(state, a, b)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     except Exception as e:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, timeouts)
