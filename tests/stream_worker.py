@@ -44,7 +44,7 @@ def main(argv):
                 out = stream.attention(q, k, v, progress=False, **d["kw"], **ck)
             grads = {}
             if grad:
-                out.backward(d["g"])
+                out.backward(d.get(f"g_rank{rank}", d["g"]))
                 grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
                 out = out.detach()
             torch.save({"out": out, "seconds": time.perf_counter() - t, "report": vars(stream.last_report()),

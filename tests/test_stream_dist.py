@@ -109,6 +109,36 @@ def test_gloo_ranks_match_one_process(tmp_path, world, kw):
     assert runs == len(_plan(kw).tasks)  # every task ran on exactly one rank
 
 
+def test_a_rank_without_a_checkpoint_takes_the_others_plan(tmp_path):
+    """A rank that died before its first save has no checkpoint while the others have one: the rerun agrees on the
+    first run's plan (no rank calibrates or re-plans alone), the others resume, and the output is the same bits."""
+    d = _inputs(tmp_path, kw=BLOCKS)
+    one = stream.attention(d["q"], d["k"], d["v"], progress=False, **BLOCKS)
+    ck = tmp_path / "ck"
+    assert _ranks(tmp_path, 2, ckpt=ck) == [0, 0]
+    import shutil
+
+    shutil.rmtree(ck / "rank1-of-2")
+    assert _ranks(tmp_path, 2, ckpt=ck, tag="rerun") == [0, 0]
+    res = [torch.load(tmp_path / f"res2-{r}.pt") for r in range(2)]
+    assert res[0]["report"]["resumed"] == len(distributed.shard(_plan(BLOCKS), 0, 2)) and res[0]["report"][
+        "tasks_run"] == 0
+    assert res[1]["report"]["resumed"] == 0 and res[1]["report"]["tasks_run"] == len(distributed.shard(_plan(BLOCKS),
+                                                                                                       1, 2))
+    assert all(torch.equal(r["out"], one) for r in res)
+
+
+def test_backward_refuses_ranks_with_different_output_gradients(tmp_path):
+    d = _inputs(tmp_path, kw=BLOCKS)
+    d["g"] = torch.randn(1, 2, 80, 16, generator=torch.Generator().manual_seed(8))
+    d["g_rank1"] = d["g"].clone()
+    d["g_rank1"][0, 0, 0, 0] += 1.0
+    torch.save(d, tmp_path / "inputs.pt")
+    assert _ranks(tmp_path, 2, grad=True) == [3, 3]
+    for r in range(2):
+        assert "the output's gradient differs between ranks" in torch.load(tmp_path / f"res2-{r}.pt")["error"]
+
+
 @pytest.mark.parametrize("world,kw", [(2, BLOCKS), (3, KW)], ids=["blk2", "cqs3"])
 def test_backward_on_gloo_ranks_matches_one_process(tmp_path, world, kw):
     """Each rank runs the backward of its shard (lse of every row from the merge), then dQ, dK, dV are summed."""
@@ -118,7 +148,8 @@ def test_backward_on_gloo_ranks_matches_one_process(tmp_path, world, kw):
     q, k, v = (d[x].clone().requires_grad_(True) for x in "qkv")
     one = stream.attention(q, k, v, progress=False, **kw)
     one.backward(d["g"])
-    assert _ranks(tmp_path, world, grad=True) == [0] * world
+    rcs = _ranks(tmp_path, world, grad=True)
+    assert rcs == [0] * world, [torch.load(tmp_path / f"res{world}-{r}.pt").get("error") for r in range(world)]
     for r in range(world):
         res = torch.load(tmp_path / f"res{world}-{r}.pt")
         assert rel_err(res["out"], one.detach()) <= 1e-6

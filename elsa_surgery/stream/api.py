@@ -215,6 +215,11 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     if ranks is not None:  # one plan on every rank: the smallest budget (a fraction of free memory differs by rank)
         agreed = distributed.agree(budget, "min", rank, size)
         budget = None if agreed is None else int(agreed)
+        # the ranks' collectives must match one for one: all record the graph for a backward, or none does
+        if distributed.agree(_grad is not None, "min", rank, size) != distributed.agree(_grad is not None, "max",
+                                                                                          rank, size):
+            raise RuntimeError(f"stream.attention: rank {rank} of {size}: some ranks call it with inputs that "
+                               "require grad and others without; every rank must make the same call")
 
     ckpt = resume = None
     fixed = dict(itr=itr, n_cap=n_cap, c=c, block=block)
@@ -225,15 +230,19 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         sub = checkpoint_dir if ranks is None else f"{checkpoint_dir}/rank{rank}-of-{size}"
         ckpt = Checkpoint(sub, fingerprint((qs, ks, vs), settings))
         resume = ckpt.load()
-        if resume is not None:  # the plan of the first slice, not a new one (bit-identical output)
-            p = resume[0]
+        p = None if resume is None else resume[0]
+        if ranks is not None:
+            # a rank that died before its first save has no checkpoint while the others do: every rank takes the
+            # plan of the first run (from a rank that has one) and skips calibration, or none does
+            p = distributed.first_plan_settings(p, rank, size)
+        if p is not None:  # the plan of the first slice, not a new one (bit-identical output)
             fixed = dict(itr=p["itr"], n_cap=n_cap, c=p["c"], block=p["block"])
             # the same accumulator placement too: device and host arithmetic may round differently
             plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, acc_on_device=p["acc_on_device"],
                                      **fixed)
             auto = {}
     kept = None
-    if resume is None:
+    if checkpoint_dir is None or p is None:
         plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)
         if calibrate:
             plan, kept = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend,
@@ -249,7 +258,7 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     acc = Accumulators(B, Hq, N, vs.shape[3], dev if plan.acc_on_device else "cpu")
     done: List[str] = []
     resumed = 0
-    if resume is not None:
+    if resume is not None and resume[1]:
         done, resumed = list(resume[1]), len(resume[1])
         for dst, src in zip(acc.state, resume[2]):
             dst.copy_(src)
@@ -310,7 +319,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
 
     if ranks is not None:
         lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
-        comm.update(distributed.merge_finalize(acc.state, plan, rank, size, rows, write, dtype, lse_out=lse))
+        comm.update(distributed.merge_finalize(acc.state, plan, rank, size, rows, write, dtype, lse_out=lse,
+                                               device=dev))
         if _grad is not None:
             _grad.update(lse=lse, plan=plan, device=dev, budget=budget)
         return out

@@ -37,7 +37,8 @@ def backward_plan(plan: planner.Plan, budget: Optional[int]) -> planner.Plan:
     if budget is None or 3 * max(plan.shape.input_bytes(t.q_tokens, t.k_tokens) for t in plan.tasks) <= budget:
         return plan
     fixed = {"itr": None, "c": plan.c} if plan.schedule == "cqs" else {"block": None}
-    return planner.make_plan(plan.shape, plan.schedule, plan.causal, budget // 3, n_cap=1, **fixed)
+    return planner.make_plan(plan.shape, plan.schedule, plan.causal, budget // 3, n_cap=1, overhead=plan.overhead,
+                             **fixed)
 
 
 def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, scale: float,
@@ -58,15 +59,35 @@ def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout:
     ex = Executor(plan, qs, ks, vs, scale=scale, device=device, backend=backend, progress=False)
     gqa = Hq != Hkv
     ranks = distributed.world()
+    if ranks is not None:
+        _same_dout_everywhere(dout, *ranks)
     order = range(len(plan.tasks)) if ranks is None else distributed.shard(plan, *ranks)
     with torch.enable_grad():  # autograd.Function.backward runs with grad mode off
         for i in order:
             _task(plan.tasks[i], ex, attention, dout, out, lse, dq, dk, dv, scale=scale, device=device,
                   backend=backend, gqa=gqa, home=home)
     if ranks is not None:
-        distributed.all_reduce_sum_((dq, dk, dv), *ranks)
+        distributed.all_reduce_sum_((dq, dk, dv), *ranks, device=device)
     stats.update({"backward_tasks": len(order), "backward_seconds": time.perf_counter() - t0})
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _same_dout_everywhere(dout: torch.Tensor, rank: int, size: int) -> None:
+    """Every rank holds the same (replicated) output, and each computes the backward of its share of the tasks for
+    its own ``dout``: the sum is the gradient only when the ``dout`` are equal (the same loss on every rank).
+    Compared by two integer checksums of the bits (exact whatever the summation order), 64K tokens at a time, on
+    the control plane."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dout.element_size()]
+    sums = [0, 0]
+    for a in range(0, dout.shape[2], 1 << 16):
+        bits = dout[:, :, a:a + (1 << 16)].contiguous().view(ints).to(torch.int64)
+        sums[0] += int(bits.sum())
+        sums[1] += int((bits * bits).sum())
+    for x in sums:
+        if distributed.agree(x, "min", rank, size) != distributed.agree(x, "max", rank, size):
+            raise ValueError(f"stream.attention backward, rank {rank} of {size}: the output's gradient differs "
+                             "between ranks; under several ranks every rank must compute the same loss of the "
+                             "(replicated) output")
 
 
 def _task(task, ex, attention, dout, out, lse, dq, dk, dv, *, scale, device, backend, gqa, home) -> None:
@@ -93,10 +114,10 @@ def _task(task, ex, attention, dout, out, lse, dq, dk, dv, *, scale, device, bac
         for s, e, causal in pieces:
             o_t, lse_t = attention(qv, kd[:, :, s:e], vd[:, :, s:e], is_causal=causal, scale=scale,
                                    enable_gqa=gqa, backend=backend, return_lse=True)
-            w = torch.where(torch.isneginf(lse_i), torch.zeros_like(lse_i), torch.exp(lse_t - lse_i))
+            lt, ot = lse_t.detach(), o_t.detach()
+            w = torch.where(torch.isneginf(lse_i), torch.zeros_like(lse_i), torch.exp(lt - lse_i))
             outs += [o_t, lse_t]
-            grads += [(w.unsqueeze(-1) * do_i).to(o_t.dtype),
-                      w * ((do_i * o_t.float()).sum(-1) - delta)]
+            grads += [(w.unsqueeze(-1) * do_i).to(o_t.dtype), w * ((do_i * ot.float()).sum(-1) - delta)]
         torch.autograd.backward(outs, grads)
     for i in task.query_segments():
         a, b = task.segments[i]

@@ -39,7 +39,7 @@ from .planner import Plan, task_flops
 
 logger = logging.getLogger("elsa_surgery.stream")
 MERGE_CHUNK_TOKENS = 1 << 16
-_CONTROL: Dict[int, object] = {}  # id(default group) -> the gloo control group (NCCL runs only)
+_CONTROL: Dict[int, tuple] = {}  # id(default group) -> (that group, its gloo control group) (NCCL runs only)
 
 
 def world() -> Optional[Tuple[int, int]]:
@@ -78,14 +78,15 @@ def control():
 
     if not _nccl():
         return None
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _CONTROL:
+    default = dist.distributed_c10d._get_default_group()
+    entry = _CONTROL.get(id(default))
+    if entry is None or entry[0] is not default:  # (a destroyed and re-created default group may reuse an id)
         timeout = _default_timeout()
         if timeout is None:
             logger.info("elsa_surgery.stream: the process group's timeout is not readable in this torch version; "
                         "the gloo control group uses torch's default")
-        _CONTROL[key] = dist.new_group(backend="gloo", timeout=timeout)
-    return _CONTROL[key]
+        entry = _CONTROL[id(default)] = (default, dist.new_group(backend="gloo", timeout=timeout))
+    return entry[1]
 
 
 def _error(rank: int, size: int, what: str, e: Exception) -> RuntimeError:
@@ -98,13 +99,30 @@ def agree(value: Optional[float], op: str, rank: int, size: int, what: str = "ag
     """``value`` reduced over the ranks with ``op`` ("min" / "max") on the control plane; None stands for +inf."""
     import torch.distributed as dist
 
-    t = torch.tensor([float("inf") if value is None else float(value)], dtype=torch.float64)
+    t = torch.tensor([float("inf") if value is None else float(value)], dtype=torch.float64)  # bools: 0 / 1
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=control())
     except Exception as e:
         raise _error(rank, size, what, e) from e
     x = t.item()
     return None if x == float("inf") else x
+
+
+def first_plan_settings(mine: Optional[Dict], rank: int, size: int) -> Optional[Dict]:
+    """The plan settings of the first run from any rank's checkpoint (``mine``: this rank's, or None when it has no
+    checkpoint: it died before its first save), the same on every rank; None when no rank has one."""
+    import torch.distributed as dist
+
+    every: List[Optional[Dict]] = [None] * size
+    try:
+        dist.all_gather_object(every, mine, group=control())
+    except Exception as e:
+        raise _error(rank, size, "comparing the ranks' checkpoints", e) from e
+    found = [x for x in every if x is not None]
+    if any(x != found[0] for x in found):
+        raise ValueError(f"checkpoint_dir: the ranks' checkpoints hold different plans ({found}); they are not of "
+                         "one run: use another directory or delete it to start over")
+    return found[0] if found else None
 
 
 def all_finished(finished: bool, rank: int, size: int) -> bool:
@@ -129,7 +147,7 @@ def groups(plan: Plan) -> List[List[int]]:
 
 def assignment(plan: Plan, size: int) -> List[int]:
     """The rank of every task: whole query groups, largest first, each to the least loaded rank (ties: the lowest
-    rank), so the ranks' FLOPs differ by at most the smallest group's."""
+    rank). Equal groups split evenly; in general the busiest rank exceeds the mean by less than the largest group."""
     gs = groups(plan)
     cost = [sum(task_flops(plan.shape, plan.tasks[i]) for i in g) for g in gs]
     load = [0.0] * size
@@ -181,18 +199,20 @@ def owners(plan: Plan, size: int) -> List[Tuple[int, int, int]]:
 # ------------------------------------------------------------------------------------------------ merge
 def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                    finalize: Callable[[int, int], torch.Tensor], write: Callable[[int, int, torch.Tensor], None],
-                   out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None) -> Dict:
+                   out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None,
+                   device: Optional[torch.device] = None) -> Dict:
     """Every rank's output rows written with ``write(a, b, rows)``.
 
     Owned ranges (one rank computed their rows) go in steps: at step ``s`` every rank finalizes the ``s``-th chunk of
     its own rows (``finalize(a, b)``: the rows in ``out_dtype``) and the ranks ``all_gather`` the chunks, so the
     ranks finalize in parallel and each writes the others' rows. Shared ranges are all_reduced as states (in place
     in ``state``) and finalized on every rank. ``lse_out`` (``[B, H, N]`` fp32, for the backward): every rank also
-    gets every row's log-sum-exp (gathered from the owner, or from the all_reduced state). Returns what travelled
-    and how long it took."""
+    gets every row's log-sum-exp (gathered from the owner, or from the all_reduced state). ``device``: the GPU
+    that NCCL's chunks travel through (default: the current device). Returns what travelled and how long it
+    took."""
     import torch.distributed as dist
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else torch.device("cpu")
+    dev = _wire(device)
     B, H, _, Dv = state.W.shape
     stats = {"merge": "owned ranges: all_gather of the owners' output rows (each rank finalizes its own); shared "
                       "ranges: all_reduce of the states", "owned_tokens": 0, "shared_tokens": 0, "bytes": 0,
@@ -264,18 +284,29 @@ def _lse(state: monoid.State, a: int, b: int) -> torch.Tensor:
     return state.m[:, :, a:b] + torch.log(state.S[:, :, a:b])
 
 
-def all_reduce_sum_(tensors, rank: int, size: int, chunk_tokens: int = MERGE_CHUNK_TOKENS) -> None:
+def _wire(device: Optional[torch.device]) -> torch.device:
+    """Where collective buffers live: the compute GPU under NCCL (the current device when not given), the host
+    under gloo."""
+    if not _nccl():
+        return torch.device("cpu")
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_reduce_sum_(tensors, rank: int, size: int, chunk_tokens: int = MERGE_CHUNK_TOKENS,
+                    device: Optional[torch.device] = None) -> None:
     """In-place SUM over the ranks of ``[B, H, N, ...]`` tensors, token chunk by token chunk (through the rank's GPU
     under NCCL): the backward's partial dQ, dK, dV."""
     import torch.distributed as dist
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if _nccl() else None
+    dev = _wire(device)
     try:
         for t in tensors:
             for a in range(0, t.shape[2], chunk_tokens):
                 b = min(t.shape[2], a + chunk_tokens)
                 part = t[:, :, a:b]
-                buf = part.to(dev).contiguous() if dev is not None else part.contiguous()
+                buf = part.to(dev).contiguous()
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM)
                 part.copy_(buf)
     except Exception as e:
