@@ -16,6 +16,7 @@ import torch
 
 def main(argv):
     torch.set_num_threads(1)
+    torch.cuda.is_available = lambda: False  # the CPU path, as the tests' autouse fixture (spawned children too)
     from elsa_surgery import stream
     from elsa_surgery.stream import faults
 

@@ -62,10 +62,13 @@ def test_slices_then_refusal_of_another_runs_checkpoint(tmp_path):
         stream.attention(d["q"], d["k"], d["v"], progress=False, checkpoint_dir=ck, **{**KW, "is_causal": False})
 
 
-def _child(argv):
-    """A forked child running tests/stream_worker.py's main (fork: no second torch import, ~10 s each on 2 shared
-    cores; the parent has no CUDA and no process group, and runs torch ops on one thread)."""
-    p = multiprocessing.get_context("fork").Process(target=stream_worker.main, args=(argv,))
+def _child(argv, method="fork"):
+    """A child running tests/stream_worker.py's main. fork: no second torch import (~10 s each on 2 shared cores;
+    the parent has no CUDA and no process group, and runs torch ops on one thread). Children that run a backward
+    are spawned: autograd refuses to run in a child forked from a process whose autograd engine started its
+    threads (the whole suite's earlier tests do that: "Unable to handle autograd's threading in combination with
+    fork-based multiprocessing")."""
+    p = multiprocessing.get_context(method).Process(target=stream_worker.main, args=(argv,))
     p.start()
     return p
 
@@ -77,7 +80,8 @@ def _ranks(tmp_path, world, exit_at=None, timeout=20, ckpt=None, tag="", grad=Fa
         ex = exit_at if (exit_at is not None and r == world - 1) else -1
         procs.append(_child(["rank", str(r), str(world), str(init), str(tmp_path / "inputs.pt"),
                              str(tmp_path / f"res{world}-{r}.pt"), str(ex), str(timeout)]
-                            + ([str(ckpt)] if ckpt else []) + (["grad"] if grad else [])))
+                            + ([str(ckpt)] if ckpt else []) + (["grad"] if grad else []),
+                            method="spawn" if grad else "fork"))
     for p in procs:
         p.join(240)
     return [p.exitcode for p in procs]
