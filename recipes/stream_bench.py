@@ -364,7 +364,9 @@ def plot_memory(points, path, title) -> None:
     ax.plot(xs, xs, ":", color="gray", label="budget")
     ax.set_xlabel("memory_budget (GiB)")
     ax.set_ylabel("peak GPU memory (GiB)")
-    ax.set_title(title, fontsize=9)
+    import textwrap
+
+    ax.set_title(textwrap.fill(title, 60), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
