@@ -183,18 +183,19 @@ def compare(out, path) -> dict:
 def mode_target(args, device, budget):
     q, k, v = host_inputs(args, device)
     out, row = run(args, q, k, v, args.schedule, budget)
-    if _rank() == 0 and args.in_core:
+    lead = _rank() == 0  # the checks and files of rank 0 only
+    if lead and args.in_core:
         tile = stream.last_report().task_tokens  # the in-core kernel on one task's size (a tile x tile call)
         row["in_core_tile"] = tile
         row["in_core_tflops"] = in_core_tflops(args, device, tile)
         row["ratio_vs_in_core"] = row["stream_tflops"] / row["in_core_tflops"]
-    if _rank() == 0 and args.spot:
+    if lead and args.spot:
         rows = sorted({0, 1, args.n // 3, args.n // 2, args.n - 1})
         row["spot_rows"] = rows
         row["spot_max_rel_err_vs_fp64"] = spot_rows(q, k, v, out, rows, device=device)
-    if _rank() == 0 and args.save_out:
+    if lead and args.save_out:
         torch.save(out, args.save_out)
-    if _rank() == 0 and args.compare_to:
+    if lead and args.compare_to:
         row.update(compare(out, args.compare_to))
     emit({"mode": "target", "n": args.n, "heads": args.heads, "dim": args.dim, "dtype": args.dtype, **row})
     return row

@@ -216,8 +216,7 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         agreed = distributed.agree(budget, "min", rank, size)
         budget = None if agreed is None else int(agreed)
         # the ranks' collectives must match one for one: all record the graph for a backward, or none does
-        if distributed.agree(_grad is not None, "min", rank, size) != distributed.agree(_grad is not None, "max",
-                                                                                          rank, size):
+        if not distributed.same(_grad is not None, rank, size):
             raise RuntimeError(f"stream.attention: rank {rank} of {size}: some ranks call it with inputs that "
                                "require grad and others without; every rank must make the same call")
 
@@ -250,7 +249,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     for note in plan.notes:
         logger.info("elsa_surgery.stream: %s", note)
 
-    order = list(range(len(plan.tasks))) if ranks is None else distributed.shard(plan, rank, size)
+    rank_of = None if ranks is None else distributed.assignment(plan, size)  # once: the shard and the merge's owners
+    order = list(range(len(plan.tasks))) if ranks is None else [i for i, r in enumerate(rank_of) if r == rank]
     if dev.type == "cuda":  # the measured peak counts everything the run allocates, the device accumulator too
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -305,11 +305,12 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         out = torch.empty(shape_out, dtype=qs.dtype, device=qs.device if qs.kind == "tensor" else "cpu")
     dtype = torch.from_numpy(np.empty(0, dtype=out.dtype)).dtype if isinstance(out, np.ndarray) else out.dtype
 
-    def rows(a: int, b: int) -> torch.Tensor:
-        """Output rows ``[a, b)`` in ``dtype``, finalized where the accumulator is (one process and every rank of
-        several alike). A host accumulator's rows stay on the host: copying the fp32 state to the GPU to divide
-        there was slower (8M tokens, H=8, 2x H200 host: 9.5 s against 7.3 s on the host's cores)."""
-        return monoid.finalize(acc.view(a, b))[0].to(dtype)
+    def rows(a: int, b: int):
+        """Output rows ``[a, b)`` in ``dtype`` and their log-sum-exp, finalized where the accumulator is (one process
+        and every rank of several alike). A host accumulator's rows stay on the host: copying the fp32 state to the
+        GPU to divide there was slower (8M tokens, H=8, 2x H200 host: 9.5 s against 7.3 s on the host's cores)."""
+        y, lse_rows = monoid.finalize(acc.view(a, b))
+        return y.to(dtype), lse_rows
 
     def write(a: int, b: int, y: torch.Tensor) -> None:
         if isinstance(out, np.ndarray):
@@ -317,16 +318,18 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         else:
             out[:, :, a:b].copy_(y)
 
+    # backward.StreamAttention: each row's final log-sum-exp (from the finalize) and the plan
+    lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
     if ranks is not None:
-        lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
-        comm.update(distributed.merge_finalize(acc.state, plan, rank, size, rows, write, dtype, lse_out=lse,
-                                               device=dev))
-        if _grad is not None:
-            _grad.update(lse=lse, plan=plan, device=dev, budget=budget)
-        return out
-    for a in range(0, N, FINALIZE_CHUNK_TOKENS):
-        b = min(N, a + FINALIZE_CHUNK_TOKENS)
-        write(a, b, rows(a, b))
-    if _grad is not None:  # backward.StreamAttention: each row's final log-sum-exp and the plan
-        _grad.update(lse=acc.state.m + torch.log(acc.state.S), plan=plan, device=dev, budget=budget)
+        comm.update(distributed.merge_finalize(acc.state, plan, rank_of, rank, size, rows, write, dtype,
+                                               lse_out=lse, device=dev))
+    else:
+        for a in range(0, N, FINALIZE_CHUNK_TOKENS):
+            b = min(N, a + FINALIZE_CHUNK_TOKENS)
+            y, lse_rows = rows(a, b)
+            write(a, b, y)
+            if lse is not None:
+                lse[:, :, a:b] = lse_rows
+    if _grad is not None:
+        _grad.update(lse=lse, plan=plan, device=dev, budget=budget)
     return out

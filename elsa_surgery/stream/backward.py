@@ -84,7 +84,7 @@ def _same_dout_everywhere(dout: torch.Tensor, rank: int, size: int) -> None:
         sums[0] += int(bits.sum())
         sums[1] += int((bits * bits).sum())
     for x in sums:
-        if distributed.agree(x, "min", rank, size) != distributed.agree(x, "max", rank, size):
+        if not distributed.same(x, rank, size):
             raise ValueError(f"stream.attention backward, rank {rank} of {size}: the output's gradient differs "
                              "between ranks; under several ranks every rank must compute the same loss of the "
                              "(replicated) output")

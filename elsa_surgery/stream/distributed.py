@@ -108,6 +108,11 @@ def agree(value: Optional[float], op: str, rank: int, size: int, what: str = "ag
     return None if x == float("inf") else x
 
 
+def same(value: Optional[float], rank: int, size: int) -> bool:
+    """Whether every rank holds the same ``value`` (its minimum and maximum over the ranks agree)."""
+    return agree(value, "min", rank, size) == agree(value, "max", rank, size)
+
+
 def first_plan_settings(mine: Optional[Dict], rank: int, size: int) -> Optional[Dict]:
     """The plan settings of the first run from any rank's checkpoint (``mine``: this rank's, or None when it has no
     checkpoint: it died before its first save), the same on every rank; None when no rank has one."""
@@ -165,10 +170,11 @@ def shard(plan: Plan, rank: int, size: int) -> List[int]:
     return [i for i, r in enumerate(assignment(plan, size)) if r == rank]
 
 
-def owners(plan: Plan, size: int) -> List[Tuple[int, int, int]]:
+def owners(plan: Plan, size: int, rank_of: Optional[List[int]] = None) -> List[Tuple[int, int, int]]:
     """``(start, stop, mask)`` covering ``[0, N)``: bit r of ``mask`` is set when rank r computed rows of that token
-    range (adjacent ranges with the same mask joined)."""
-    rank_of = assignment(plan, size)
+    range (adjacent ranges with the same mask joined). ``rank_of``: :func:`assignment`'s result, if at hand."""
+    if rank_of is None:
+        rank_of = assignment(plan, size)
     per_rank: List[List[Tuple[int, int]]] = [[] for _ in range(size)]
     for i, t in enumerate(plan.tasks):
         per_rank[rank_of[i]].extend(t.segments[j] for j in t.query_segments())
@@ -197,14 +203,16 @@ def owners(plan: Plan, size: int) -> List[Tuple[int, int, int]]:
 
 
 # ------------------------------------------------------------------------------------------------ merge
-def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
-                   finalize: Callable[[int, int], torch.Tensor], write: Callable[[int, int, torch.Tensor], None],
+def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: int, size: int,
+                   finalize: Callable[[int, int], Tuple[torch.Tensor, torch.Tensor]],
+                   write: Callable[[int, int, torch.Tensor], None],
                    out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None,
                    device: Optional[torch.device] = None) -> Dict:
     """Every rank's output rows written with ``write(a, b, rows)``.
 
     Owned ranges (one rank computed their rows) go in steps: at step ``s`` every rank finalizes the ``s``-th chunk of
-    its own rows (``finalize(a, b)``: the rows in ``out_dtype``) and the ranks ``all_gather`` the chunks, so the
+    its own rows (``finalize(a, b)``: the rows in ``out_dtype`` and their lse; ``rank_of``: :func:`assignment`'s
+    result) and the ranks ``all_gather`` the chunks, so the
     ranks finalize in parallel and each writes the others' rows. Shared ranges are all_reduced as states (in place
     in ``state``) and finalized on every rank. ``lse_out`` (``[B, H, N]`` fp32, for the backward): every rank also
     gets every row's log-sum-exp (gathered from the owner, or from the all_reduced state). ``device``: the GPU
@@ -219,8 +227,8 @@ def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
              "seconds": 0.0}
     chunks = lambda a0, b0: [(a, min(b0, a + MERGE_CHUNK_TOKENS)) for a in range(a0, b0, MERGE_CHUNK_TOKENS)]
     own: List[List[Tuple[int, int]]] = [[] for _ in range(size)]  # per rank: its owned chunks, in token order
-    shared: List[Tuple[int, int]] = []
-    for a0, b0, mask in owners(plan, size):
+    shared: List[Tuple[int, int, bool]] = []
+    for a0, b0, mask in owners(plan, size, rank_of):
         holders = [r for r in range(size) if mask >> r & 1]
         if len(holders) == 1:
             own[holders[0]] += chunks(a0, b0)
@@ -234,10 +242,10 @@ def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
             spans = [lst[step] if step < len(lst) else (0, 0) for lst in own]
             width = max(b - a for a, b in spans)
             mine = spans[rank]
-            rows = finalize(*mine) if mine[1] > mine[0] else None
+            rows, lse_rows = finalize(*mine) if mine[1] > mine[0] else (None, None)
             parts = [(rows, "out", Dv, out_dtype)]
             if lse_out is not None:
-                parts.append((_lse(state, *mine) if rows is not None else None, "lse", None, torch.float32))
+                parts.append((lse_rows, "lse", None, torch.float32))
             for local, what, last, dtype in parts:
                 shape = (B, H, width) + ((last,) if last is not None else ())
                 send = torch.zeros(shape, dtype=dtype, device=dev)
@@ -268,20 +276,16 @@ def merge_finalize(state: monoid.State, plan: Plan, rank: int, size: int,
                     dst[:, :, a:b].copy_(src_t)
                 stats["bytes"] += sum(t.numel() * t.element_size() for t in (gm, S, W))
             # (rows no task touched, none in a valid plan: the identity's zeros, locally)
-            write(a, b, finalize(a, b))
+            rows, lse_rows = finalize(a, b)
+            write(a, b, rows)
             if lse_out is not None:
-                lse_out[:, :, a:b] = _lse(state, a, b)
+                lse_out[:, :, a:b] = lse_rows
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     except Exception as e:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, timeouts)
         raise _error(rank, size, "merging the partial states", e) from e
     stats["seconds"] = time.perf_counter() - t0
     return stats
-
-
-def _lse(state: monoid.State, a: int, b: int) -> torch.Tensor:
-    """Log-sum-exp of rows ``[a, b)`` of a merged state (``-inf`` where no key was seen)."""
-    return state.m[:, :, a:b] + torch.log(state.S[:, :, a:b])
 
 
 def _wire(device: Optional[torch.device]) -> torch.device:
