@@ -317,6 +317,15 @@ def test_backward_gqa_dv_scale():
     assert rel_err(q2.grad, q64.grad) <= 1e-5
 
 
+def test_backward_shows_progress_like_the_forward(capsys):
+    q, k, v = (t.requires_grad_(True) for t in _qkv(n=48))
+    stream.attention(q, k, v, schedule="blocks", block=16, is_causal=True, progress=True).sum().backward()
+    err = capsys.readouterr().err
+    assert "stream.attention backward" in err and "6/6" in err  # 3 causal query rows of tiles: 6 tasks
+    stream.attention(q, k, v, schedule="blocks", block=16, is_causal=True, progress=False).sum().backward()
+    assert "stream.attention" not in capsys.readouterr().err
+
+
 def test_backward_plan_fits_a_third_of_the_budget():
     from elsa_surgery.stream import backward
 

@@ -20,6 +20,7 @@ forward task's inputs, so the backward plans its tasks for a third of the budget
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Dict, Optional
 
@@ -42,10 +43,11 @@ def backward_plan(plan: planner.Plan, budget: Optional[int]) -> planner.Plan:
 
 
 def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, scale: float,
-        device: torch.device, backend: str, stats: Dict) -> tuple:
+        device: torch.device, backend: str, stats: Dict, progress: bool = False) -> tuple:
     """``(dq, dk, dv)`` of ``stream.attention`` for the upstream gradient ``dout`` (see the module docstring).
     Under several ranks (every rank holds every row's ``lse``) each rank runs its shard of the tasks and the
-    partial sums are summed over the ranks (:func:`distributed.all_reduce_sum_`)."""
+    partial sums are summed over the ranks (:func:`distributed.all_reduce_sum_`). ``progress``: a tqdm bar of
+    the tasks (rank 0), as the forward's."""
     from ..api import attention
 
     t0 = time.perf_counter()
@@ -62,10 +64,15 @@ def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout:
     if ranks is not None:
         _same_dout_everywhere(dout, *ranks)
     order = range(len(plan.tasks)) if ranks is None else distributed.shard(plan, *ranks)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(order, disable=not progress or (ranks is not None and ranks[0] != 0), unit="task",
+               desc="stream.attention backward", mininterval=0.5 if sys.stderr.isatty() else 15.0)
     with torch.enable_grad():  # autograd.Function.backward runs with grad mode off
-        for i in order:
+        for i in bar:
             _task(plan.tasks[i], ex, attention, dout, out, lse, dq, dk, dv, scale=scale, device=device,
                   backend=backend, gqa=gqa, home=home)
+    bar.close()
     if ranks is not None:
         distributed.all_reduce_sum_((dq, dk, dv), *ranks, device=device)
     stats.update({"backward_tasks": len(order), "backward_seconds": time.perf_counter() - t0})
@@ -151,6 +158,6 @@ class StreamAttention(torch.autograd.Function):
         plan = backward_plan(ctx.plan, ctx.budget)
         scale = q.shape[-1] ** -0.5 if ctx.kw["scale"] is None else float(ctx.kw["scale"])
         dq, dk, dv = run(plan, q, k, v, out, lse, dout, scale=scale, device=ctx.device, backend=ctx.kw["backend"],
-                         stats=api.last_report().backward)
+                         stats=api.last_report().backward, progress=ctx.kw["progress"])
         return (dq if ctx.needs_input_grad[0] else None, dk if ctx.needs_input_grad[1] else None,
                 dv if ctx.needs_input_grad[2] else None, None)
