@@ -78,7 +78,7 @@ def host_inputs(args, device):
     shape = (1, args.heads, args.n, args.dim)
     out = []
     g = torch.Generator(device=device).manual_seed(0)
-    step = max(1, (64 << 20) // (4 * args.heads * args.dim))  # 64 MiB of fp32 draws a chunk (under any budget cap)
+    step = max(1, scratch_bytes(args) // (4 * args.heads * args.dim))  # fp32 draws a chunk
     for _ in range(3):
         t = torch.empty(shape, dtype=DTYPES[args.dtype], pin_memory=device.type == "cuda")
         for a in range(0, args.n, step):
@@ -88,12 +88,19 @@ def host_inputs(args, device):
     return out
 
 
-def spot_rows(q, k, v, out, rows, scale=None, device="cpu"):
+def scratch_bytes(args) -> int:
+    """The bench's own device chunks (input draws, the spot rows' float64 keys and values): 64 MiB, or a sixteenth of
+    the budget under a smaller cap (the allocator is capped at the budget; a 96 MiB budget ran out with 64 MiB chunks:
+    the spot rows hold a key and a value chunk at once)."""
+    return max(1 << 20, min(64 << 20, int(args.budget) // 16))
+
+
+def spot_rows(q, k, v, out, rows, scale=None, device="cpu", chunk_bytes=64 << 20):
     """Max relative error of output rows (causal) against float64, keys in chunks."""
     worst = 0.0
     D = q.shape[-1]
     scale = D ** -0.5 if scale is None else scale
-    step = max(1, (64 << 20) // (8 * q.shape[1] * D))  # keys a chunk: 64 MiB of float64 K (under any budget cap)
+    step = max(1, chunk_bytes // (8 * q.shape[1] * D))  # keys a chunk: chunk_bytes of float64 K
     for r in rows:
         qr = q[:, :, r].to(device, torch.float64)  # [B, H, D]
         m = None
@@ -149,6 +156,10 @@ def run(args, q, k, v, schedule, budget, **kw):
     kill = args.exit_after is not None and _rank() == args.exit_rank
     if args.checkpoint_dir and "checkpoint_dir" not in kw:
         kw.update(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # the ranks start the timed call together: each rank's input draw and start-up end at different times (measured:
+        # 2.4 s apart at 8M tokens), which is not the attention's time
+        torch.distributed.barrier(group=stream.distributed.control())
     t = time.perf_counter()
     with faults.inject(exit_after=args.exit_after) if kill else contextlib.nullcontext():
         out = stream.attention(q, k, v, is_causal=True, schedule=schedule, memory_budget=budget,
@@ -192,7 +203,8 @@ def mode_target(args, device, budget):
     if lead and args.spot:
         rows = sorted({0, 1, args.n // 3, args.n // 2, args.n - 1})
         row["spot_rows"] = rows
-        row["spot_max_rel_err_vs_fp64"] = spot_rows(q, k, v, out, rows, device=device)
+        row["spot_max_rel_err_vs_fp64"] = spot_rows(q, k, v, out, rows, device=device,
+                                                    chunk_bytes=scratch_bytes(args))
     if lead and args.save_out:
         torch.save(out, args.save_out)
     if lead and args.compare_to:
@@ -391,7 +403,7 @@ def mode_slices(args, device, budget):
         maps[name] = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
         if fresh and name != "o":
             g = torch.Generator(device=device).manual_seed(ord(name))
-            step = max(1, (64 << 20) // (4 * args.heads * args.dim))
+            step = max(1, scratch_bytes(args) // (4 * args.heads * args.dim))
             for a in range(0, args.n, step):
                 b = min(args.n, a + step)
                 maps[name][:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
@@ -403,7 +415,8 @@ def mode_slices(args, device, budget):
     if out is not None:
         rows = sorted({0, args.n // 2, args.n - 1})
         row["spot_rows"] = rows
-        row["spot_max_rel_err_vs_fp64"] = spot_rows(maps["q"], maps["k"], maps["v"], out, rows, device=device)
+        row["spot_max_rel_err_vs_fp64"] = spot_rows(maps["q"], maps["k"], maps["v"], out, rows, device=device,
+                                                    chunk_bytes=scratch_bytes(args))
     emit({"mode": "slices", "n": args.n, **row})
 
 

@@ -38,6 +38,9 @@ def main(argv):
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=float(timeout)))
         d = torch.load(inputs)
+        from elsa_surgery.stream import executor
+
+        executor.PEND_ON_ONE_DEVICE = d.get("pend", False)  # the CUDA path's pending states, on the CPU
         t = time.perf_counter()
         try:
             q, k, v = (x.requires_grad_(grad) for x in (d["q"], d["k"], d["v"]))

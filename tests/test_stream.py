@@ -124,6 +124,42 @@ def test_n_cap_does_not_change_a_bit():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("kw,early", [(dict(schedule="blocks", block=16, is_causal=True), 90),
+                                      (dict(schedule="blocks", block=32, is_causal=False), 90),
+                                      (dict(schedule="cqs", itr=2, c=7, is_causal=True), 0)],
+                         ids=["blocks-causal", "blocks", "cqs"])
+def test_rows_finalized_where_their_group_ends_are_the_same_bits(monkeypatch, tmp_path, kw, early):
+    """With the states of a query group pending until the group ends (CUDA with host accumulators; forced here), the
+    rows of groups that no other group touches are finalized there (the blocks schedule's query rows; no CQS row):
+    the same bits as after the run, into a tensor or a memmap, with a checkpoint, resumed from slices, and the same
+    gradients (their lse comes from there too)."""
+    from elsa_surgery.stream import executor
+
+    q, k, v = _qkv(n=90)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+    ref = stream.attention(q, k, v, progress=False, **kw)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    (stream.attention(*leaves, progress=False, **kw) * g).sum().backward()
+    ref_grads = [x.grad for x in leaves]
+    assert stream.last_report().rows_finalized_early == 0
+    monkeypatch.setattr(executor, "PEND_ON_ONE_DEVICE", True)
+    assert torch.equal(stream.attention(q, k, v, progress=False, **kw), ref)
+    assert stream.last_report().rows_finalized_early == early
+    mm = np.lib.format.open_memmap(tmp_path / "o.npy", mode="w+", dtype=np.float32, shape=tuple(ref.shape))
+    stream.attention(q, k, v, out=mm, progress=False, **kw)
+    assert np.array_equal(mm, ref.numpy())
+    ck = tmp_path / "ck"
+    assert torch.equal(stream.attention(q, k, v, progress=False, checkpoint_dir=ck, checkpoint_every=0.0, **kw), ref)
+    ck2 = tmp_path / "ck2"
+    assert stream.attention(q, k, v, progress=False, checkpoint_dir=ck2, max_tasks=3, **kw) is None
+    assert torch.equal(stream.attention(q, k, v, progress=False, checkpoint_dir=ck2, **kw), ref)
+    assert stream.last_report().resumed == 3
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    (stream.attention(*leaves, progress=False, **kw) * g).sum().backward()
+    for x, want in zip(leaves, ref_grads):
+        assert torch.equal(x.grad, want)
+
+
 def test_a_precomputed_task_merges_like_a_computed_one():
     """On the GPU the calibration run's results (kept on the host by api._calibrate) stand in for that task's run:
     the accumulators come out with the same bits, and the task is not computed again."""

@@ -93,9 +93,16 @@ def _plan(kw, n=80):
     return planner.make_plan(planner.Shape(1, 2, 2, n, 16, 16, 4), kw["schedule"], kw["is_causal"], None, **fixed)
 
 
-@pytest.mark.parametrize("world,kw", [(2, KW), (4, KW), (2, BLOCKS), (4, BLOCKS)], ids=["cqs2", "cqs4", "blk2", "blk4"])
-def test_gloo_ranks_match_one_process(tmp_path, world, kw):
+@pytest.mark.parametrize("world,kw,pend", [(2, KW, False), (4, KW, False), (2, BLOCKS, False), (4, BLOCKS, False),
+                                           (2, BLOCKS, True), (2, KW, True)],
+                         ids=["cqs2", "cqs4", "blk2", "blk4", "blk2-pend", "cqs2-pend"])
+def test_gloo_ranks_match_one_process(tmp_path, world, kw, pend):
+    """``pend``: the ranks keep each query group's states pending as on CUDA with host accumulators, so the blocks
+    rows are finalized where their group ends and the merge gathers rows read back from the output; the one-process
+    reference finalizes after its run: the same bits."""
     d = _inputs(tmp_path, kw=kw)
+    d["pend"] = pend
+    torch.save(d, tmp_path / "inputs.pt")
     one = stream.attention(d["q"], d["k"], d["v"], progress=False, **kw)
     assert _ranks(tmp_path, world) == [0] * world
     runs = 0
@@ -104,6 +111,8 @@ def test_gloo_ranks_match_one_process(tmp_path, world, kw):
         rep = res["report"]
         assert rep["world"] == world and rep["rank"] == r and rep["comm"]["seconds"] > 0
         runs += rep["tasks_run"]
+        owned = sum(b - a for a, b, m in distributed.owners(_plan(kw), world) if m == 1 << r)
+        assert rep["rows_finalized_early"] == (owned if pend and kw is BLOCKS else 0)
         if kw is BLOCKS:  # every query row merged on one rank, in one process's order: the same bits
             assert torch.equal(res["out"], one)
             assert rep["comm"]["shared_tokens"] == 0 and rep["comm"]["owned_tokens"] == 80
@@ -179,6 +188,33 @@ def test_shards_deal_whole_query_rows_and_balance_flops():
         assert all(mask == 1 << rank_of[diag[row]] for row in range(a // 8, b // 8))  # one owner: the row's rank
     cqs = _plan(KW)
     assert any(bin(m).count("1") > 1 for _, _, m in distributed.owners(cqs, 2))  # CQS rows are shared
+
+
+def test_calibration_tasks_are_largest_cheapest_in_distinct_groups_and_pin_their_group():
+    plan = _plan(BLOCKS, n=64)  # 8 causal query rows; every tile has 16 tokens, the diagonal ones half the pairs
+    group_of = {i: gi for gi, g in enumerate(distributed.groups(plan)) for i in g}
+    for size in (1, 2, 4):
+        cal = distributed.calibration_tasks(plan, size)
+        assert len(cal) == size and len({group_of[i] for i in cal}) == size
+        most = max(t.q_tokens + t.k_tokens for t in plan.tasks)
+        least = min(planner.task_flops(plan.shape, t) for t in plan.tasks)
+        assert all(plan.tasks[i].q_tokens + plan.tasks[i].k_tokens == most for i in cal)
+        assert all(planner.task_flops(plan.shape, plan.tasks[i]) == least for i in cal)  # the diagonal tiles
+    pins = dict(zip(distributed.calibration_tasks(plan, 2), (0, 1)))
+    rank_of = distributed.assignment(plan, 2, pins)
+    assert all(rank_of[i] == r for i, r in pins.items())
+    for g in distributed.groups(plan):
+        assert len({rank_of[i] for i in g}) == 1
+    flops = [planner.task_flops(plan.shape, t) for t in plan.tasks]
+    # what is left to compute (the pinned tasks are done) is balanced within the largest group's cost
+    left = [sum(f for i, f in enumerate(flops) if rank_of[i] == r and i not in pins) for r in range(2)]
+    assert abs(left[0] - left[1]) <= max(sum(flops[i] for i in g) for g in distributed.groups(plan))
+    # two pins in one group: the lower rank takes the group
+    g = max(distributed.groups(plan), key=len)
+    assert set(distributed.assignment(plan, 2, {g[0]: 1, g[1]: 0})[i] for i in g) == {0}
+    # fewer groups than ranks: the first task repeats
+    one_row = _plan(dict(is_causal=False, schedule="blocks", block=64), n=64)
+    assert distributed.calibration_tasks(one_row, 3) == [0, 0, 0]
 
 
 def test_a_killed_rank_is_reported_not_hung_on_and_the_rerun_resumes(tmp_path):

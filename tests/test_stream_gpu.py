@@ -47,10 +47,12 @@ def test_cuda_inputs_stay_on_the_device():
 
 def test_predicted_peak_within_10_percent_and_under_budget():
     q, k, v = _host(1 << 17, H=8)
-    for budget in (256 << 20, 512 << 20, 1 << 30):  # 10, 3 and 1 block tasks; the last keeps the accumulator on device
+    # several tasks each (a task reused from the calibration is not computed again: a one-task plan would measure only
+    # its merge)
+    for budget in (256 << 20, 512 << 20, 768 << 20):
         stream.attention(q, k, v, is_causal=True, schedule="blocks", memory_budget=budget, progress=False)
         rep = stream.last_report()
-        assert rep.calibrated and rep.measured_peak <= budget, vars(rep)
+        assert rep.tasks_total > 1 and rep.calibrated and rep.measured_peak <= budget, vars(rep)
         assert abs(rep.measured_peak - rep.predicted_peak) <= 0.10 * rep.measured_peak, vars(rep)
 
 
@@ -65,7 +67,8 @@ def test_injected_oom_on_the_gpu_gives_the_same_output():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL ranks")
 def test_two_nccl_ranks_give_one_gpus_bits(tmp_path):
     """recipes/stream_bench.py --mode scaling: one GPU in the test's child process, then torchrun with 2 NCCL ranks
-    (gloo control group beside it); the blocks schedule deals whole query rows, so the outputs are bit-identical."""
+    (gloo control group beside it); the blocks schedule deals whole query rows, so the outputs are bit-identical
+    unless a guardrail event changed where some rows merged (session 26: an OOM in a merge under the 96 MiB cap)."""
     import json
     import subprocess
     import sys
@@ -78,7 +81,13 @@ def test_two_nccl_ranks_give_one_gpus_bits(tmp_path):
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     summary = rows[-1]
-    assert summary["summary"] and summary["bit_identical"] is True, summary
+    assert summary["summary"], json.dumps(rows)
+    if any(r.get("events") for r in rows):
+        # a guardrail moved a run's accumulators to the host (under this tight allocator cap fragmentation can do
+        # that, at a different task in each process): rows merged on the host round differently, within bf16's ulp
+        assert summary["max_abs_diff"] <= 2e-3, json.dumps(rows)
+    else:
+        assert summary["bit_identical"] is True, json.dumps(rows)
     ranks = [r for r in rows if r.get("mode") == "scaling" and r.get("world") == 2]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["comm"]["shared_tokens"] == 0 for r in ranks)
     assert sum(r["tasks_run"] for r in ranks) == ranks[0]["settings"]["tasks"]
@@ -96,3 +105,17 @@ def test_backward_bf16_host_resident_matches_float64():
     for a, b in ((q, q64), (k, k64), (v, v64)):
         assert a.grad.device.type == "cpu" and rel_err(a.grad, b.grad) <= 2e-2  # bf16 inputs and pieces
     assert stream.last_report().backward["backward_tasks"] == 10
+
+
+def test_rows_finalized_on_the_gpu_where_their_row_ends_are_the_host_finalize_bits(tmp_path):
+    """Host accumulators: each query row of tiles is finalized on the GPU when its last tile has run, before any copy
+    to the host; a run resumed from a slice finalizes the rows finished before it on the host: the same bits."""
+    q, k, v = _host(16384)
+    kw = dict(is_causal=True, schedule="blocks", block=1024, memory_budget=8 << 20, progress=False)
+    out = stream.attention(q, k, v, **kw)
+    rep = stream.last_report()
+    assert not rep.settings["acc_on_device"] and rep.rows_finalized_early == 16384, vars(rep)
+    assert rep.measured_peak <= 8 << 20
+    assert stream.attention(q, k, v, checkpoint_dir=tmp_path, max_tasks=3, **kw) is None  # rows 0 and 1 done
+    again = stream.attention(q, k, v, checkpoint_dir=tmp_path, **kw)
+    assert stream.last_report().rows_finalized_early == 16384 - 2048 and torch.equal(again, out)

@@ -2,7 +2,7 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
-#   compile | fuzz | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   compile | fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -72,6 +72,8 @@ case "$part" in
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
+  tests-stream)  # the stream GPU tests alone (the NCCL pair needs >= 2 GPUs), ~40 s
+    gpu_tests pytest_gpu_stream.log "$repo/tests/test_stream_gpu.py" ;;
   stream-ranks)  # issue 31, on a machine with >= 2 GPUs: stream GPU tests (NCCL pair, backward included), then the
     # kill drill at 1M tokens (the rerun must resume and match one GPU bit for bit); ~3 min
     gpu_tests pytest_gpu_stream.log "$repo/tests/test_stream_gpu.py"
@@ -87,7 +89,10 @@ case "$part" in
     # "finished": true; ~8 min of tasks a call); the files stay in /tmp/s32m only while the machine is held
     timeout 590 python3 recipes/stream_bench.py --mode slices --n 32M --heads 1 --slice-seconds 420 \
       --checkpoint-every 120 --data-dir /tmp/s32m --no-progress 2>&1 | tee "$out/stream_32m.log" | grep '^{' ;;
-  fuzz) bash tools/gpu_fuzz.sh "$out/fuzz" 16 700 500 2>&1 | tee "$out/fuzz.log" | tail -40 ;;
+  fuzz)  # (args: first seed [1]; processes = the host's cores - 8, at most 24) ~540 s; two calls (seeds 1, then 25)
+    # make the 10,000 cases
+    procs=$(( $(nproc) - 8 )); [ "$procs" -gt 24 ] && procs=24; [ "$procs" -lt 4 ] && procs=4
+    bash tools/gpu_fuzz.sh "$out/fuzz" "$procs" 700 530 "${1:-1}" 2>&1 | tee "$out/fuzz.log" | tail -40 ;;
   exec) "$@" 2>&1 | tee "$out/exec.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

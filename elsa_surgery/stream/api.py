@@ -50,6 +50,9 @@ class StreamReport:
     comm: Dict = field(default_factory=dict)
     plan_flops: float = 0.0  # every task's FLOPs, all ranks together (aggregate throughput: plan_flops / wall time)
     backward: Dict = field(default_factory=dict)  # after a backward: {"backward_tasks", "backward_seconds"}
+    # output rows (tokens) finalized where their query group ended (on the device, for states pending there), not
+    # after the run from the accumulator
+    rows_finalized_early: int = 0
 
 
 _last = StreamReport()
@@ -116,16 +119,73 @@ def _plan(shape, schedule, causal, budget, device, *, itr, n_cap, c, block, over
     return plans[pick], {"predicted_seconds": secs, "picked": pick, "refused": errors}
 
 
+def _output(out, shape_out, qs):
+    """``(out, a torch view of it, its torch dtype)``; a new CPU (or, for CUDA inputs, CUDA) tensor when None."""
+    if out is None:
+        out = torch.empty(shape_out, dtype=qs.dtype, device=qs.device if qs.kind == "tensor" else "cpu")
+    out_t = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+    return out, out_t, out_t.dtype
+
+
+def _final_rows(rng, st: monoid.State, out_t: torch.Tensor, dtype, lse, written) -> None:
+    """Rows ``rng`` whose state ``st`` is complete: finalized where ``st`` is (the device, for a group pending
+    there), in chunks of at most an eighth of the rows (the finalize's temporaries, about three chunk-sized fp32
+    tensors, stay under half of ``st``: within the plan's merge peak, which holds two more states), written to the
+    output (and their log-sum-exp to ``lse``)."""
+    a0, b0 = rng
+    step = max(1, min(FINALIZE_CHUNK_TOKENS, (b0 - a0) // 8))
+    for a in range(a0, b0, step):
+        b = min(b0, a + step)
+        part = monoid.State(*(t[:, :, a - a0:b - a0] for t in st))
+        y, lse_rows = monoid.finalize(part, dtype)
+        out_t[:, :, a:b].copy_(y)
+        if lse is not None:
+            lse[:, :, a:b].copy_(lse_rows)
+    written[a0:b0] = True
+
+
+def _runs(mask: np.ndarray, a: int, b: int):
+    """The maximal ``[x0, x1)`` within ``[a, b)`` where ``mask`` is True."""
+    m = np.concatenate(([False], mask[a:b], [False])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(m))
+    return [(a + int(x0), a + int(x1)) for x0, x1 in zip(edges[::2], edges[1::2])]
+
+
+def _exclusive_groups(plan) -> Dict[tuple, int]:
+    """Query key -> task count of the query groups (runs of tasks with the same query ranges) whose rows no other
+    group touches: once such a group's tasks have run, its rows are final (the blocks schedule's query rows; CQS
+    subsequences share chunks, so none there)."""
+    gs = distributed.groups(plan)
+    keys = [Executor._qkey(plan.tasks[g[0]]) for g in gs]
+    points = sorted({p for key in keys for a, b in key for p in (a, b)})
+    at = {p: i for i, p in enumerate(points)}
+    diff = np.zeros(len(points) + 1, dtype=np.int64)
+    for key in keys:  # a group's own ranges are disjoint: the count is of groups
+        for a, b in key:
+            diff[at[a]] += 1
+            diff[at[b]] -= 1
+    cover = np.cumsum(diff)
+    shared = {gi for gi, key in enumerate(keys) if any(cover[at[a]:at[b]].max() > 1 for a, b in key if b > a)}
+    totals: Dict[tuple, int] = {}
+    for gi, (g, key) in enumerate(zip(gs, keys)):
+        if gi not in shared:
+            totals[key] = totals.get(key, 0) + len(g)
+    return totals
+
+
 def _calibrate(plan, shape, schedule, causal, budget, device, q, k, v, scale, backend, fixed, ranks):
-    """Run the largest task once on the GPU; its measured peak minus the model's becomes the plan's overhead (under
-    several ranks the largest overhead any rank measured, so that every rank makes the same plan). Returns the new
-    plan and the task's results (states moved to the host): the run reuses them when the new plan holds the same
-    task and this rank runs it (the largest task is ~1/30 of a blocks run: computing it twice cost ~5 % of a
-    2-rank run's time at 8M tokens)."""
+    """Run a largest task once on the GPU; its measured peak minus the model's becomes the plan's overhead (under
+    several ranks each rank runs a different largest task, :func:`distributed.calibration_tasks`, and the plan takes
+    the largest overhead any rank measured, so that every rank makes the same plan). Returns the new plan, the
+    task's results (states moved to the host) and every rank's calibration task: the run reuses the results when
+    the new plan holds the same task (its group is then pinned to this rank), instead of computing it twice (a
+    largest task is ~1/30 of a blocks run at 8M tokens; one rank's wasted calibration was ~3 % of a 2-rank run)."""
     if device.type != "cuda" or not plan.tasks:
         plan.notes.append("calibration skipped: no device memory to measure on " + device.type)
-        return plan, None
-    big = max(plan.tasks, key=lambda t: t.q_tokens + t.k_tokens)
+        return plan, None, []
+    rank, size = ranks or (0, 1)
+    calibrated_on = [plan.tasks[i] for i in distributed.calibration_tasks(plan, size)]
+    big = calibrated_on[rank]
     ex = Executor(plan, q, k, v, scale=scale, device=device, backend=backend, progress=False, budget=budget)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -143,9 +203,9 @@ def _calibrate(plan, shape, schedule, causal, budget, device, q, k, v, scale, ba
         overhead = int(distributed.agree(overhead, "max", *ranks))
     new, _ = _plan(shape, schedule if schedule != "auto" else plan.schedule, causal, budget, device,
                    overhead=overhead, **fixed)
-    new.calibrated, new.overhead = True, overhead
+    new.calibrated, new.overhead, new.calibration_peak = True, overhead, measured
     new.notes.append(f"calibrated on {big.tid}: measured {measured} B, model {predicted} B, overhead {overhead} B")
-    return new, kept
+    return new, kept, calibrated_on
 
 
 def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None, memory_budget=None,
@@ -240,16 +300,27 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
             plan = planner.make_plan(shape, p["schedule"], bool(is_causal), budget, acc_on_device=p["acc_on_device"],
                                      **fixed)
             auto = {}
-    kept = None
+    kept, pins = None, {}
     if checkpoint_dir is None or p is None:
         plan, auto = _plan(shape, schedule, bool(is_causal), budget, dev, **fixed)
         if calibrate:
-            plan, kept = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs, scale, backend,
-                                    fixed, ranks)
+            plan, kept, calibrated_on = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs,
+                                                   scale, backend, fixed, ranks)
+            # each rank's calibrated task, where the final plan holds it: pinned to that rank (its results are reused
+            # instead of computed again), and this rank's as (task, results, index in the final plan)
+            where = {(t.tid, t.segments): i for i, t in enumerate(plan.tasks)}
+            for r, t in enumerate(calibrated_on):
+                i = where.get((t.tid, t.segments))
+                if i is not None and np.array_equal(plan.tasks[i].pairs, t.pairs):
+                    pins.setdefault(i, r)
+            if kept is not None:
+                mine = [i for i, r in pins.items() if r == rank]
+                kept = (*kept, mine[0]) if mine else None
     for note in plan.notes:
         logger.info("elsa_surgery.stream: %s", note)
 
-    rank_of = None if ranks is None else distributed.assignment(plan, size)  # once: the shard and the merge's owners
+    # once: the shard and the merge's owners
+    rank_of = None if ranks is None else distributed.assignment(plan, size, pins)
     order = list(range(len(plan.tasks))) if ranks is None else [i for i, r in enumerate(rank_of) if r == rank]
     if dev.type == "cuda":  # the measured peak counts everything the run allocates, the device accumulator too
         torch.cuda.synchronize(dev)
@@ -267,12 +338,27 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
 
     ex = Executor(plan, qs, ks, vs, scale=scale, device=dev, backend=backend, progress=progress and rank == 0,
                   budget=budget)
+    if kept is not None and rank_of is not None and rank_of[kept[2]] != rank:
+        kept = None  # its group went to another rank (two ranks calibrated in one group)
     if kept is not None:
         for i in order:  # the calibrated task, if this rank runs it in the final plan: its results, not a rerun
-            t = plan.tasks[i]
-            if t.tid == kept[0].tid and t.segments == kept[0].segments and np.array_equal(t.pairs, kept[0].pairs):
+            if i == kept[2]:
                 ex.precomputed[i] = kept[1]
         del kept
+    # backward.StreamAttention: each row's final log-sum-exp (from the finalize) and the plan
+    lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
+    whole = max_tasks is None and max_seconds is None  # a run that ends with the output (barring a failure)
+    written = np.zeros(N, dtype=bool)  # output rows written already (finalized when their group finished)
+    out_t = None
+    if whole:
+        out, out_t, dtype = _output(out, shape_out, qs)
+        ex.on_final = lambda rng, st: _final_rows(rng, st, out_t, dtype, lse, written)
+        ex.group_total, finished_ids = _exclusive_groups(plan), {plan.tasks[i].tid for i in range(len(plan.tasks))
+                                                                  if plan.tasks[i].tid in set(done)}
+        for t in plan.tasks:
+            if t.tid in finished_ids:
+                ex.group_done[Executor._qkey(t)] += 1
+        ex.keep_final = ckpt is not None
     last_save = [time.perf_counter()]
 
     def on_task_done(index: int, flushed: bool) -> None:
@@ -283,7 +369,9 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
 
     deadline = None if max_seconds is None else time.time() + max_seconds
     complete = ex.run(order, acc, on_task_done=on_task_done, max_tasks=max_tasks, deadline=deadline)
-    measured = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+    # the call's peak: the run's, or the calibration run's where that was higher (a task reused from the calibration
+    # is not computed again)
+    measured = max(torch.cuda.max_memory_allocated(dev) - base, plan.calibration_peak) if dev.type == "cuda" else None
     if ckpt is not None:  # before waiting for the other ranks: this rank's share survives their failure
         ckpt.save(plan.settings(), done, acc.state)
     comm: Dict = {}
@@ -296,36 +384,44 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
                          measured, plan.calibrated, plan.overhead, auto, ex.events, ex.tasks_run, len(plan.tasks),
                          max((t.q_tokens for t in plan.tasks), default=0),
                          resumed, complete, secs, ex.flops / max(secs, 1e-9) / 1e12, rank,
-                         size, comm, sum(planner.task_flops(shape, t) for t in plan.tasks))
+                         size, comm, sum(planner.task_flops(shape, t) for t in plan.tasks),
+                         rows_finalized_early=int(written.sum()))
     if not complete:
         logger.info("elsa_surgery.stream: stopped after a slice; %d of %d tasks done, resume from %s", len(done),
                     len(order) + resumed, checkpoint_dir)
         return None
-    if out is None:
-        out = torch.empty(shape_out, dtype=qs.dtype, device=qs.device if qs.kind == "tensor" else "cpu")
-    dtype = torch.from_numpy(np.empty(0, dtype=out.dtype)).dtype if isinstance(out, np.ndarray) else out.dtype
+    if out_t is None:
+        out, out_t, dtype = _output(out, shape_out, qs)
 
     def rows(a: int, b: int):
-        """Output rows ``[a, b)`` in ``dtype`` and their log-sum-exp, finalized where the accumulator is (one process
-        and every rank of several alike). A host accumulator's rows stay on the host: copying the fp32 state to the
-        GPU to divide there was slower (8M tokens, H=8, 2x H200 host: 9.5 s against 7.3 s on the host's cores)."""
+        """Output rows ``[a, b)`` in ``dtype`` and their log-sum-exp (rows written already: read back from ``out``).
+        The others are finalized where the accumulator is (one process and every rank of several alike). A host
+        accumulator's rows stay on the host: copying the fp32 state to the GPU to divide there was slower (8M
+        tokens, H=8, 2x H200 host: 9.5 s against 7.3 s on the host's cores)."""
+        if written[a:b].all():
+            return out_t[:, :, a:b], (None if lse is None else lse[:, :, a:b])
         y, lse_rows = monoid.finalize(acc.view(a, b))
-        return y.to(dtype), lse_rows
+        y = y.to(dtype)
+        for x0, x1 in _runs(written, a, b):  # rows finalized earlier (their accumulator rows may be left empty)
+            y[:, :, x0 - a:x1 - a] = out_t[:, :, x0:x1]
+            if lse is not None:
+                lse_rows[:, :, x0 - a:x1 - a] = lse[:, :, x0:x1]
+        return y, lse_rows
 
     def write(a: int, b: int, y: torch.Tensor) -> None:
-        if isinstance(out, np.ndarray):
-            out[:, :, a:b] = y.cpu().numpy()
-        else:
-            out[:, :, a:b].copy_(y)
+        dst = out_t[:, :, a:b]
+        if y.device == dst.device and y.data_ptr() == dst.data_ptr() and y.stride() == dst.stride():
+            return  # the rows read back from out by rows()
+        dst.copy_(y)
 
-    # backward.StreamAttention: each row's final log-sum-exp (from the finalize) and the plan
-    lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
     if ranks is not None:
         comm.update(distributed.merge_finalize(acc.state, plan, rank_of, rank, size, rows, write, dtype,
-                                               lse_out=lse, device=dev))
+                                               lse_out=lse, device=dev, budget=budget))
     else:
         for a in range(0, N, FINALIZE_CHUNK_TOKENS):
             b = min(N, a + FINALIZE_CHUNK_TOKENS)
+            if written[a:b].all():
+                continue
             y, lse_rows = rows(a, b)
             write(a, b, y)
             if lse is not None:

@@ -150,19 +150,52 @@ def groups(plan: Plan) -> List[List[int]]:
     return out
 
 
-def assignment(plan: Plan, size: int) -> List[int]:
+def assignment(plan: Plan, size: int, pins: Optional[Dict[int, int]] = None) -> List[int]:
     """The rank of every task: whole query groups, largest first, each to the least loaded rank (ties: the lowest
-    rank). Equal groups split evenly; in general the busiest rank exceeds the mean by less than the largest group."""
+    rank). Equal groups split evenly; in general the busiest rank exceeds the mean by less than the largest group.
+    ``pins`` (task index -> rank): tasks computed already on that rank (calibration); their groups go to that rank
+    first (the lowest rank when two pins share a group), loaded with the group's cost less the pinned tasks'."""
     gs = groups(plan)
-    cost = [sum(task_flops(plan.shape, plan.tasks[i]) for i in g) for g in gs]
+    flops = [task_flops(plan.shape, t) for t in plan.tasks]
+    cost = [sum(flops[i] for i in g) for g in gs]
     load = [0.0] * size
     rank_of = [0] * len(plan.tasks)
+    placed = set()
+    pins = pins or {}
+    for gi, g in enumerate(gs):
+        mine = sorted((pins[i], i) for i in g if i in pins)
+        if mine:
+            r = mine[0][0]
+            load[r] += cost[gi] - sum(flops[i] for rr, i in mine if rr == r)
+            placed.add(gi)
+            for i in g:
+                rank_of[i] = r
     for gi in sorted(range(len(gs)), key=lambda x: (-cost[x], x)):
+        if gi in placed:
+            continue
         r = min(range(size), key=lambda x: (load[x], x))
         load[r] += cost[gi]
         for i in gs[gi]:
             rank_of[i] = r
     return rank_of
+
+
+def calibration_tasks(plan: Plan, size: int) -> List[int]:
+    """A task index per rank for the calibration run: of the tasks with the most tokens (the largest inputs and
+    states, so the largest measured peak), the cheapest first, each rank's in a query group of its own while there
+    are enough groups (then its result is reused: :func:`assignment`'s ``pins``)."""
+    most = max(t.q_tokens + t.k_tokens for t in plan.tasks)
+    cands = sorted((task_flops(plan.shape, t), i) for i, t in enumerate(plan.tasks)
+                   if t.q_tokens + t.k_tokens == most)
+    group_of = {i: gi for gi, g in enumerate(groups(plan)) for i in g}
+    picked: List[int] = []
+    used = set()
+    for _, i in cands:
+        if len(picked) < size and group_of[i] not in used:
+            picked.append(i)
+            used.add(group_of[i])
+    # fewer groups than ranks: the extra ranks calibrate on the first task too (their results are not reused)
+    return picked + [picked[0]] * (size - len(picked))
 
 
 def shard(plan: Plan, rank: int, size: int) -> List[int]:
@@ -207,7 +240,7 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
                    finalize: Callable[[int, int], Tuple[torch.Tensor, torch.Tensor]],
                    write: Callable[[int, int, torch.Tensor], None],
                    out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None,
-                   device: Optional[torch.device] = None) -> Dict:
+                   device: Optional[torch.device] = None, budget: Optional[int] = None) -> Dict:
     """Every rank's output rows written with ``write(a, b, rows)``.
 
     Owned ranges (one rank computed their rows) go in steps: at step ``s`` every rank finalizes the ``s``-th chunk of
@@ -216,8 +249,9 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
     ranks finalize in parallel and each writes the others' rows. Shared ranges are all_reduced as states (in place
     in ``state``) and finalized on every rank. ``lse_out`` (``[B, H, N]`` fp32, for the backward): every rank also
     gets every row's log-sum-exp (gathered from the owner, or from the all_reduced state). ``device``: the GPU
-    that NCCL's chunks travel through (default: the current device). Returns what travelled and how long it
-    took."""
+    that NCCL's chunks travel through (default: the current device); ``budget``: its memory budget in bytes (the
+    chunks shrink from :data:`MERGE_CHUNK_TOKENS` so that the device buffers, ``1 + size`` chunks of output rows,
+    take at most half of it). Returns what travelled and how long it took."""
     import torch.distributed as dist
 
     dev = _wire(device)
@@ -225,7 +259,10 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
     stats = {"merge": "owned ranges: all_gather of the owners' output rows (each rank finalizes its own); shared "
                       "ranges: all_reduce of the states", "owned_tokens": 0, "shared_tokens": 0, "bytes": 0,
              "seconds": 0.0}
-    chunks = lambda a0, b0: [(a, min(b0, a + MERGE_CHUNK_TOKENS)) for a in range(a0, b0, MERGE_CHUNK_TOKENS)]
+    per_token = B * H * (Dv * torch.empty(0, dtype=out_dtype).element_size() + (4 if lse_out is not None else 0))
+    step = MERGE_CHUNK_TOKENS if budget is None or dev.type != "cuda" else max(
+        1, min(MERGE_CHUNK_TOKENS, budget // (2 * (1 + size) * per_token)))
+    chunks = lambda a0, b0: [(a, min(b0, a + step)) for a in range(a0, b0, step)]
     own: List[List[Tuple[int, int]]] = [[] for _ in range(size)]  # per rank: its owned chunks, in token order
     shared: List[Tuple[int, int, bool]] = []
     for a0, b0, mask in owners(plan, size, rank_of):
@@ -238,30 +275,7 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
             stats["shared_tokens"] += (b0 - a0) if holders else 0
     t0 = time.perf_counter()
     try:
-        for step in range(max(map(len, own))):
-            spans = [lst[step] if step < len(lst) else (0, 0) for lst in own]
-            width = max(b - a for a, b in spans)
-            mine = spans[rank]
-            rows, lse_rows = finalize(*mine) if mine[1] > mine[0] else (None, None)
-            parts = [(rows, "out", Dv, out_dtype)]
-            if lse_out is not None:
-                parts.append((lse_rows, "lse", None, torch.float32))
-            for local, what, last, dtype in parts:
-                shape = (B, H, width) + ((last,) if last is not None else ())
-                send = torch.zeros(shape, dtype=dtype, device=dev)
-                if local is not None:
-                    send[:, :, :mine[1] - mine[0]].copy_(local)
-                recv = [torch.empty_like(send) for _ in range(size)]
-                dist.all_gather(recv, send)
-                stats["bytes"] += send.numel() * send.element_size() * size
-                for r, (a, b) in enumerate(spans):
-                    if b <= a:
-                        continue
-                    got = local if r == rank else recv[r][:, :, :b - a]
-                    if what == "out":
-                        write(a, b, got)
-                    else:
-                        lse_out[:, :, a:b] = got
+        _gather_owned(own, rank, size, finalize, write, out_dtype, (B, H, Dv), lse_out, dev, stats)
         for a, b, any_holder in shared:
             if any_holder:
                 m, S, W = (t[:, :, a:b].to(dev).contiguous() for t in state)
@@ -286,6 +300,73 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
         raise _error(rank, size, "merging the partial states", e) from e
     stats["seconds"] = time.perf_counter() - t0
     return stats
+
+
+def _gather_owned(own, rank, size, finalize, write, out_dtype, dims, lse_out, dev, stats) -> None:
+    """The owned chunks' rows, step by step: each rank finalizes (or reads back) its ``step``-th chunk and writes it,
+    and the ranks ``all_gather`` the chunks. Under NCCL the rows travel through pinned host buffers, two steps in
+    flight: while the host writes one step's received rows, the GPU copies and gathers the next."""
+    import torch.distributed as dist
+
+    B, H, Dv = dims
+    steps = max(map(len, own), default=0)
+    width = max((b - a for lst in own for a, b in lst), default=0)
+    if not steps:
+        return
+    cuda = dev.type == "cuda"
+    host = [torch.empty((B, H, width, Dv), dtype=out_dtype, pin_memory=cuda) for _ in range(2)]
+    if cuda:
+        got = [torch.empty((size, B, H, width, Dv), dtype=out_dtype, pin_memory=True) for _ in range(2)]
+        send_d = torch.empty((B, H, width, Dv), dtype=out_dtype, device=dev)
+        recv_d = torch.empty((size, B, H, width, Dv), dtype=out_dtype, device=dev)
+        done = [torch.cuda.Event(), torch.cuda.Event()]
+    pending = None  # (buffer index, spans) of the step whose received rows are still to be written
+
+    def write_received(slot, spans):
+        for r, (a, b) in enumerate(spans):
+            if r != rank and b > a:
+                write(a, b, got[slot][r, :, :, :b - a] if cuda else recv_h[r][:, :, :b - a])
+
+    for step in range(steps):
+        spans = [lst[step] if step < len(lst) else (0, 0) for lst in own]
+        mine = spans[rank]
+        slot = step % 2
+        send = host[slot]
+        if mine[1] > mine[0]:
+            local, lse_rows = finalize(*mine)
+            write(*mine, local)  # (a no-op for rows the output holds already)
+            send[:, :, :mine[1] - mine[0]].copy_(local)
+        else:
+            lse_rows = None
+        if cuda:
+            send_d.copy_(send, non_blocking=True)
+            dist.all_gather_into_tensor(recv_d, send_d)  # (a list of outputs would add a flat copy on the device)
+            got[slot].copy_(recv_d, non_blocking=True)
+            done[slot].record()
+        else:
+            recv_h = [torch.empty_like(send) for _ in range(size)]
+            dist.all_gather(recv_h, send)
+        stats["bytes"] += send.numel() * send.element_size() * size
+        if lse_out is not None:
+            lsend = torch.zeros((B, H, width), dtype=torch.float32, device=dev)
+            if lse_rows is not None:
+                lsend[:, :, :mine[1] - mine[0]].copy_(lse_rows)
+            lrecv = [torch.empty_like(lsend) for _ in range(size)]
+            dist.all_gather(lrecv, lsend)
+            stats["bytes"] += lsend.numel() * 4 * size
+            for r, (a, b) in enumerate(spans):
+                if b > a:
+                    lse_out[:, :, a:b] = lse_rows if r == rank else lrecv[r][:, :, :b - a]
+        if not cuda:
+            write_received(slot, spans)
+            continue
+        if pending is not None:
+            done[pending[0]].synchronize()
+            write_received(*pending)
+        pending = (slot, spans)
+    if pending is not None:
+        done[pending[0]].synchronize()
+        write_received(*pending)
 
 
 def _wire(device: Optional[torch.device]) -> torch.device:

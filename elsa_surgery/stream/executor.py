@@ -35,6 +35,9 @@ from .planner import Plan, task_flops
 
 logger = logging.getLogger("elsa_surgery.stream")
 MAX_REFINE = 2
+# keep a query group's states pending (then merged once, or finalized at the group's end) even where they are computed
+# on the accumulator's device: for the CPU tests of the path that CUDA takes with host accumulators
+PEND_ON_ONE_DEVICE = False
 
 
 class Accumulators:
@@ -74,6 +77,14 @@ class Executor:
         self.flops = 0.0
         self.tasks_run = 0
         self.precomputed: Dict[int, list] = {}  # task index -> its results computed already (the calibration run)
+        # rows finished early: ``on_final(range, state)`` is called when the last task of a query group that no other
+        # group touches has run (``group_total``: query key -> its task count, ``group_done``: tasks done so far,
+        # resumed ones included); ``state`` is the rows' complete state, on the device when it was pending there.
+        # ``keep_final``: also copy that state into the accumulator (needed by checkpoints).
+        self.on_final: Optional[Callable[[Tuple[int, int], monoid.State], None]] = None
+        self.group_total: Dict[tuple, int] = {}
+        self.group_done: Dict[tuple, int] = collections.Counter()
+        self.keep_final = True
 
     # ---------------------------------------------------------------- loading
     def _stage(self, task: divide.Task):
@@ -149,23 +160,42 @@ class Executor:
 
     # ---------------------------------------------------------------- merging
     @staticmethod
-    def _into(acc: Accumulators, rng: Tuple[int, int], st: monoid.State) -> None:
+    def _into(acc: Accumulators, rng: Tuple[int, int], st: monoid.State, copy: bool = True) -> bool:
+        """Merge ``st`` into the accumulator's rows ``rng``; True when those rows were the identity (then ``st`` is
+        their state, copied only when ``copy``)."""
         view = acc.view(*rng)
         if bool(torch.isneginf(view.m).all()):
             # every row is still the identity (m = -inf holds only there): identity ⊕ st is st bit for bit (the
             # monoid's tested law), so copy it (from the device directly) instead of merging on the host
-            for dst, src in zip(view, st):
-                dst.copy_(src)
-            return
+            if copy:
+                for dst, src in zip(view, st):
+                    dst.copy_(src)
+            return True
         if st.m.device != acc.device:
             st = monoid.State(*(t.to(acc.device) for t in st))
         monoid.merge_(view, st)
+        return False
 
     def flush(self, acc: Accumulators) -> None:
-        """Merge the states pending on the device into the accumulator."""
+        """Merge the states pending on the device into the accumulator; rows whose group has finished go to
+        ``on_final`` (finalized on the device, before any copy to the host)."""
         if self.pending is not None:
-            for rng, st in self.pending[1]:
-                self._into(acc, rng, st)
+            key, results = self.pending
+            final = self.on_final is not None and self.group_done.get(key, 0) == self.group_total.get(key, -1)
+            for rng, st in results:
+                copied = self.keep_final or not final
+                fresh = self._into(acc, rng, st, copy=copied)
+                if not final:
+                    continue
+                try:
+                    self.on_final(rng, st if fresh else acc.view(*rng))
+                except torch.OutOfMemoryError as e:  # the rows stay in the accumulator, finalized after the run
+                    if fresh and not copied:
+                        for dst, src in zip(acc.view(*rng), st):
+                            dst.copy_(src)
+                    self._free()
+                    self._event(f"OOM while finalizing rows {rng[0]}:{rng[1]} on the device ({e}); they are "
+                                "finalized after the run instead")
         self.pending = None
 
     def _merge(self, results, acc: Accumulators) -> None:
@@ -177,9 +207,9 @@ class Executor:
             # the merge's temporaries instead of adding to the device's reserved memory
             self.inflight[-1].synchronize()
         key = tuple(r[0] for r in results)
-        into_pending = (not self.host_only_states and acc.device != results[0][1].m.device
-                        and self.pending is not None and self.pending[0] == key)
-        if not into_pending and not self.host_only_states and acc.device != results[0][1].m.device:
+        apart = acc.device != results[0][1].m.device or PEND_ON_ONE_DEVICE
+        into_pending = not self.host_only_states and apart and self.pending is not None and self.pending[0] == key
+        if not into_pending and not self.host_only_states and apart:
             self.flush(acc)
             self.pending = (key, results)
             return
@@ -292,6 +322,7 @@ class Executor:
                     return False
                 upcoming = [(j, tasks[j]) for j in order[pos + 1: pos + self.n_cap]]
                 self._attempt(index, tasks[index], acc, upcoming)
+                self.group_done[self._qkey(tasks[index])] += 1
                 nxt = order[pos + 1] if pos + 1 < len(order) else None
                 if nxt is None or self._qkey(tasks[nxt]) != (self.pending[0] if self.pending else None):
                     self.flush(acc)

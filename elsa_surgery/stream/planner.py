@@ -72,6 +72,7 @@ class Plan:
     acc_on_device: bool = False
     overhead: int = 0
     calibrated: bool = False
+    calibration_peak: int = 0  # bytes the calibration run's task took (part of the call's measured peak)
     notes: List[str] = field(default_factory=list)
 
     def task_peak(self, task: divide.Task, n_cap: Optional[int] = None) -> int:
