@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .semantics import AttentionProblem
+from .semantics import MASK_FLOOR, AttentionProblem
+
+
+def floor_mask(mask: torch.Tensor) -> torch.Tensor:
+    """An additive mask with its finite values below :data:`MASK_FLOOR` raised to it (``-inf`` kept): PyTorch's fused
+    CUDA kernels multiply logits by ``log2(e)``, which turns ``finfo.min`` into ``-inf`` and hides keys that SDPA's
+    math hides nothing of (a one-key row masked with ``finfo(float32).min`` gave zeros instead of its value)."""
+    low = (mask < MASK_FLOOR) & (mask != float("-inf"))
+    return mask.masked_fill(low, MASK_FLOOR)
 
 
 def run(p: AttentionProblem) -> torch.Tensor:
@@ -37,6 +45,8 @@ def run(p: AttentionProblem) -> torch.Tensor:
         # the mask is widened to float64 (exact): torch 2.14's CPU SDPA silently gives wrong outputs for a float32
         # mask with float64 q (max error 0.85 on an [8, 8] call, found by the fuzzer)
         mask = mask.to(torch.float64 if p.q.dtype == torch.float64 else torch.float32)
+    if mask is not None and mask.is_floating_point() and mask.is_cuda and mask.dtype != torch.float16:
+        mask = floor_mask(mask)  # (fp16 cannot hold a value below the floor)
     out = F.scaled_dot_product_attention(
         p.q, p.k, p.v, attn_mask=mask, dropout_p=p.dropout_p, scale=p.scale, enable_gqa=p.heads_q != p.heads_kv
     )

@@ -21,9 +21,11 @@ canonicalisation and the meaning of every argument live in this file and nowhere
   never attended; query rows ``i >= q_len[b]`` are padding and return zeros.
 * A query row with no visible key returns zeros (and ``lse = -inf``), never NaN. An additive ``-inf``
   hides a key; finite values hide nothing (``torch.finfo.min`` rows average their keys, as in SDPA). The
-  Triton kernels treat finite mask values below ``-2.3e38`` as ``-2.3e38`` (times ``log2(e)`` they must
-  stay finite): outputs are unchanged unless every visible key of a row lies below it with different
-  values, and the lse of a row whose every key lies below it reads about ``-2.3e38``.
+  Triton kernels treat finite mask values below ``-2.3e38`` (:data:`MASK_FLOOR`) as ``-2.3e38`` (times
+  ``log2(e)`` they must stay finite), and so does ``backend="sdpa"`` on CUDA (PyTorch's fused kernels scale
+  the same way: a ``finfo.min`` mask turned rows to zeros there, found by the GPU fuzz): outputs are
+  unchanged unless every visible key of a row lies below it with different values, and the lse of a row
+  whose every key lies below it reads about ``-2.3e38``.
 * Output dtype = input dtype; accumulation in fp32 (float64 for float64 inputs).
 """
 
@@ -35,6 +37,10 @@ import numbers
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
+
+# finite additive mask values below this act as this value (kernels/scan.py holds the same number as a Triton
+# constexpr; the kernels package does not import this module)
+MASK_FLOOR = -2.3e38
 
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant

@@ -579,3 +579,20 @@ def test_found_sdpa_backend_float32_mask_with_float64_q():
     output for this call as given (max error 0.855); found by the CPU fuzz in CI."""
     check(Case(B=1, Hq=1, Hkv=1, Nq=8, Nk=8, D=8, Dv=8, dtype="float64", mask="additive", mask_shape=(1, 1),
                mask_dtype="float32", large="-1e4", backend="sdpa", device="cpu", seed=0))
+
+
+def test_found_sdpa_backend_min_mask_on_cuda_floored():
+    """backend="sdpa" on CUDA raises finite additive mask values below MASK_FLOOR to it, as the kernels do: torch 2.11's
+    fused CUDA SDPA turned a finfo(float32).min mask on a one-key row into -inf (zeros out; SDPA's math gives the
+    key's value); found by the GPU fuzz (session 26, seed 22). The helper itself is checked on the CPU."""
+    from elsa_surgery.sdpa import floor_mask
+    from elsa_surgery.semantics import MASK_FLOOR
+
+    m = torch.tensor([0.0, -1e9, float("-inf"), torch.finfo(torch.float32).min, -2.3e38, -3e38])
+    got = floor_mask(m)
+    assert torch.equal(got, torch.tensor([0.0, -1e9, float("-inf"), MASK_FLOOR, -2.3e38, MASK_FLOOR]))
+    assert torch.equal(m[3], torch.tensor(torch.finfo(torch.float32).min))  # the input is not modified
+    if not torch.cuda.is_available():
+        pytest.skip("the case itself needs CUDA")
+    assert check(Case(B=1, Hq=1, Hkv=1, Nq=7, Nk=1, D=8, Dv=8, dtype="float32", mask="additive", mask_shape=(7, 1),
+                      large="min", backend="sdpa", device="cuda", seed=0)) == "match"
