@@ -353,8 +353,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     if whole:
         out, out_t, dtype = _output(out, shape_out, qs)
         ex.on_final = lambda rng, st: _final_rows(rng, st, out_t, dtype, lse, written)
-        ex.group_total, finished_ids = _exclusive_groups(plan), {plan.tasks[i].tid for i in range(len(plan.tasks))
-                                                                  if plan.tasks[i].tid in set(done)}
+        ex.group_total = _exclusive_groups(plan)
+        finished_ids = set(done)  # (resumed tasks count toward their group's end)
         for t in plan.tasks:
             if t.tid in finished_ids:
                 ex.group_done[Executor._qkey(t)] += 1
