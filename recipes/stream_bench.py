@@ -16,6 +16,8 @@ Modes (each prints one JSON line per measurement; docs/stream.md explains the me
   and copies) as a share of the run, wait_share the time a rank waited for the slower ones.
 * ``drill``: a rank killed mid-run (``os._exit`` from the fault hook, checkpointing on): how long until the job
   fails and with what error, then the rerun resuming every rank's finished tasks, compared with one GPU's output.
+* ``incore``: the in-core figure of ``target`` alone: the ELSA kernel on one ``--tile`` × ``--tile`` tile resident
+  on the device (to set beside a ``scaling`` run's one-GPU stream TFLOP/s measured without it).
 * ``slices``: a memory-mapped run (default 32M tokens, H=1) in resumable slices: each invocation runs at most
   ``--slice-seconds`` (or ``--max-tasks``) and checkpoints into ``--data-dir``; rerun the same command until it
   prints ``"finished": true`` with the spot-row check.
@@ -455,7 +457,8 @@ def mode_slices(args, device, budget):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("target", "compare", "memory", "slices", "scaling", "drill"), default="target")
+    p.add_argument("--mode", choices=("target", "compare", "memory", "slices", "scaling", "drill", "incore"),
+                   default="target")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--n", "--tokens", dest="n", type=size, default=None,
                    help="tokens (8M; 32M in slices mode); suffixes k/M")
@@ -485,6 +488,7 @@ def main(argv=None):
     p.add_argument("--exit-after", type=int, default=None,
                    help="drills: os._exit(17) on --exit-rank when it starts its (n+1)-th task")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--tile", type=size, default=1 << 20, help="incore mode: the tile's tokens (a task's size)")
     p.add_argument("--plot-from", default=None, help="draw --plot from memory-mode JSON lines saved earlier")
     args = p.parse_args(argv)
     if args.plot_from:
@@ -524,6 +528,9 @@ def main(argv=None):
         mode_scaling(args, device, args.budget)
     elif args.mode == "drill":
         mode_drill(args, device, args.budget)
+    elif args.mode == "incore":  # the target mode's in-core figure alone (a task-sized tile resident on the GPU)
+        emit({"mode": "incore", "tile": args.tile, "heads": args.heads, "dim": args.dim, "dtype": args.dtype,
+              "in_core_tflops": in_core_tflops(args, device, args.tile)})
     else:
         mode_slices(args, device, args.budget)
 

@@ -11,8 +11,9 @@ out=${1:?OUTDIR}; procs=${2:-16}; examples=${3:-700}; seconds=${4:-500}; first=$
 repo=$(pwd)
 mkdir -p "$out"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$ngpu" -ge 1 ] || ngpu=1
+read -r -a gpus <<< "${FUZZ_GPUS:-$(seq -s ' ' 0 $((ngpu - 1)))}"  # FUZZ_GPUS="1": leave GPU 0 to another job
 for s in $(seq "$first" $((first + procs - 1))); do  # the processes dealt over the GPUs
-  (cd /tmp && CUDA_VISIBLE_DEVICES=$(( s % ngpu )) SDPA_FUZZ_TRACE="$out/trace_$s.txt" SDPA_FUZZ_EXAMPLES="$examples" timeout "$seconds" \
+  (cd /tmp && CUDA_VISIBLE_DEVICES=${gpus[$(( s % ${#gpus[@]} ))]} SDPA_FUZZ_TRACE="$out/trace_$s.txt" SDPA_FUZZ_EXAMPLES="$examples" timeout "$seconds" \
      python3 -m pytest -q -p no:cacheprovider -p no:logging -c "$repo/pyproject.toml" --rootdir "$repo" \
      "$repo/tests/test_sdpa_fidelity.py" -m gpu -k test_fuzz_every_backend_gpu --hypothesis-seed="$s" \
      --hypothesis-show-statistics > "$out/fuzz_$s.log" 2>&1; echo "rc=$?" >> "$out/fuzz_$s.log") &

@@ -2,7 +2,7 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
-#   compile | fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   compile | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -78,7 +78,11 @@ case "$part" in
     # kill drill at 1M tokens (the rerun must resume and match one GPU bit for bit); ~3 min
     gpu_tests pytest_gpu_stream.log "$repo/tests/test_stream_gpu.py"
     timeout 300 python3 recipes/stream_bench.py --mode drill --ranks 2 --n 1M --budget 1GiB --timeout 120 \
-      --data-dir /tmp/stream_drill --no-progress 2>&1 | tee "$out/stream_drill.log" | grep '^{' | tail -3 ;;
+      --data-dir /tmp/stream_drill --no-progress 2>&1 | tee "$out/stream_drill.log" | grep '^{' | tail -3
+    # issue 29's 8M target on this GPU kind: the in-core kernel on the 8M plan's 1M tile (~20 s), to set beside
+    # stream-scaling's one-GPU stream TFLOP/s
+    timeout 120 python3 recipes/stream_bench.py --mode incore --tile 1M 2>&1 | tee "$out/stream_incore.log" \
+      | grep '^{' ;;
   stream-scaling)  # issue 31: one GPU then 2 ranks, same call (args: tokens [8M], budget [8GiB]); 8M ~7.5 min on
     # 2x H200; the in-core and spot-row checks are issue 29's target mode (add them back with the target part)
     n=${1:-8M}; b=${2:-8GiB}
@@ -89,6 +93,13 @@ case "$part" in
     # "finished": true; ~8 min of tasks a call); the files stay in /tmp/s32m only while the machine is held
     timeout 590 python3 recipes/stream_bench.py --mode slices --n 32M --heads 1 --slice-seconds 420 \
       --checkpoint-every 120 --data-dir /tmp/s32m --no-progress 2>&1 | tee "$out/stream_32m.log" | grep '^{' ;;
+  s32m-fuzz)  # on a 2-GPU machine: issue 29's 32M slice on GPU 0 beside the fuzz on GPU 1 (args: first seed [25]);
+    # ~9.5 min; rerun stream-32m (or this) until the slice prints "finished": true
+    (CUDA_VISIBLE_DEVICES=0 timeout 590 python3 recipes/stream_bench.py --mode slices --n 32M --heads 1 \
+      --slice-seconds 420 --checkpoint-every 120 --data-dir /tmp/s32m --no-progress > "$out/stream_32m.log" 2>&1) &
+    FUZZ_GPUS=1 bash tools/gpu_fuzz.sh "$out/fuzz" 20 700 520 "${1:-25}" 2>&1 | tee "$out/fuzz.log" | tail -40
+    wait
+    grep '^{' "$out/stream_32m.log" ;;
   fuzz)  # (args: first seed [1]; processes = the host's cores - 8, at most 24) ~540 s; two calls (seeds 1, then 25)
     # make the 10,000 cases
     procs=$(( $(nproc) - 8 )); [ "$procs" -gt 24 ] && procs=24; [ "$procs" -lt 4 ] && procs=4

@@ -256,8 +256,8 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
 
     dev = _wire(device)
     B, H, _, Dv = state.W.shape
-    stats = {"merge": "owned ranges: all_gather of the owners' output rows (each rank finalizes its own); shared "
-                      "ranges: all_reduce of the states", "owned_tokens": 0, "shared_tokens": 0, "bytes": 0,
+    stats = {"merge": "owned ranges: all_gather of the owners' output rows (finalized by their owner, where their "
+                      "query row ended or after the run); shared ranges: all_reduce of the states", "owned_tokens": 0, "shared_tokens": 0, "bytes": 0,
              "seconds": 0.0}
     per_token = B * H * (Dv * torch.empty(0, dtype=out_dtype).element_size() + (4 if lse_out is not None else 0))
     step = MERGE_CHUNK_TOKENS if budget is None or dev.type != "cuda" else max(
