@@ -24,15 +24,27 @@ def _kernels():
     return backward
 
 
+_OVERRIDE: Optional[occ.TileConfig] = None
+
+
+def set_tiles_override(cfg: Optional[occ.TileConfig]) -> None:
+    """Force one tile configuration (block_m, block_n, num_warps, num_stages) for every backward and dropout launch
+    (``recipes/bench_attention.py --backward --sweep``, tests); None restores the table."""
+    global _OVERRIDE
+    _OVERRIDE = cfg
+
+
 def _blocks(bd: int):
-    """(BLOCK_M, BLOCK_N, num_warps) for padded head dim ``bd``: 32 under the interpreter (few programs); on a GPU
-    smaller tiles and more warps as the fp32 dK/dV accumulators (``BLOCK_N x bd`` each) grow. Untuned first
-    choices (no GPU measurement yet)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``: 32 under
+    the interpreter (few programs); on a GPU smaller tiles and more warps as the fp32 dK/dV accumulators
+    (``BLOCK_N x bd`` each) grow. Untuned first choices (no GPU measurement yet; the sweep above measures)."""
+    if _OVERRIDE is not None:
+        return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
     if occ.interpreting():
-        return 32, 32, 4
+        return 32, 32, 4, None
     if bd <= 64:
-        return 64, 64, 4
-    return (32, 64, 8) if bd <= 128 else (32, 32, 8)
+        return 64, 64, 4, None
+    return (32, 64, 8, None) if bd <= 128 else (32, 32, 8, None)
 
 
 class _Call:
@@ -65,7 +77,7 @@ class _Call:
                           HAS_KVLEN=kv_lengths is not None, VARLEN=self.varlen, DOT=self.dot,
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
-        self.BM, self.BN, self.warps = _blocks(max(self.BD, self.BDV))
+        self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV))
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)
@@ -79,8 +91,9 @@ class _Call:
                 n_blocks, self.period, *self.counter)
 
     def consts(self):
+        stages = {} if self.stages is None else {"num_stages": self.stages}
         return dict(D=self.D, DV_=self.Dv, BLOCK_D=self.BD, BLOCK_DV=self.BDV, BLOCK_M=self.BM, BLOCK_N=self.BN,
-                    num_warps=self.warps, **self.flags)
+                    num_warps=self.warps, **stages, **self.flags)
 
     def row_pass(self, what: int, res, res_strides, do=None, lse=None, delta=None):
         """``backward.row_pass`` over every (query block, batch, query head)."""

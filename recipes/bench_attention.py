@@ -11,6 +11,8 @@ Examples::
     python recipes/bench_attention.py --dtypes fp32-precise --n 16384 --sweep   # tile sweep
     python recipes/bench_attention.py --varlen-only
     python recipes/bench_attention.py --backward --dtypes bf16,fp32-precise --n 4096 --shapes 16x64,16x128
+    python recipes/bench_attention.py --backward --sweep --dtypes bf16 --n 4096 --shapes 16x64 --causal 1 \
+        --space 'bm=32,64,128;bn=32,64,128;w=4,8;s=1,2,3' --baselines flash,cudnn      # backward tile sweep
 """
 
 from __future__ import annotations
@@ -375,6 +377,60 @@ def backward_cell(dname, H, D, N, causal, baselines, B=1):
     return row
 
 
+def backward_sweep(dname, H, D, N, causal, space, baselines, B=1):
+    """``--backward --sweep``: the backward alone (one forward, its graph kept; ``torch.autograd.grad`` timed) for
+    every tile configuration of ``space`` (``kernels/backward_launch.set_tiles_override``), with dQ by atomics and
+    by the deterministic row pass, against the SDPA backends' backward on the same inputs. Every configuration's
+    gradients are checked against the first one's (a configuration that computes wrong gradients is reported, not
+    ranked). Returns the five fastest."""
+    from elsa_surgery.kernels import backward_launch
+
+    dtype, prec = DTYPES[dname]
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
+
+    def backward_of(out):
+        return lambda: torch.autograd.grad(out, (q, k, v), go, retain_graph=True)
+
+    for name in baselines:
+        if name in ("flex", "math"):
+            continue
+        try:
+            fn = backward_of(sdpa_fn(name, q, k, v, causal)())
+            fn()
+        except RuntimeError as exc:
+            print(f"  {name}: skipped ({str(exc).splitlines()[0][:80]})", flush=True)
+            continue
+        print(f"  baseline {name} backward {dname} H={H} D={D} N={N} causal={causal}: {bench(fn):.3f} ms", flush=True)
+    out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=prec)
+    first, res = None, []
+    saved = torch.are_deterministic_algorithms_enabled()
+    try:
+        for bm, bn, w, st, det in itertools.product(space["bm"], space["bn"], space["w"], space["s"], (False, True)):
+            backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st))
+            torch.use_deterministic_algorithms(det, warn_only=True)
+            tag = f"bm={bm} bn={bn} w={w} s={st} dq={'rows' if det else 'atomic'}"
+            try:
+                fn = backward_of(out)
+                grads = fn()
+                first = grads if first is None else first
+                err = max(rel(a, b) for a, b in zip(grads, first))
+                ms = bench(fn, warmup=5, rep=30)
+            except Exception as exc:
+                print(f"  sweep {tag}: failed ({str(exc).splitlines()[0][:80]})", flush=True)
+                continue
+            ok = err <= (1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4)
+            print(f"  sweep backward {dname} H={H} D={D} N={N} causal={causal} {tag}: {ms:.3f} ms"
+                  f" (grads vs the first configuration: {err:.1e}{'' if ok else ' WRONG'})", flush=True)
+            if ok:
+                res.append((ms, tag))
+    finally:
+        backward_launch.set_tiles_override(None)
+        torch.use_deterministic_algorithms(saved)
+    res.sort()
+    return res[:5]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
@@ -442,6 +498,12 @@ def main(argv=None):
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
             torch.cuda.empty_cache()
+        return
+    if a.backward and a.sweep:
+        space = {kv.split("=")[0]: [int(x) for x in kv.split("=")[1].split(",")] for kv in a.space.split(";")}
+        for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
+            best = backward_sweep(dname, H, D, N, c, space, baselines)
+            print(f"BEST backward {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
         return
     if a.backward:
         for (H, D), dname, N, c in itertools.product(shapes, dnames, ns, causals):

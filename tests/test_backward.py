@@ -76,6 +76,23 @@ def test_deterministic_mode_is_bitwise_reproducible():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("tiles", [(16, 32, 4, None), (32, 16, 2, 1)])
+def test_forced_backward_tiles_give_the_oracle_gradients(tiles):
+    """The backward sweep's override (recipes/bench_attention.py --backward --sweep): other tile shapes, warps and
+    stages still give the float64 oracle's gradients (causal, GQA, Dv != D), with atomic and row-pass dQ."""
+    from elsa_surgery.kernels import backward_launch, occupancy
+
+    backward_launch.set_tiles_override(occupancy.TileConfig(*tiles))
+    try:
+        assert backward_launch._blocks(64) == tiles
+        for det in (False, True):
+            _check(_leaf(1, 4, 37, 24), _leaf(1, 2, 45, 24), _leaf(1, 2, 45, 16), is_causal=True,
+                   deterministic=det)
+    finally:
+        backward_launch.set_tiles_override(None)
+    assert backward_launch._blocks(64)[3] is None
+
+
 @pytest.mark.parametrize("nq,nk", [(20, 70), (70, 20), (64, 64)])
 def test_causal_bottom_right(nq, nk):
     """Causal with Nq < Nk, Nq > Nk (leading rows see no key: zero gradient) and Nq = Nk (block skipping)."""

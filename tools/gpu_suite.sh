@@ -2,7 +2,7 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
-#   compile | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   compile | bwd-sweep | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -69,6 +69,11 @@ case "$part" in
     timeout 560 python3 recipes/bench_models.py --train --workloads llama13b_2l_4k,llama13b_2l_16k \
       --dtypes fp32,bf16-autocast --rounds 3 --calls 3 --out "$out/train_llama.json" 2>&1 \
       | tee "$out/train_llama.log" | tail -30 ;;
+  bwd-sweep)  # issue 25: the backward's tiles (BLOCK_M, BLOCK_N, warps, stages) x dQ by atomics or the row pass,
+    # against flash/cuDNN's backward, bf16 N=4K causal, D=64 and 128 (args: dtypes [bf16]); ~6 min
+    timeout 560 python3 recipes/bench_attention.py --backward --sweep --dtypes "${1:-bf16}" --n 4096 \
+      --shapes 16x64,16x128 --causal 1 --space 'bm=64,128;bn=32,64,128;w=4,8;s=2,3' --baselines flash,cudnn \
+      2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
