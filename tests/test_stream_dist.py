@@ -115,7 +115,14 @@ def test_gloo_ranks_match_one_process(tmp_path, world, kw, pend):
         assert rep["rows_finalized_early"] == (owned if pend and kw is BLOCKS else 0)
         if kw is BLOCKS:  # every query row merged on one rank, in one process's order: the same bits
             assert torch.equal(res["out"], one)
-            assert rep["comm"]["shared_tokens"] == 0 and rep["comm"]["owned_tokens"] == 80
+            # every row is a whole query row's: delivered by its owner (where the row ended, or after the run),
+            # nothing left for the merge
+            d = rep["comm"]["delivery"]
+            assert rep["comm"]["shared_tokens"] == 0 and rep["comm"]["owned_tokens"] == 0
+            assert d["delivered_tokens"] == 80 - owned
+            mine = sum(1 for a, b, m in distributed.owners(_plan(kw), world) for _ in range((b - a) // 8)
+                       if m == 1 << r)  # this rank's 8-token query rows
+            assert d["late_segments"] == (0 if pend else mine)
         else:  # CQS: a query chunk's subsequences on several ranks, another merge order: fp32 rounding
             assert rel_err(res["out"], one) <= 1e-6
             assert rep["comm"]["shared_tokens"] > 0
@@ -188,6 +195,13 @@ def test_shards_deal_whole_query_rows_and_balance_flops():
         assert all(mask == 1 << rank_of[diag[row]] for row in range(a // 8, b // 8))  # one owner: the row's rank
     cqs = _plan(KW)
     assert any(bin(m).count("1") > 1 for _, _, m in distributed.owners(cqs, 2))  # CQS rows are shared
+
+
+def test_ranges_minus_delivered_ones():
+    got = distributed._minus([(0, 10, 1), (10, 20, 3)], [(2, 4), (8, 12), (15, 25)])
+    assert got == [(0, 2, 1), (4, 8, 1), (12, 15, 3)]
+    assert distributed._minus([(0, 10, 1)], []) == [(0, 10, 1)]
+    assert distributed._minus([(0, 10, 1)], [(0, 10)]) == []
 
 
 def test_calibration_tasks_are_largest_cheapest_in_distinct_groups_and_pin_their_group():

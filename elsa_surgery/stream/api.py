@@ -144,6 +144,21 @@ def _final_rows(rng, st: monoid.State, out_t: torch.Tensor, dtype, lse, written)
     written[a0:b0] = True
 
 
+def _delivery(plan, rank_of, rank, size, acc, out_t, lse, exclusive):
+    """A :class:`distributed.Delivery` of the exclusive query groups' rows when every rank can take one (host
+    accumulator, output and lse on the host and contiguous), else None (the merge after the run gathers them)."""
+    segments = []
+    for g in distributed.groups(plan):
+        key = Executor._qkey(plan.tasks[g[0]])
+        if key in exclusive:
+            segments += [(a, b, rank_of[g[0]]) for a, b in key if b > a]
+    ok = (bool(segments) and acc.device.type == "cpu" and out_t.device.type == "cpu" and out_t.is_contiguous()
+          and (lse is None or lse.is_contiguous()) and len(segments) * out_t.shape[0] * out_t.shape[1] * 2 < 1 << 24)
+    if distributed.agree(1.0 if ok else 0.0, "min", rank, size) != 1.0:
+        return None
+    return distributed.Delivery(sorted(segments), rank, size, out_t, lse)
+
+
 def _runs(mask: np.ndarray, a: int, b: int):
     """The maximal ``[x0, x1)`` within ``[a, b)`` where ``mask`` is True."""
     m = np.concatenate(([False], mask[a:b], [False])).astype(np.int8)
@@ -350,10 +365,19 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
     whole = max_tasks is None and max_seconds is None  # a run that ends with the output (barring a failure)
     written = np.zeros(N, dtype=bool)  # output rows written already (finalized when their group finished)
     out_t = None
+    delivery = None
     if whole:
         out, out_t, dtype = _output(out, shape_out, qs)
-        ex.on_final = lambda rng, st: _final_rows(rng, st, out_t, dtype, lse, written)
         ex.group_total = _exclusive_groups(plan)
+        if ranks is not None:
+            delivery = _delivery(plan, rank_of, rank, size, acc, out_t, lse, ex.group_total)
+
+        def on_final(rng, st):
+            _final_rows(rng, st, out_t, dtype, lse, written)
+            if delivery is not None and delivery.owns(*rng):
+                delivery.send(*rng)
+
+        ex.on_final = on_final
         finished_ids = set(done)  # (resumed tasks count toward their group's end)
         for t in plan.tasks:
             if t.tid in finished_ids:
@@ -415,8 +439,18 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         dst.copy_(y)
 
     if ranks is not None:
+        delivered = []
+        if delivery is not None:
+            def write_rows(a: int, b: int) -> None:  # a segment not finalized during the run
+                y, lse_rows = rows(a, b)
+                write(a, b, y)
+                if lse is not None:
+                    lse[:, :, a:b] = lse_rows
+
+            comm["delivery"] = delivery.finish(write_rows)
+            delivered = [(a, b) for a, b, _ in delivery.segments]
         comm.update(distributed.merge_finalize(acc.state, plan, rank_of, rank, size, rows, write, dtype,
-                                               lse_out=lse, device=dev, budget=budget))
+                                               lse_out=lse, device=dev, budget=budget, delivered=delivered))
     else:
         for a in range(0, N, FINALIZE_CHUNK_TOKENS):
             b = min(N, a + FINALIZE_CHUNK_TOKENS)

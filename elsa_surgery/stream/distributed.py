@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,6 +87,99 @@ def control():
                         "the gloo control group uses torch's default")
         entry = _CONTROL[id(default)] = (default, dist.new_group(backend="gloo", timeout=timeout))
     return entry[1]
+
+
+def data_group():
+    """A gloo group on every rank for the rows delivered in the background (:class:`Delivery`), apart from the
+    control plane (created once per default group, collectively)."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    entry = _DATA.get(id(default))
+    if entry is None or entry[0] is not default:
+        entry = _DATA[id(default)] = (default, dist.new_group(backend="gloo", timeout=_default_timeout()))
+    return entry[1]
+
+
+_DATA: Dict[int, tuple] = {}  # id(default group) -> (that group, its gloo group for delivered rows)
+_CALLS = [0]  # stream.attention calls under ranks so far (every rank makes the same calls): tags of a call's messages
+
+
+class Delivery:
+    """Owned output rows sent to every other rank as soon as their owner has them, in the background.
+
+    ``segments``: ``(a, b, owner)`` of the rows of query groups that no other group touches (the blocks schedule's
+    query rows), the same list on every rank. Every rank posts its receives for the others' segments at once,
+    straight into its output ``out`` (and ``lse``) rows (gloo point-to-point on :func:`data_group`, as bytes, one
+    message per segment, batch row and head); an owner sends a segment when :meth:`send` is told its rows are
+    written (where their group ended, on the device), and the rest in :meth:`finish` after the run. Every segment
+    travels exactly once, so no rank needs to know where another finalized its rows; the merge after the run is left
+    with the other ranges only. Needs ``out`` and ``lse`` on the host, contiguous."""
+
+    def __init__(self, segments, rank: int, size: int, out_t: torch.Tensor, lse: Optional[torch.Tensor]):
+        import torch.distributed as dist
+
+        self.rank, self.size, self.out, self.lse = rank, size, out_t, lse
+        self.group = data_group()
+        _CALLS[0] += 1
+        self.base = (_CALLS[0] % 64) << 24
+        B, H = out_t.shape[0], out_t.shape[1]
+        self.parts = 2 if lse is not None else 1
+        self.index = {(a, b): i for i, (a, b, _) in enumerate(segments)}
+        self.segments, self.B, self.H = segments, B, H
+        self.sent = set()
+        self.works: list = []
+        self.stats = {"delivered_tokens": 0, "delivered_bytes": 0, "late_segments": 0, "wait_seconds": 0.0}
+        if len(segments) * B * H * self.parts >= 1 << 24:
+            raise ValueError("too many segments to deliver")
+        for i, (a, b, owner) in enumerate(segments):
+            if owner == rank:
+                continue
+            for tag, t in self._messages(i, a, b):
+                self.works.append(dist.irecv(t, src=owner, group=self.group, tag=tag))
+            self.stats["delivered_tokens"] += b - a
+
+    def _messages(self, i, a, b):
+        for bi in range(self.B):
+            for hi in range(self.H):
+                j = ((i * self.B + bi) * self.H + hi) * self.parts
+                yield self.base + j, self.out[bi, hi, a:b].view(torch.uint8)
+                if self.lse is not None:
+                    yield self.base + j + 1, self.lse[bi, hi, a:b].view(torch.uint8)
+
+    def owns(self, a: int, b: int) -> bool:
+        i = self.index.get((a, b))
+        return i is not None and self.segments[i][2] == self.rank
+
+    def send(self, a: int, b: int) -> None:
+        """Rows ``[a, b)`` of this rank's segment are written (and their lse): send them to every other rank."""
+        import torch.distributed as dist
+
+        i = self.index[(a, b)]
+        self.sent.add(i)
+        for tag, t in self._messages(i, a, b):
+            for r in range(self.size):
+                if r != self.rank:
+                    self.works.append(dist.isend(t, dst=r, group=self.group, tag=tag))
+                    self.stats["delivered_bytes"] += t.numel()
+
+    def finish(self, write_rows: Callable[[int, int], None]) -> Dict:
+        """Send this rank's segments that were not sent during the run (``write_rows(a, b)`` writes them first:
+        finalized from the accumulator), then wait until every message has gone and arrived."""
+        for i, (a, b, owner) in enumerate(self.segments):
+            if owner == self.rank and i not in self.sent:
+                write_rows(a, b)
+                self.send(a, b)
+                self.stats["late_segments"] += 1
+        t0 = time.perf_counter()
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as e:
+            raise _error(self.rank, self.size, "delivering the output rows", e) from e
+        self.works = []
+        self.stats["wait_seconds"] = time.perf_counter() - t0
+        return self.stats
 
 
 def _error(rank: int, size: int, what: str, e: Exception) -> RuntimeError:
@@ -240,7 +333,8 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
                    finalize: Callable[[int, int], Tuple[torch.Tensor, torch.Tensor]],
                    write: Callable[[int, int, torch.Tensor], None],
                    out_dtype: torch.dtype, lse_out: Optional[torch.Tensor] = None,
-                   device: Optional[torch.device] = None, budget: Optional[int] = None) -> Dict:
+                   device: Optional[torch.device] = None, budget: Optional[int] = None,
+                   delivered: Sequence[Tuple[int, int]] = ()) -> Dict:
     """Every rank's output rows written with ``write(a, b, rows)``.
 
     Owned ranges (one rank computed their rows) go in steps: at step ``s`` every rank finalizes the ``s``-th chunk of
@@ -251,7 +345,8 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
     gets every row's log-sum-exp (gathered from the owner, or from the all_reduced state). ``device``: the GPU
     that NCCL's chunks travel through (default: the current device); ``budget``: its memory budget in bytes (the
     chunks shrink from :data:`MERGE_CHUNK_TOKENS` so that the device buffers, ``1 + size`` chunks of output rows,
-    take at most half of it). Returns what travelled and how long it took."""
+    take at most half of it). ``delivered``: token ranges every rank has already (:class:`Delivery`), left out.
+    Returns what travelled and how long it took."""
     import torch.distributed as dist
 
     dev = _wire(device)
@@ -265,7 +360,7 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
     chunks = lambda a0, b0: [(a, min(b0, a + step)) for a in range(a0, b0, step)]
     own: List[List[Tuple[int, int]]] = [[] for _ in range(size)]  # per rank: its owned chunks, in token order
     shared: List[Tuple[int, int, bool]] = []
-    for a0, b0, mask in owners(plan, size, rank_of):
+    for a0, b0, mask in _minus(owners(plan, size, rank_of), delivered):
         holders = [r for r in range(size) if mask >> r & 1]
         if len(holders) == 1:
             own[holders[0]] += chunks(a0, b0)
@@ -300,6 +395,23 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
         raise _error(rank, size, "merging the partial states", e) from e
     stats["seconds"] = time.perf_counter() - t0
     return stats
+
+
+def _minus(ranges, cut: Sequence[Tuple[int, int]]):
+    """``(a, b, mask)`` ranges without the tokens of the ranges ``cut``."""
+    cut = sorted(cut)
+    out = []
+    for a0, b0, mask in ranges:
+        a = a0
+        for c0, c1 in cut:
+            if c1 <= a or c0 >= b0:
+                continue
+            if c0 > a:
+                out.append((a, c0, mask))
+            a = max(a, c1)
+        if a < b0:
+            out.append((a, b0, mask))
+    return out
 
 
 def _gather_owned(own, rank, size, finalize, write, out_dtype, dims, lse_out, dev, stats) -> None:
