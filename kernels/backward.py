@@ -120,6 +120,61 @@ def bwd_delta(DO, OUT, DLSE, DELTA, n_rows, H, Dv_rows,
     tl.store(DELTA + pid_bh.to(tl.int64) * n_rows + rows, delta, mask=rows < n_rows)
 
 
+@triton.jit
+def _kv_step_t(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows, v_rows, dk, dv,
+               b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale, scale, p_drop, keep_scale, crb, crh, Nkc,
+               stride_qn, stride_qd, stride_on, stride_od, stride_ln, stride_mm, stride_mn,
+               stride_dqb, stride_dqh, stride_dqn, stride_dqd, stride_sb, stride_sh, stride_sm, stride_sn,
+               offs_d, offs_dv, D: tl.constexpr, DV_: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT: tl.constexpr, DROPOUT: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr):
+    """One query block of :func:`bwd_kv` computed keys-major (``KEYS_MAJOR``): ``p^T [BLOCK_N, BLOCK_M]`` straight
+    from ``k · q^T``, so that dV += p^T·dO and dK += dS^T·q take their first operand as computed (the rows-major
+    body transposes ``p`` and ``dS``, computed tiles, for those two products), and dQ^T = K^T·dS^T needs none. Same
+    arithmetic, another register layout; which is faster is the backward sweep's question."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    r64 = q_row0 + rows.to(tl.int64)
+    qt = tl.load(q_base + r64[None, :] * stride_qn + offs_d[:, None] * stride_qd,
+                 mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_M]
+    do = tl.load(o_base + r64[:, None] * stride_on + offs_dv[None, :] * stride_od,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)  # [BLOCK_M, BLOCK_DV]
+    lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
+    st = _dot(k_rows, qt, tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT) * qk_scale
+    vis = (cols[:, None] < kv_len) & (rows[None, :] < q_len)
+    if IS_CAUSAL:
+        vis = vis & (cols[:, None] <= rows[None, :] + causal_off)
+    mask_ptrs = m_base + rows[None, :].to(tl.int64) * stride_mm + cols[:, None].to(tl.int64) * stride_mn
+    if MASK_KIND == 1:
+        mk = tl.load(mask_ptrs, mask=vis, other=0)
+        vis = vis & (mk != 0)
+    elif MASK_KIND == 2:
+        mk = tl.load(mask_ptrs, mask=vis, other=0.0).to(tl.float32)
+        mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, MASK_FLOOR))
+        st = st + mk * LOG2E_C
+    st = tl.where(vis, st, float("-inf"))
+    pt = tl.exp2(st - lse2[None, :])
+    dpt = _dot(v_rows, tl.trans(do), tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT)
+    if DROPOUT:
+        crow = b64 * crb + h64 * crh + rows.to(tl.int64)
+        keep = tl.rand(seed, crow[None, :] * Nkc + cols[:, None].to(tl.int64)) >= p_drop
+        pdt = tl.where(keep, pt * keep_scale, 0.0)
+        dpt = tl.where(keep, dpt * keep_scale, 0.0)
+    else:
+        pdt = pt
+    dv = _dot(pdt.to(do.dtype), do, dv, DOT)
+    dst = pt * (dpt - delta[None, :])
+    dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk, DOT)
+    if ATOMIC_DQ:
+        dqt = _dot(kt, dst.to(qt.dtype), tl.zeros([kt.shape[0], BLOCK_M], dtype=tl.float32), DOT) * scale
+        tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64[None, :] * stride_dqn
+                      + offs_d[:, None] * stride_dqd, dqt, mask=row_ok[None, :] & (offs_d[:, None] < D))
+    if WRITE_DS:
+        tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[None, :].to(tl.int64) * stride_sm
+                 + cols[:, None].to(tl.int64) * stride_sn, dst, mask=row_ok[None, :] & col_ok[:, None])
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def bwd_kv(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, DQ, DK, DV, DS,
@@ -137,10 +192,11 @@ def bwd_kv(
     D: tl.constexpr, DV_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
 ):
     """dK, dV of keys ``[n0, n0 + BLOCK_N)`` of one (batch, KV head); dQ by atomics (``ATOMIC_DQ``); dS (``WRITE_DS``).
-    ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s."""
+    ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s. ``KEYS_MAJOR``: each query block by
+    :func:`_kv_step_t` (no transposes of computed tiles)."""
     pid = tl.program_id(0)
     pid_n = pid % n_blocks
     pid_bk = pid // n_blocks
@@ -162,6 +218,7 @@ def bwd_kv(
               + offs_dv[:, None] * stride_vd)
     vt = tl.load(v_ptrs, mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)  # [BLOCK_DV, BLOCK_N]
     k_rows = tl.trans(kt)  # [BLOCK_N, BLOCK_D]
+    v_rows = tl.trans(vt)  # [BLOCK_N, BLOCK_DV] (keys-major only)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     seed = 0
@@ -179,34 +236,42 @@ def bwd_kv(
         l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
         m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
         for m0 in range(m_lo, m_hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < q_len
-            r64 = q_row0 + rows[:, None].to(tl.int64)
-            q = tl.load(q_base + r64 * stride_qn + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(o_base + r64 * stride_on + offs_dv[None, :] * stride_od,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
-            lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
-            mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
-            p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
-                       IS_CAUSAL, MASK_KIND, DOT)
-            dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
-            if DROPOUT:
-                keep = _keep(seed, b64 * crb + h64 * crh + rows.to(tl.int64), cols, Nkc, p_drop)
-                pd = tl.where(keep, p * keep_scale, 0.0)
-                dp = tl.where(keep, dp * keep_scale, 0.0)
+            if KEYS_MAJOR:
+                dk, dv = _kv_step_t(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows,
+                                    v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale, scale,
+                                    p_drop, keep_scale, crb, crh, Nkc, stride_qn, stride_qd, stride_on, stride_od,
+                                    stride_ln, stride_mm, stride_mn, stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+                                    stride_sb, stride_sh, stride_sm, stride_sn, offs_d, offs_dv, D, DV_, BLOCK_M,
+                                    MASK_KIND, IS_CAUSAL, DOT, DROPOUT, ATOMIC_DQ, WRITE_DS)
             else:
-                pd = p
-            dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
-            ds = p * (dp - delta[:, None])
-            dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
-            if ATOMIC_DQ:
-                dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), DOT) * scale
-                tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
-                              + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D))
-            if WRITE_DS:
-                tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
-                         + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
+                rows = m0 + tl.arange(0, BLOCK_M)
+                row_ok = rows < q_len
+                r64 = q_row0 + rows[:, None].to(tl.int64)
+                q = tl.load(q_base + r64 * stride_qn + offs_d[None, :] * stride_qd,
+                            mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                do = tl.load(o_base + r64 * stride_on + offs_dv[None, :] * stride_od,
+                             mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
+                lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
+                mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
+                p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
+                           IS_CAUSAL, MASK_KIND, DOT)
+                dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
+                if DROPOUT:
+                    keep = _keep(seed, b64 * crb + h64 * crh + rows.to(tl.int64), cols, Nkc, p_drop)
+                    pd = tl.where(keep, p * keep_scale, 0.0)
+                    dp = tl.where(keep, dp * keep_scale, 0.0)
+                else:
+                    pd = p
+                dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
+                ds = p * (dp - delta[:, None])
+                dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
+                if ATOMIC_DQ:
+                    dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), DOT) * scale
+                    tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
+                                  + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D))
+                if WRITE_DS:
+                    tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
+                             + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
     c64 = k_row0 + cols[:, None].to(tl.int64)
     if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
         col_ok = cols < Nk

@@ -25,13 +25,16 @@ def _kernels():
 
 
 _OVERRIDE: Optional[occ.TileConfig] = None
+_KEYS_MAJOR = False  # backward.bwd_kv's keys-major query steps (backward._kv_step_t): the sweep's other variant
 
 
-def set_tiles_override(cfg: Optional[occ.TileConfig]) -> None:
-    """Force one tile configuration (block_m, block_n, num_warps, num_stages) for every backward and dropout launch
-    (``recipes/bench_attention.py --backward --sweep``, tests); None restores the table."""
-    global _OVERRIDE
+def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False) -> None:
+    """Force one tile configuration (block_m, block_n, num_warps, num_stages) for every backward and dropout launch,
+    and ``bwd_kv``'s variant (``keys_major``: each query block computed as ``p^T``) (``recipes/bench_attention.py
+    --backward --sweep``, tests); None (and False) restores the defaults."""
+    global _OVERRIDE, _KEYS_MAJOR
     _OVERRIDE = cfg
+    _KEYS_MAJOR = bool(keys_major)
 
 
 def _blocks(bd: int):
@@ -185,7 +188,7 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
             *c.scalars(n_nb), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm, *c.strides(do),
             *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
             *(ds.stride() if ds is not None else (0, 0, 0, 0)),
-            ATOMIC_DQ=atomic, WRITE_DS=ds is not None, **c.consts())
+            ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=_KEYS_MAJOR, **c.consts())
     else:  # no keys: no gradient reaches q, k or v
         dk.zero_()
         dv.zero_()

@@ -380,7 +380,7 @@ def backward_cell(dname, H, D, N, causal, baselines, B=1):
 def backward_sweep(dname, H, D, N, causal, space, baselines, B=1):
     """``--backward --sweep``: the backward alone (one forward, its graph kept; ``torch.autograd.grad`` timed) for
     every tile configuration of ``space`` (``kernels/backward_launch.set_tiles_override``), with dQ by atomics and
-    by the deterministic row pass, against the SDPA backends' backward on the same inputs. Every configuration's
+    by the deterministic row pass, ``bwd_kv`` rows-major and keys-major, against the SDPA backends' backward on the same inputs. Every configuration's
     gradients are checked against the first one's (a configuration that computes wrong gradients is reported, not
     ranked). Returns the five fastest."""
     from elsa_surgery.kernels import backward_launch
@@ -406,10 +406,12 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1):
     first, res = None, []
     saved = torch.are_deterministic_algorithms_enabled()
     try:
-        for bm, bn, w, st, det in itertools.product(space["bm"], space["bn"], space["w"], space["s"], (False, True)):
-            backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st))
+        for bm, bn, w, st, det, km in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
+                                                         (False, True), (False, True)):
+            backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st), keys_major=km)
             torch.use_deterministic_algorithms(det, warn_only=True)
-            tag = f"bm={bm} bn={bn} w={w} s={st} dq={'rows' if det else 'atomic'}"
+            tag = (f"bm={bm} bn={bn} w={w} s={st} dq={'rows' if det else 'atomic'} "
+                   f"kv={'keys-major' if km else 'rows-major'}")
             try:
                 fn = backward_of(out)
                 grads = fn()

@@ -76,13 +76,15 @@ def test_deterministic_mode_is_bitwise_reproducible():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("tiles", [(16, 32, 4, None), (32, 16, 2, 1)])
-def test_forced_backward_tiles_give_the_oracle_gradients(tiles):
+@pytest.mark.parametrize("tiles,keys_major", [((16, 32, 4, None), False), ((32, 16, 2, 1), False),
+                                              ((16, 32, 4, None), True), ((32, 16, 4, 2), True)])
+def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major):
     """The backward sweep's override (recipes/bench_attention.py --backward --sweep): other tile shapes, warps and
-    stages still give the float64 oracle's gradients (causal, GQA, Dv != D), with atomic and row-pass dQ."""
+    stages, and bwd_kv's keys-major variant, still give the float64 oracle's gradients (causal, GQA, Dv != D), with
+    atomic and row-pass dQ."""
     from elsa_surgery.kernels import backward_launch, occupancy
 
-    backward_launch.set_tiles_override(occupancy.TileConfig(*tiles))
+    backward_launch.set_tiles_override(occupancy.TileConfig(*tiles), keys_major=keys_major)
     try:
         assert backward_launch._blocks(64) == tiles
         for det in (False, True):
@@ -90,7 +92,41 @@ def test_forced_backward_tiles_give_the_oracle_gradients(tiles):
                    deterministic=det)
     finally:
         backward_launch.set_tiles_override(None)
-    assert backward_launch._blocks(64)[3] is None
+    assert backward_launch._blocks(64)[3] is None and not backward_launch._KEYS_MAJOR
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_keys_major_backward_masks_dropout_and_mask_grad(mask_kind):
+    """bwd_kv's keys-major variant against the rows-major one: a bool or a learnable float mask (dMask from its dS
+    tiles, stored transposed), padded lengths, and dropout (the keep mask drawn with the same counters)."""
+    from elsa_surgery.kernels import backward_launch, occupancy
+
+    torch.manual_seed(0)
+    q, k, v = _leaf(2, 2, 33, 16), _leaf(2, 2, 40, 16), _leaf(2, 2, 40, 16)
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, 33, 40) > 0.3
+    else:
+        mask = torch.randn(2, 2, 33, 40).to(DEV).requires_grad_()
+    go = torch.randn(2, 2, 33, 16, dtype=torch.float64).to(DEV)
+    results = []
+    for keys_major in (False, True):
+        backward_launch.set_tiles_override(occupancy.TileConfig(16, 16, 4, None), keys_major=keys_major)
+        try:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            m = mask.detach().clone().requires_grad_() if mask.dtype != torch.bool else mask.to(DEV)
+            for drop in (0.0, 0.25):
+                torch.manual_seed(7)
+                out = elsa_surgery.attention(*leaves, attn_mask=m, backend="elsa", precision="strict",
+                                             kv_lengths=torch.tensor([40, 29], dtype=torch.int32).to(DEV),
+                                             dropout_p=drop)
+                grads = torch.autograd.grad((out.double() * go).sum(), leaves + ([m] if m.requires_grad else []))
+                results.append([g.detach().cpu() for g in grads])
+        finally:
+            backward_launch.set_tiles_override(None)
+    half = len(results) // 2
+    for rows_major, keys_major in zip(results[:half], results[half:]):
+        for a, b in zip(rows_major, keys_major):
+            assert rel_err(b, a) <= 1e-5
 
 
 @pytest.mark.parametrize("nq,nk", [(20, 70), (70, 20), (64, 64)])

@@ -69,10 +69,11 @@ case "$part" in
     timeout 560 python3 recipes/bench_models.py --train --workloads llama13b_2l_4k,llama13b_2l_16k \
       --dtypes fp32,bf16-autocast --rounds 3 --calls 3 --out "$out/train_llama.json" 2>&1 \
       | tee "$out/train_llama.log" | tail -30 ;;
-  bwd-sweep)  # issue 25: the backward's tiles (BLOCK_M, BLOCK_N, warps, stages) x dQ by atomics or the row pass,
-    # against flash/cuDNN's backward, bf16 N=4K causal, D=64 and 128 (args: dtypes [bf16]); ~6 min
+  bwd-sweep)  # issue 25: the backward's tiles (BLOCK_M, BLOCK_N, warps, stages) x dQ by atomics or the row pass x
+    # bwd_kv rows- or keys-major, against flash/cuDNN's backward, N=4K causal (args: dtype [bf16], HxD [16x64]);
+    # 64 configurations, ~5 min (untimed estimate)
     timeout 560 python3 recipes/bench_attention.py --backward --sweep --dtypes "${1:-bf16}" --n 4096 \
-      --shapes 16x64,16x128 --causal 1 --space 'bm=64,128;bn=32,64,128;w=4,8;s=2,3' --baselines flash,cudnn \
+      --shapes "${2:-16x64}" --causal 1 --space 'bm=64,128;bn=64,128;w=4,8;s=2,3' --baselines flash,cudnn \
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
