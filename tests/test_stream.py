@@ -342,6 +342,32 @@ def test_backward_matches_float64_autograd(kw):
     assert rep.backward["backward_tasks"] == rep.tasks_total > 1
 
 
+@pytest.mark.parametrize("kw", [dict(schedule="blocks", block=16, is_causal=True),
+                                dict(schedule="cqs", itr=1, c=7, is_causal=True)], ids=["blocks", "cqs"])
+def test_backward_oom_ladder_refines_and_loses_nothing(kw):
+    """Injected OOMs in the backward's tasks: each is refined into smaller tasks covering the same pairs (the grads
+    equal the clean run's up to fp32 summation order), reported in backward_events; OOMs at every level give a
+    clear OutOfMemoryError naming the task."""
+    q, k, v = _qkv(n=90)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        (stream.attention(*leaves, progress=False, **kw) * g).sum().backward()
+        return [t.grad for t in leaves]
+
+    clean = grads()
+    with faults.inject(backward_oom_at=[0, 2]) as fp:
+        got = grads()
+    assert [x for x in fp.log if x.startswith("backward oom")] and len(stream.last_report().backward[
+        "backward_events"]) == 2
+    for a, b in zip(got, clean):
+        assert rel_err(a, b) <= 1e-6
+    with faults.inject(backward_oom_at=[1], oom_times=50), pytest.raises(torch.OutOfMemoryError,
+                                                                          match="backward: task .* refinement"):
+        grads()
+
+
 def test_backward_gqa_dv_scale():
     q, k, v = _qkv(n=70, Hq=4, Hkv=2, D=16, Dv=8, seed=3)
     errs, _ = _grads_vs_float64(q, k, v, schedule="blocks", block=16, is_causal=True)

@@ -14,7 +14,9 @@ land on the task's gathered tokens and are added into fp32 accumulators ``dQ [B,
 D]``, ``dV [B, Hkv, N, Dv]`` on the inputs' device, returned in the inputs' dtype.
 
 Memory: a backward task holds its q, k, v and their grads, plus dO and O rows of its queries: about three times a
-forward task's inputs, so the backward plans its tasks for a third of the budget (:func:`backward_plan`).
+forward task's inputs, so the backward plans its tasks for a third of the budget (:func:`backward_plan`). A task
+that still runs out of memory is refined into smaller tasks (the forward ladder's second step, :func:`_attempt`),
+reported in ``last_report().backward["backward_events"]``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import distributed, divide, planner
+from . import distributed, divide, faults, planner
 from .executor import Executor
 from .sources import Source
 
@@ -68,14 +70,16 @@ def run(plan: planner.Plan, q, k, v, out: torch.Tensor, lse: torch.Tensor, dout:
 
     bar = tqdm(order, disable=not progress or (ranks is not None and ranks[0] != 0), unit="task",
                desc="stream.attention backward", mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    events: list = []
+    kw = dict(scale=scale, device=device, backend=backend, gqa=gqa)
     with torch.enable_grad():  # autograd.Function.backward runs with grad mode off
         for i in bar:
-            _task(plan.tasks[i], ex, attention, dout, out, lse, dq, dk, dv, scale=scale, device=device,
-                  backend=backend, gqa=gqa, home=home)
+            _attempt(plan, i, plan.tasks[i], ex, attention, dout, out, lse, (dq, dk, dv), home, events, 0, kw)
     bar.close()
     if ranks is not None:
         distributed.all_reduce_sum_((dq, dk, dv), *ranks, device=device)
-    stats.update({"backward_tasks": len(order), "backward_seconds": time.perf_counter() - t0})
+    stats.update({"backward_tasks": len(order), "backward_seconds": time.perf_counter() - t0,
+                  "backward_events": events})
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -97,8 +101,49 @@ def _same_dout_everywhere(dout: torch.Tensor, rank: int, size: int) -> None:
                              "(replicated) output")
 
 
-def _task(task, ex, attention, dout, out, lse, dq, dk, dv, *, scale, device, backend, gqa, home) -> None:
-    """One task's pieces recomputed, their grads added into ``dq``, ``dk``, ``dv``."""
+def _attempt(plan, index, task, ex, attention, dout, out, lse, acc, home, events, depth, kw) -> None:
+    """One task's gradients added into ``acc`` (dq, dk, dv), with the forward's OOM ladder's refinement step: on
+    ``torch.OutOfMemoryError`` while computing them (nothing is added before they are all computed, so nothing is
+    counted twice) the task is refined into smaller tasks covering the same pairs (``divide.refine``, up to
+    ``executor.MAX_REFINE`` levels), each retried the same way; then a clear ``OutOfMemoryError``."""
+    from .executor import MAX_REFINE
+
+    try:
+        faults.check_backward(index, task.tid)
+        grads = _task_grads(task, ex, attention, dout, out, lse, **kw)
+    except torch.OutOfMemoryError as e:
+        ex._free()
+        if depth >= MAX_REFINE or task.q_tokens <= 1:
+            raise torch.OutOfMemoryError(
+                f"stream.attention backward: task {task.tid} ({task.q_tokens} query x {task.k_tokens} key tokens) "
+                f"ran out of device memory after {depth} refinement(s) of its divide ({e}); lower the other "
+                "allocations on the device or give the forward a smaller memory_budget (the backward plans for a "
+                "third of it)") from e
+        children = divide.refine(task, plan.c or divide.SINGER_ORDERS[0], plan.causal)
+        msg = f"backward: OOM in task {task.tid} ({e}); refined into {len(children)} tasks"
+        logger.warning("elsa_surgery.stream: %s", msg)
+        events.append(msg)
+        for child in children:
+            _attempt(plan, index, child, ex, attention, dout, out, lse, acc, home, events, depth + 1, kw)
+        return
+    _accumulate(task, grads, acc, home)
+
+
+def _accumulate(task, grads, acc, home) -> None:
+    """A task's gradients (of its gathered tokens) added into the full-sequence fp32 ``acc`` (dq, dk, dv)."""
+    (gq, gk, gv, qoff, koff), (dq, dk, dv) = grads, acc
+    seg_len = lambda i: task.segments[i][1] - task.segments[i][0]
+    for i in task.query_segments():
+        a, b = task.segments[i]
+        dq[:, :, a:b] += gq[:, :, qoff[i]:qoff[i] + seg_len(i)].to(home, torch.float32)
+    for j in task.key_segments():
+        a, b = task.segments[j]
+        dk[:, :, a:b] += gk[:, :, koff[j]:koff[j] + seg_len(j)].to(home, torch.float32)
+        dv[:, :, a:b] += gv[:, :, koff[j]:koff[j] + seg_len(j)].to(home, torch.float32)
+
+
+def _task_grads(task, ex, attention, dout, out, lse, *, scale, device, backend, gqa):
+    """One task's pieces recomputed: the gradients of its gathered q, k, v tokens and their offsets."""
     qd, kd, vd, qoff, koff, event = ex._load(task)
     if event is not None:
         torch.cuda.current_stream(device).wait_event(event)
@@ -126,13 +171,7 @@ def _task(task, ex, attention, dout, out, lse, dq, dk, dv, *, scale, device, bac
             outs += [o_t, lse_t]
             grads += [(w.unsqueeze(-1) * do_i).to(o_t.dtype), w * ((do_i * ot.float()).sum(-1) - delta)]
         torch.autograd.backward(outs, grads)
-    for i in task.query_segments():
-        a, b = task.segments[i]
-        dq[:, :, a:b] += qd.grad[:, :, qoff[i]:qoff[i] + seg_len(i)].to(home, torch.float32)
-    for j in keys:
-        a, b = task.segments[j]
-        dk[:, :, a:b] += kd.grad[:, :, koff[j]:koff[j] + seg_len(j)].to(home, torch.float32)
-        dv[:, :, a:b] += vd.grad[:, :, koff[j]:koff[j] + seg_len(j)].to(home, torch.float32)
+    return qd.grad, kd.grad, vd.grad, qoff, koff
 
 
 class StreamAttention(torch.autograd.Function):

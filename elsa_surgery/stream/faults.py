@@ -25,6 +25,7 @@ class FaultPlan:
     exit_at: Optional[int] = None
     exit_code: int = 17
     exit_after: Optional[int] = None
+    backward_oom_at: Dict[int, int] = field(default_factory=dict)  # the backward's task index -> OOMs left
     started: set = field(default_factory=set)
     log: List[str] = field(default_factory=list)
 
@@ -34,10 +35,12 @@ _active: Optional[FaultPlan] = None
 
 @contextlib.contextmanager
 def inject(oom_at: Iterable[int] = (), *, oom_times: int = 1, exit_at: Optional[int] = None, exit_code: int = 17,
-           exit_after: Optional[int] = None):
-    """Arm the executor's fault hook for the ``with`` block; yields the :class:`FaultPlan` (its ``log``)."""
+           exit_after: Optional[int] = None, backward_oom_at: Iterable[int] = ()):
+    """Arm the executor's fault hook for the ``with`` block; yields the :class:`FaultPlan` (its ``log``).
+    ``backward_oom_at``: the backward's task indices (in its plan) that raise ``oom_times`` OOMs (its ladder)."""
     global _active
-    plan = FaultPlan({int(i): int(oom_times) for i in oom_at}, exit_at, exit_code, exit_after)
+    plan = FaultPlan({int(i): int(oom_times) for i in oom_at}, exit_at, exit_code, exit_after,
+                     {int(i): int(oom_times) for i in backward_oom_at})
     prev, _active = _active, plan
     try:
         yield plan
@@ -59,3 +62,15 @@ def check(index: int, tid: str) -> None:
         plan.oom_at[index] = left - 1
         plan.log.append(f"oom {index} {tid}")
         raise torch.OutOfMemoryError(f"injected OutOfMemoryError at task {index} ({tid})")
+
+
+def check_backward(index: int, tid: str) -> None:
+    """Called by the stream backward before each attempt of task ``index`` (of its plan) and its refined children."""
+    plan = _active
+    if plan is None:
+        return
+    left = plan.backward_oom_at.get(index, 0)
+    if left > 0:
+        plan.backward_oom_at[index] = left - 1
+        plan.log.append(f"backward oom {index} {tid}")
+        raise torch.OutOfMemoryError(f"injected OutOfMemoryError in the backward at task {index} ({tid})")
