@@ -322,15 +322,19 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
             plan, kept, calibrated_on = _calibrate(plan, shape, schedule, bool(is_causal), budget, dev, qs, ks, vs,
                                                    scale, backend, fixed, ranks)
             # each rank's calibrated task, where the final plan holds it: pinned to that rank (its results are reused
-            # instead of computed again), and this rank's as (task, results, index in the final plan)
+            # instead of computed again), and this rank's as (task, results, index in the final plan). Not with
+            # checkpoints: a resumed run does not calibrate, so it could not pin alike, and its ranks' finished
+            # tasks must be dealt as before (a task dealt elsewhere would be computed twice)
             where = {(t.tid, t.segments): i for i, t in enumerate(plan.tasks)}
-            for r, t in enumerate(calibrated_on):
-                i = where.get((t.tid, t.segments))
-                if i is not None and np.array_equal(plan.tasks[i].pairs, t.pairs):
-                    pins.setdefault(i, r)
+            at = [where.get((t.tid, t.segments)) for t in calibrated_on]
+            at = [i if i is not None and np.array_equal(plan.tasks[i].pairs, t.pairs) else None
+                  for i, t in zip(at, calibrated_on)]
+            if checkpoint_dir is None:
+                for r, i in enumerate(at):
+                    if i is not None:
+                        pins.setdefault(i, r)
             if kept is not None:
-                mine = [i for i, r in pins.items() if r == rank]
-                kept = (*kept, mine[0]) if mine else None
+                kept = (*kept, at[rank]) if at and at[rank] is not None else None
     for note in plan.notes:
         logger.info("elsa_surgery.stream: %s", note)
 
@@ -360,13 +364,18 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
             if i == kept[2]:
                 ex.precomputed[i] = kept[1]
         del kept
-    # backward.StreamAttention: each row's final log-sum-exp (from the finalize) and the plan
-    lse = None if _grad is None else torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
-    whole = max_tasks is None and max_seconds is None  # a run that ends with the output (barring a failure)
+    # backward.StreamAttention: each row's final log-sum-exp (from the finalize) and the plan; on the device only
+    # after the run (the plan's peak does not count it)
+    host_acc = acc.device.type == "cpu"
+    lse = torch.empty(acc.state.m.shape, dtype=torch.float32) if _grad is not None and host_acc else None
     written = np.zeros(N, dtype=bool)  # output rows written already (finalized when their group finished)
     out_t = None
     delivery = None
-    if whole:
+    # rows finalized where their group ends (and delivered to the other ranks) need the output before the run: only
+    # for a whole run (no slices) with a host accumulator (states pending on the device) and a host output
+    host_out = (isinstance(out, np.ndarray) or out.device.type == "cpu") if out is not None else not (
+        qs.kind == "tensor" and qs.device.type == "cuda")
+    if max_tasks is None and max_seconds is None and host_acc and host_out:
         out, out_t, dtype = _output(out, shape_out, qs)
         ex.group_total = _exclusive_groups(plan)
         if ranks is not None:
@@ -416,6 +425,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         return None
     if out_t is None:
         out, out_t, dtype = _output(out, shape_out, qs)
+    if _grad is not None and lse is None:
+        lse = torch.empty(acc.state.m.shape, dtype=torch.float32, device=acc.device)
 
     def rows(a: int, b: int):
         """Output rows ``[a, b)`` in ``dtype`` and their log-sum-exp (rows written already: read back from ``out``).

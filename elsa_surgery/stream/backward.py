@@ -108,25 +108,28 @@ def _attempt(plan, index, task, ex, attention, dout, out, lse, acc, home, events
     ``executor.MAX_REFINE`` levels), each retried the same way; then a clear ``OutOfMemoryError``."""
     from .executor import MAX_REFINE
 
+    failed = grads = None
     try:
         faults.check_backward(index, task.tid)
         grads = _task_grads(task, ex, attention, dout, out, lse, **kw)
     except torch.OutOfMemoryError as e:
-        ex._free()
-        if depth >= MAX_REFINE or task.q_tokens <= 1:
-            raise torch.OutOfMemoryError(
-                f"stream.attention backward: task {task.tid} ({task.q_tokens} query x {task.k_tokens} key tokens) "
-                f"ran out of device memory after {depth} refinement(s) of its divide ({e}); lower the other "
-                "allocations on the device or give the forward a smaller memory_budget (the backward plans for a "
-                "third of it)") from e
-        children = divide.refine(task, plan.c or divide.SINGER_ORDERS[0], plan.causal)
-        msg = f"backward: OOM in task {task.tid} ({e}); refined into {len(children)} tasks"
-        logger.warning("elsa_surgery.stream: %s", msg)
-        events.append(msg)
-        for child in children:
-            _attempt(plan, index, child, ex, attention, dout, out, lse, acc, home, events, depth + 1, kw)
+        failed = str(e)  # only the message: the traceback holds the failed attempt's tensors and graph
+    if failed is None:
+        _accumulate(task, grads, acc, home)
         return
-    _accumulate(task, grads, acc, home)
+    ex._free()
+    if depth >= MAX_REFINE or task.q_tokens <= 1:
+        raise torch.OutOfMemoryError(
+            f"stream.attention backward: task {task.tid} ({task.q_tokens} query x {task.k_tokens} key tokens) "
+            f"ran out of device memory after {depth} refinement(s) of its divide ({failed}); lower the other "
+            "allocations on the device or give the forward a smaller memory_budget (the backward plans for a "
+            "third of it)")
+    children = divide.refine(task, plan.c or divide.SINGER_ORDERS[0], plan.causal)
+    msg = f"backward: OOM in task {task.tid} ({failed}); refined into {len(children)} tasks"
+    logger.warning("elsa_surgery.stream: %s", msg)
+    events.append(msg)
+    for child in children:
+        _attempt(plan, index, child, ex, attention, dout, out, lse, acc, home, events, depth + 1, kw)
 
 
 def _accumulate(task, grads, acc, home) -> None:

@@ -50,7 +50,8 @@ class Accumulators:
             # ranks' rows; rows finalized on the device where their group ended) cost neither time nor RAM.
             # torch.zeros writes every page: 4.4 s for 4 GiB on a CI-sized host, and a W is 16.5 GiB at 8M tokens.
             lazy = lambda *shape: torch.from_numpy(np.zeros(shape, dtype=np.float32))
-            self.state = monoid.State(torch.full((B, Hq, N), monoid.NEG_INF), lazy(B, Hq, N), lazy(B, Hq, N, Dv))
+            self.state = monoid.State(torch.full((B, Hq, N), monoid.NEG_INF, dtype=torch.float32), lazy(B, Hq, N),
+                                      lazy(B, Hq, N, Dv))
         else:
             self.state = monoid.identity((B, Hq, N), Dv, device=device)
 
@@ -252,6 +253,7 @@ class Executor:
     # ---------------------------------------------------------------- the ladder
     def _attempt(self, index: int, task: divide.Task, acc: Accumulators, upcoming, depth: int = 0) -> None:
         while True:
+            failed = data = results = None
             try:
                 faults.check(index, task.tid)
                 if depth == 0 and index in self.precomputed:  # host copies of the calibration run's states
@@ -265,7 +267,7 @@ class Executor:
                         staged = self.staged.pop(index, None) if depth == 0 else None
                         data = self._upload(task, staged or self._stage(task))
                     results = self._compute(task, data)
-                    del data
+                    data = None
                 if self.cuda:
                     self.inflight.append(torch.cuda.Event())
                     self.inflight[-1].record(torch.cuda.current_stream(self.device))
@@ -277,35 +279,39 @@ class Executor:
                         if j not in self.ahead and j in self.staged:
                             self.ahead[j] = self._upload(t, self.staged.pop(j))
             except torch.OutOfMemoryError as e:
-                self._free()
-                need = self.plan.task_peak(task, 1)
-                if self.smallest is None or need < self.smallest[0]:
-                    self.smallest = (need, task)
-                if self.n_cap > 1:
-                    self.n_cap = max(1, self.n_cap // 2)
-                    self._event(f"OOM in task {task.tid} ({e}); retry with n_cap={self.n_cap}")
-                    continue
-                if depth < MAX_REFINE and task.q_tokens > 1:
-                    c = self.plan.c or divide.SINGER_ORDERS[0]
-                    children = divide.refine(task, c, self.plan.causal)
-                    self._event(f"OOM in task {task.tid} at n_cap=1; refined into {len(children)} tasks (c={c})")
-                    for child in children:
-                        self._attempt(index, child, acc, (), depth + 1)
-                    return
-                if not self.host_only_states:
-                    self._go_host(acc)
-                    self._event(f"OOM in task {task.tid} after refinement; accumulators moved to the host, retry")
-                    continue
-                t = self.smallest[1]
-                raise torch.OutOfMemoryError(
-                    f"stream.attention: nothing fits in memory_budget={self.budget} bytes on {self.device}: the "
-                    f"smallest task tried ({t.tid}: {t.q_tokens} query x {t.k_tokens} key tokens, predicted peak "
-                    f"{self.smallest[0]} bytes at n_cap=1, accumulators on the host) ran out of memory ({e})") from e
-            else:
+                # only the message: the exception's traceback holds the failed attempt's frames (its inputs and
+                # partial states), which must be gone before the ladder's next step allocates again
+                failed = str(e)
+            if failed is None:
                 self._merge(results, acc)  # outside the retry: a task merges once, after it has fully run
                 self.flops += task_flops(self.plan.shape, task)
                 self.tasks_run += 1
                 return
+            data = results = None
+            self._free()
+            need = self.plan.task_peak(task, 1)
+            if self.smallest is None or need < self.smallest[0]:
+                self.smallest = (need, task)
+            if self.n_cap > 1:
+                self.n_cap = max(1, self.n_cap // 2)
+                self._event(f"OOM in task {task.tid} ({failed}); retry with n_cap={self.n_cap}")
+                continue
+            if depth < MAX_REFINE and task.q_tokens > 1:
+                c = self.plan.c or divide.SINGER_ORDERS[0]
+                children = divide.refine(task, c, self.plan.causal)
+                self._event(f"OOM in task {task.tid} at n_cap=1; refined into {len(children)} tasks (c={c})")
+                for child in children:
+                    self._attempt(index, child, acc, (), depth + 1)
+                return
+            if not self.host_only_states:
+                self._go_host(acc)
+                self._event(f"OOM in task {task.tid} after refinement; accumulators moved to the host, retry")
+                continue
+            t = self.smallest[1]
+            raise torch.OutOfMemoryError(
+                f"stream.attention: nothing fits in memory_budget={self.budget} bytes on {self.device}: the "
+                f"smallest task tried ({t.tid}: {t.q_tokens} query x {t.k_tokens} key tokens, predicted peak "
+                f"{self.smallest[0]} bytes at n_cap=1, accumulators on the host) ran out of memory ({failed})")
 
     def _event(self, msg: str) -> None:
         logger.warning("elsa_surgery.stream: %s", msg)
