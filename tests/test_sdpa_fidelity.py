@@ -584,7 +584,7 @@ def test_found_sdpa_backend_float32_mask_with_float64_q():
 def test_found_sdpa_backend_min_mask_on_cuda_floored():
     """backend="sdpa" on CUDA raises finite additive mask values below MASK_FLOOR to it, as the kernels do: torch 2.11's
     fused CUDA SDPA turned a finfo(float32).min mask on a one-key row into -inf (zeros out; SDPA's math gives the
-    key's value); found by the GPU fuzz (session 26, seed 22). The helper itself is checked on the CPU."""
+    key's value); found by the GPU fuzz (session 26, seed 22). The helper, on the CPU; the case: the next test."""
     from elsa_surgery.sdpa import floor_mask
     from elsa_surgery.semantics import MASK_FLOOR
 
@@ -592,7 +592,12 @@ def test_found_sdpa_backend_min_mask_on_cuda_floored():
     got = floor_mask(m)
     assert torch.equal(got, torch.tensor([0.0, -1e9, float("-inf"), MASK_FLOOR, -2.3e38, MASK_FLOOR]))
     assert torch.equal(m[3], torch.tensor(torch.finfo(torch.float32).min))  # the input is not modified
+
+
+@pytest.mark.gpu
+def test_found_sdpa_backend_min_mask_on_cuda_case():
+    """The GPU fuzz's case itself (session 26, seed 22): backend="sdpa" on CUDA gives SDPA's float64 answer."""
     if not torch.cuda.is_available():
-        pytest.skip("the case itself needs CUDA")
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
     assert check(Case(B=1, Hq=1, Hkv=1, Nq=7, Nk=1, D=8, Dv=8, dtype="float32", mask="additive", mask_shape=(7, 1),
                       large="min", backend="sdpa", device="cuda", seed=0)) == "match"
