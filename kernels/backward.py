@@ -60,14 +60,14 @@ def _extent(b, CUQ, CUK, QLEN, KVLEN, Nq, Nk, VARLEN: tl.constexpr, HAS_QLEN: tl
 
 
 @triton.jit
-def _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
-           IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr):
-    """``p [BLOCK_M, BLOCK_N]`` recomputed from ``lse2`` (the row's lse in base 2; +inf for a row without a
-    visible key, so that its probabilities are 0, never NaN). Hidden pairs give 0."""
-    s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
-    vis = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
+def _masked_logits(s, r, c, q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL: tl.constexpr,
+                   MASK_KIND: tl.constexpr):
+    """Logits ``s`` (base 2) plus the additive mask, with hidden pairs at -inf. ``r`` / ``c``: the pairs' query rows
+    and keys broadcast to ``s``'s orientation (rows-major ``rows[:, None]``, ``cols[None, :]``; keys-major the
+    other way round); ``mask_ptrs`` in the same orientation."""
+    vis = (r < q_len) & (c < kv_len)
     if IS_CAUSAL:
-        vis = vis & (cols[None, :] <= rows[:, None] + causal_off)
+        vis = vis & (c <= r + causal_off)
     if MASK_KIND == 1:
         mk = tl.load(mask_ptrs, mask=vis, other=0)
         vis = vis & (mk != 0)
@@ -75,14 +75,24 @@ def _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_sca
         mk = tl.load(mask_ptrs, mask=vis, other=0.0).to(tl.float32)
         mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, MASK_FLOOR))  # as the forward (scan.py)
         s = s + mk * LOG2E_C
-    s = tl.where(vis, s, float("-inf"))
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
+           IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr):
+    """``p [BLOCK_M, BLOCK_N]`` recomputed from ``lse2`` (the row's lse in base 2; +inf for a row without a
+    visible key, so that its probabilities are 0, never NaN). Hidden pairs give 0."""
+    s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
+    s = _masked_logits(s, rows[:, None], cols[None, :], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL, MASK_KIND)
     return tl.exp2(s - lse2[:, None])
 
 
 @triton.jit
 def _keep(seed, crow, cols, Nkc, p_drop):
-    """The dropout keep mask of rows ``crow`` (counter rows, int64) and keys ``cols``."""
-    counter = crow[:, None] * Nkc + cols[None, :].to(tl.int64)
+    """The dropout keep mask of counter rows ``crow`` (int64) and keys ``cols``, both broadcast to the tile's
+    orientation (``crow[:, None]``, ``cols[None, :]`` rows-major)."""
+    counter = crow * Nkc + cols.to(tl.int64)
     return tl.rand(seed, counter) >= p_drop
 
 
@@ -141,23 +151,12 @@ def _kv_step_t(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)  # [BLOCK_M, BLOCK_DV]
     lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
     st = _dot(k_rows, qt, tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT) * qk_scale
-    vis = (cols[:, None] < kv_len) & (rows[None, :] < q_len)
-    if IS_CAUSAL:
-        vis = vis & (cols[:, None] <= rows[None, :] + causal_off)
     mask_ptrs = m_base + rows[None, :].to(tl.int64) * stride_mm + cols[:, None].to(tl.int64) * stride_mn
-    if MASK_KIND == 1:
-        mk = tl.load(mask_ptrs, mask=vis, other=0)
-        vis = vis & (mk != 0)
-    elif MASK_KIND == 2:
-        mk = tl.load(mask_ptrs, mask=vis, other=0.0).to(tl.float32)
-        mk = tl.where(mk == float("-inf"), mk, tl.maximum(mk, MASK_FLOOR))
-        st = st + mk * LOG2E_C
-    st = tl.where(vis, st, float("-inf"))
+    st = _masked_logits(st, rows[None, :], cols[:, None], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL, MASK_KIND)
     pt = tl.exp2(st - lse2[None, :])
     dpt = _dot(v_rows, tl.trans(do), tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT)
     if DROPOUT:
-        crow = b64 * crb + h64 * crh + rows.to(tl.int64)
-        keep = tl.rand(seed, crow[None, :] * Nkc + cols[:, None].to(tl.int64)) >= p_drop
+        keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[None, :], cols[:, None], Nkc, p_drop)
         pdt = tl.where(keep, pt * keep_scale, 0.0)
         dpt = tl.where(keep, dpt * keep_scale, 0.0)
     else:
@@ -257,7 +256,8 @@ def bwd_kv(
                            IS_CAUSAL, MASK_KIND, DOT)
                 dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
                 if DROPOUT:
-                    keep = _keep(seed, b64 * crb + h64 * crh + rows.to(tl.int64), cols, Nkc, p_drop)
+                    keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[:, None], cols[None, :], Nkc,
+                                 p_drop)
                     pd = tl.where(keep, p * keep_scale, 0.0)
                     dp = tl.where(keep, dp * keep_scale, 0.0)
                 else:
@@ -346,7 +346,7 @@ def row_pass(
         p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
                    IS_CAUSAL, MASK_KIND, DOT)
         if DROPOUT:
-            keep = _keep(seed, crow, cols, Nkc, p_drop)
+            keep = _keep(seed, crow[:, None], cols[None, :], Nkc, p_drop)
         else:
             keep = p == p
         if WHAT == 2:
