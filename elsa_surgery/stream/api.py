@@ -153,7 +153,8 @@ def _delivery(plan, rank_of, rank, size, acc, out_t, lse, exclusive):
         if key in exclusive:
             segments += [(a, b, rank_of[g[0]]) for a, b in key if b > a]
     ok = (bool(segments) and acc.device.type == "cpu" and out_t.device.type == "cpu" and out_t.is_contiguous()
-          and (lse is None or lse.is_contiguous()) and len(segments) * out_t.shape[0] * out_t.shape[1] * 2 < 1 << 24)
+          and (lse is None or lse.is_contiguous())
+          and distributed.Delivery.fits(len(segments), out_t.shape[0], out_t.shape[1], lse is not None))
     if distributed.agree(1.0 if ok else 0.0, "min", rank, size) != 1.0:
         return None
     return distributed.Delivery(sorted(segments), rank, size, out_t, lse)
@@ -352,18 +353,16 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
         done, resumed = list(resume[1]), len(resume[1])
         for dst, src in zip(acc.state, resume[2]):
             dst.copy_(src)
-        finished_ids = set(done)
-        order = [i for i in order if plan.tasks[i].tid not in finished_ids]
+    finished_ids = set(done)
+    order = [i for i in order if plan.tasks[i].tid not in finished_ids]
 
     ex = Executor(plan, qs, ks, vs, scale=scale, device=dev, backend=backend, progress=progress and rank == 0,
                   budget=budget)
     if kept is not None and rank_of is not None and rank_of[kept[2]] != rank:
         kept = None  # its group went to another rank (two ranks calibrated in one group)
-    if kept is not None:
-        for i in order:  # the calibrated task, if this rank runs it in the final plan: its results, not a rerun
-            if i == kept[2]:
-                ex.precomputed[i] = kept[1]
-        del kept
+    if kept is not None and kept[2] in order:  # the calibrated task, if this rank runs it: its results, not a rerun
+        ex.precomputed[kept[2]] = kept[1]
+    kept = None
     # backward.StreamAttention: each row's final log-sum-exp (from the finalize) and the plan; on the device only
     # after the run (the plan's peak does not count it)
     host_acc = acc.device.type == "cpu"
@@ -387,8 +386,7 @@ def attention(q, k, v, *, is_causal: bool = False, scale: Optional[float] = None
                 delivery.send(*rng)
 
         ex.on_final = on_final
-        finished_ids = set(done)  # (resumed tasks count toward their group's end)
-        for t in plan.tasks:
+        for t in plan.tasks:  # (resumed tasks count toward their group's end)
             if t.tid in finished_ids:
                 ex.group_done[Executor._qkey(t)] += 1
         ex.keep_final = ckpt is not None

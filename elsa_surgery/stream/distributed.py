@@ -15,6 +15,10 @@ a blocks query row merges on one rank in the same order as in one process.
   ``S ← S·e^(m − m*)``, ``W ← W·e^(m − m*)``; ``all_reduce(S, SUM)``, ``all_reduce(W, SUM)``; then every rank
   finalizes. Another merge order than one process: equal up to fp32 rounding.
 
+Rows of query groups that no other group touches (the blocks schedule's rows) skip that merge: their owner sends
+them to every other rank as soon as it has them (:class:`Delivery`, gloo point-to-point in the background), and the
+merge gathers the rest.
+
 Every rank ends with the full output. NCCL needs device tensors: the chunks travel through the rank's GPU; gloo works
 on host tensors.
 
@@ -71,38 +75,35 @@ def _default_timeout() -> Optional[timedelta]:
         return None
 
 
-def control():
-    """The group for the control plane: the default group under gloo; under NCCL a gloo group on the same ranks
-    (created once per default group, collectively: every rank calls this at the same point of the run)."""
+def _gloo_group(cache: Dict[int, tuple]):
+    """A gloo group on every rank, created once per default group (collectively: every rank calls this at the same
+    point of the run) with the default group's timeout, kept in ``cache``."""
     import torch.distributed as dist
 
-    if not _nccl():
-        return None
     default = dist.distributed_c10d._get_default_group()
-    entry = _CONTROL.get(id(default))
+    entry = cache.get(id(default))
     if entry is None or entry[0] is not default:  # (a destroyed and re-created default group may reuse an id)
         timeout = _default_timeout()
         if timeout is None:
             logger.info("elsa_surgery.stream: the process group's timeout is not readable in this torch version; "
-                        "the gloo control group uses torch's default")
-        entry = _CONTROL[id(default)] = (default, dist.new_group(backend="gloo", timeout=timeout))
+                        "a gloo group of stream.attention uses torch's default")
+        entry = cache[id(default)] = (default, dist.new_group(backend="gloo", timeout=timeout))
     return entry[1]
+
+
+def control():
+    """The group for the control plane: the default group under gloo; under NCCL a gloo group on the same ranks."""
+    return _gloo_group(_CONTROL) if _nccl() else None
 
 
 def data_group():
-    """A gloo group on every rank for the rows delivered in the background (:class:`Delivery`), apart from the
-    control plane (created once per default group, collectively)."""
-    import torch.distributed as dist
-
-    default = dist.distributed_c10d._get_default_group()
-    entry = _DATA.get(id(default))
-    if entry is None or entry[0] is not default:
-        entry = _DATA[id(default)] = (default, dist.new_group(backend="gloo", timeout=_default_timeout()))
-    return entry[1]
+    """A gloo group for the rows delivered in the background (:class:`Delivery`), apart from the control plane."""
+    return _gloo_group(_DATA)
 
 
 _DATA: Dict[int, tuple] = {}  # id(default group) -> (that group, its gloo group for delivered rows)
 _CALLS = [0]  # stream.attention calls under ranks so far (every rank makes the same calls): tags of a call's messages
+MAX_MESSAGES = 1 << 24  # a call's Delivery messages (their tags' range)
 
 
 class Delivery:
@@ -130,7 +131,7 @@ class Delivery:
         self.sent = set()
         self.works: list = []
         self.stats = {"delivered_tokens": 0, "delivered_bytes": 0, "late_segments": 0, "wait_seconds": 0.0}
-        if len(segments) * B * H * self.parts >= 1 << 24:
+        if not Delivery.fits(len(segments), B, H, lse is not None):
             raise ValueError("too many segments to deliver")
         for i, (a, b, owner) in enumerate(segments):
             if owner == rank:
@@ -138,6 +139,11 @@ class Delivery:
             for tag, t in self._messages(i, a, b):
                 self.works.append(dist.irecv(t, src=owner, group=self.group, tag=tag))
             self.stats["delivered_tokens"] += b - a
+
+    @staticmethod
+    def fits(n_segments: int, B: int, H: int, with_lse: bool) -> bool:
+        """Whether a call's messages (a segment, batch row and head each, twice with the lse) fit the tag range."""
+        return n_segments * B * H * (2 if with_lse else 1) < MAX_MESSAGES
 
     def _messages(self, i, a, b):
         for bi in range(self.B):
@@ -352,8 +358,8 @@ def merge_finalize(state: monoid.State, plan: Plan, rank_of: List[int], rank: in
     dev = _wire(device)
     B, H, _, Dv = state.W.shape
     stats = {"merge": "owned ranges: all_gather of the owners' output rows (finalized by their owner, where their "
-                      "query row ended or after the run); shared ranges: all_reduce of the states", "owned_tokens": 0, "shared_tokens": 0, "bytes": 0,
-             "seconds": 0.0}
+                      "query row ended or after the run); shared ranges: all_reduce of the states",
+             "owned_tokens": 0, "shared_tokens": 0, "bytes": 0, "seconds": 0.0}
     per_token = B * H * (Dv * torch.empty(0, dtype=out_dtype).element_size() + (4 if lse_out is not None else 0))
     step = MERGE_CHUNK_TOKENS if budget is None or dev.type != "cuda" else max(
         1, min(MERGE_CHUNK_TOKENS, budget // (2 * (1 + size) * per_token)))
