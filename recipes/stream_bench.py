@@ -80,14 +80,20 @@ def host_inputs(args, device):
     shape = (1, args.heads, args.n, args.dim)
     out = []
     g = torch.Generator(device=device).manual_seed(0)
-    step = max(1, scratch_bytes(args) // (4 * args.heads * args.dim))  # fp32 draws a chunk
     for _ in range(3):
         t = torch.empty(shape, dtype=DTYPES[args.dtype], pin_memory=device.type == "cuda")
-        for a in range(0, args.n, step):
-            b = min(args.n, a + step)
-            t[:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
+        fill_random(t, args, g, device)
         out.append(t)
     return out
+
+
+def fill_random(t, args, g, device) -> None:
+    """``t [1, H, N, D]`` (host or memory-mapped) filled with N(0, 1) draws made on ``device`` in chunks of
+    :func:`scratch_bytes` fp32."""
+    step = max(1, scratch_bytes(args) // (4 * args.heads * args.dim))
+    for a in range(0, args.n, step):
+        b = min(args.n, a + step)
+        t[:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
 
 
 def scratch_bytes(args) -> int:
@@ -441,11 +447,7 @@ def mode_slices(args, device, budget):
                 f.truncate(numel * dtype.itemsize)
         maps[name] = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
         if fresh and name != "o":
-            g = torch.Generator(device=device).manual_seed(ord(name))
-            step = max(1, scratch_bytes(args) // (4 * args.heads * args.dim))
-            for a in range(0, args.n, step):
-                b = min(args.n, a + step)
-                maps[name][:, :, a:b].copy_(torch.randn((1, args.heads, b - a, args.dim), generator=g, device=device))
+            fill_random(maps[name], args, torch.Generator(device=device).manual_seed(ord(name)), device)
     out, row = run(args, maps["q"], maps["k"], maps["v"], args.schedule, budget, out=maps["o"],
                    checkpoint_dir=str(d / "ckpt"), max_tasks=args.max_tasks, max_seconds=args.slice_seconds,
                    checkpoint_every=args.checkpoint_every)
