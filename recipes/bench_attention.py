@@ -380,9 +380,9 @@ def backward_cell(dname, H, D, N, causal, baselines, B=1):
 def backward_sweep(dname, H, D, N, causal, space, baselines, B=1):
     """``--backward --sweep``: the backward alone (one forward, its graph kept; ``torch.autograd.grad`` timed) for
     every tile configuration of ``space`` (``kernels/backward_launch.set_tiles_override``), with dQ by atomics and
-    by the deterministic row pass, ``bwd_kv`` rows-major and keys-major, against the SDPA backends' backward on the same inputs. Every configuration's
-    gradients are checked against the first one's (a configuration that computes wrong gradients is reported, not
-    ranked). Returns the five fastest."""
+    by the deterministic row pass, ``bwd_kv`` rows-major and keys-major, against the SDPA backends' backward on the
+    same inputs. Every configuration's gradients are checked against the first one's (a configuration that computes
+    wrong gradients is reported, not ranked). Returns the five fastest."""
     from elsa_surgery.kernels import backward_launch
 
     dtype, prec = DTYPES[dname]
@@ -501,8 +501,9 @@ def main(argv=None):
                 sink.flush()
             torch.cuda.empty_cache()
         return
+    space = ({kv.split("=")[0]: [int(x) for x in kv.split("=")[1].split(",")] for kv in a.space.split(";")}
+             if a.sweep else None)
     if a.backward and a.sweep:
-        space = {kv.split("=")[0]: [int(x) for x in kv.split("=")[1].split(",")] for kv in a.space.split(";")}
         for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
             best = backward_sweep(dname, H, D, N, c, space, baselines)
             print(f"BEST backward {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
@@ -517,7 +518,6 @@ def main(argv=None):
         return
     if a.sweep:
         for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
-            space = {kv.split("=")[0]: [int(x) for x in kv.split("=")[1].split(",")] for kv in a.space.split(";")}
             best = sweep(dname, H, D, N, c, space, graph=a.graph)
             print(f"BEST {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
         return

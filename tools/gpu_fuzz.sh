@@ -3,7 +3,8 @@
 # EXAMPLES cases of tests/test_sdpa_fidelity.py::test_fuzz_every_backend_gpu, naming every case in its trace before
 # running it (a case that breaks the CUDA context cannot be replayed by Hypothesis). Prints the cases run, and each
 # failing seed with its repro or, for a crash, its last traced case.
-# Usage (repository root, on the device machine): bash tools/gpu_fuzz.sh OUTDIR [PROCS] [EXAMPLES] [SECONDS] [FIRST_SEED]
+# Usage (repository root, on the device machine):
+#   bash tools/gpu_fuzz.sh OUTDIR [PROCS] [EXAMPLES] [SECONDS] [FIRST_SEED]
 # Measured (session 26, 2x H100 host, 32 cores, processes dealt over both GPUs): 24 processes ran 7,981 cases in
 # 450 s (0.7-1.0 case/s a process). 10,000 cases: two calls with different seeds (FIRST_SEED 1, then 25).
 set -uo pipefail
@@ -13,7 +14,8 @@ mkdir -p "$out"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$ngpu" -ge 1 ] || ngpu=1
 read -r -a gpus <<< "${FUZZ_GPUS:-$(seq -s ' ' 0 $((ngpu - 1)))}"  # FUZZ_GPUS="1": leave GPU 0 to another job
 for s in $(seq "$first" $((first + procs - 1))); do  # the processes dealt over the GPUs
-  (cd /tmp && CUDA_VISIBLE_DEVICES=${gpus[$(( s % ${#gpus[@]} ))]} SDPA_FUZZ_TRACE="$out/trace_$s.txt" SDPA_FUZZ_EXAMPLES="$examples" timeout "$seconds" \
+  (cd /tmp && CUDA_VISIBLE_DEVICES=${gpus[$(( s % ${#gpus[@]} ))]} SDPA_FUZZ_TRACE="$out/trace_$s.txt" \
+     SDPA_FUZZ_EXAMPLES="$examples" timeout "$seconds" \
      python3 -m pytest -q -p no:cacheprovider -p no:logging -c "$repo/pyproject.toml" --rootdir "$repo" \
      "$repo/tests/test_sdpa_fidelity.py" -m gpu -k test_fuzz_every_backend_gpu --hypothesis-seed="$s" \
      --hypothesis-show-statistics > "$out/fuzz_$s.log" 2>&1; echo "rc=$?" >> "$out/fuzz_$s.log") &

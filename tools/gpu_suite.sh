@@ -2,7 +2,8 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
-#   compile | bwd-sweep | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   compile | bwd-sweep | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | exec (then:
+#   OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -80,7 +81,8 @@ case "$part" in
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
-  tests-stream)  # the stream GPU tests alone (the NCCL pair needs >= 2 GPUs), ~1 min; and the GPU fuzz's regression case
+  tests-stream)  # the stream GPU tests alone (the NCCL pair needs >= 2 GPUs), ~1 min; and the GPU fuzz's
+    # regression case
     gpu_tests pytest_gpu_stream.log "$repo/tests/test_stream_gpu.py" \
       "$repo/tests/test_sdpa_fidelity.py::test_found_sdpa_backend_min_mask_on_cuda_case" ;;
   stream-ranks)  # issue 31, on a machine with >= 2 GPUs: stream GPU tests (NCCL pair, backward included), then the
