@@ -443,3 +443,6 @@ def test_stream_bench_recipe_runs_on_cpu(load_recipe, capsys, tmp_path):
                     "--schedule", "blocks", "--max-tasks", "3", "--data-dir", str(tmp_path), "--no-progress"])
     last = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert last["finished"] and last["spot_max_rel_err_vs_fp64"] < 1e-2
+    bench.main(["--device", "cpu", "--mode", "incore", "--tile", "256", "--heads", "1"])
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["mode"] == "incore" and row["tile"] == 256 and row["in_core_tflops"] > 0
