@@ -47,9 +47,15 @@ def run(p: AttentionProblem) -> torch.Tensor:
         mask = mask.to(torch.float64 if p.q.dtype == torch.float64 else torch.float32)
     if mask is not None and mask.is_floating_point() and mask.is_cuda and mask.dtype != torch.float16:
         mask = floor_mask(mask)  # (fp16 cannot hold a value below the floor)
+    q, k, v = p.q, p.k, p.v
+    if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+        # a float32 mask with fp16/bf16 q: PyTorch's CUDA memory-efficient kernel refuses it ("invalid dtype for bias
+        # - should match query's dtype", session 27's GPU fuzz) and narrowing the mask would round its values (or
+        # turn large ones into -inf): the call runs in float32, the output cast back
+        q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
-        p.q, p.k, p.v, attn_mask=mask, dropout_p=p.dropout_p, scale=p.scale, enable_gqa=p.heads_q != p.heads_kv
-    )
+        q, k, v, attn_mask=mask, dropout_p=p.dropout_p, scale=p.scale, enable_gqa=p.heads_q != p.heads_kv
+    ).to(p.q.dtype)
     if mask is not None:
         visible = mask.any(dim=-1) if mask.dtype == torch.bool else (mask > float("-inf")).any(dim=-1)
         out = out.masked_fill(~visible.unsqueeze(-1), 0.0)

@@ -601,3 +601,39 @@ def test_found_sdpa_backend_min_mask_on_cuda_case():
         pytest.skip("needs a CUDA GPU (run on the device machine)")
     assert check(Case(B=1, Hq=1, Hkv=1, Nq=7, Nk=1, D=8, Dv=8, dtype="float32", mask="additive", mask_shape=(7, 1),
                       large="min", backend="sdpa", device="cuda", seed=0)) == "match"
+
+
+def test_found_sdpa_backend_float32_mask_with_half_q(monkeypatch):
+    """backend="sdpa" runs a float32 additive mask with fp16/bf16 q in float32: torch 2.11's CUDA memory-efficient
+    SDPA refuses the mixed call ("invalid dtype for bias - should match query's dtype"; session 27's GPU fuzz, seeds
+    33, 34, 37), which CPU SDPA answers. On the CPU, with an SDPA that refuses mixed dtypes as that kernel does; the
+    case itself on CUDA: the next test."""
+    import torch.nn.functional as F
+
+    native = F.scaled_dot_product_attention
+
+    def strict(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
+            raise RuntimeError("invalid dtype for bias - should match query's dtype")
+        return native(q, k, v, attn_mask=attn_mask, **kw)
+
+    g = torch.Generator().manual_seed(27)
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (torch.randn(2, 3, 9, 16, generator=g).to(dtype) for _ in range(3))
+        mask = torch.randn(9, 9, generator=g) * 100.3  # values a narrowing to bf16 would round by up to 0.25
+        mask[2] -= 1e4  # a row of large finite values: its weights as without them, not zeros
+        want = native(*(t.double() for t in (q, k, v)), attn_mask=mask.double())
+        monkeypatch.setattr(F, "scaled_dot_product_attention", strict)
+        got = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="sdpa")
+        monkeypatch.setattr(F, "scaled_dot_product_attention", native)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_found_sdpa_backend_float32_mask_half_q_on_cuda_case():
+    """The GPU fuzz's case itself (session 27, seeds 33, 34, 37)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
+    assert check(Case(B=1, Hq=1, Hkv=1, Nq=1, Nk=1, D=8, Dv=8, dtype="float16", mask="additive", mask_shape=(1, 1),
+                      mask_dtype="float32", large="-1e4", backend="sdpa", device="cuda", seed=0)) == "match"
