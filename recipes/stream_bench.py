@@ -328,7 +328,7 @@ def _scaling(args, device, budget, ref):
     one = _one_gpu_reference(args, device, budget, ref)  # timed alone; then its in-core and spot-row checks
     rc, secs, rows, tail = _torchrun(args, ["--compare-to", str(ref)])
     for r in rows:
-        emit({"mode": "scaling", "ranks": args.ranks, **r})
+        emit({**r, "mode": "scaling", "ranks": args.ranks})  # (the rank rows are target rows)
     if rc != 0 or not rows:
         emit({"mode": "scaling", "error": f"torchrun exited {rc}", "stderr_tail": tail})
         sys.exit(1)

@@ -271,7 +271,7 @@ def test_torchrun_gloo_ranks_give_one_process_bits(tmp_path, ranks):
     rows = _bench(tmp_path, "--mode", "scaling", "--ranks", str(ranks))
     summary = rows[-1]
     assert summary["summary"] and summary["bit_identical"] is True and summary["ranks"] == ranks, summary
-    per_rank = [r for r in rows if r.get("world") == ranks]
+    per_rank = [r for r in rows if r.get("mode") == "scaling" and r.get("world") == ranks]
     assert sorted(r["rank"] for r in per_rank) == list(range(ranks))
     assert sum(r["tasks_run"] for r in per_rank) == per_rank[0]["settings"]["tasks"] > ranks
 
