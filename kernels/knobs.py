@@ -36,6 +36,7 @@ HOPPER_LAZY = "ELSA_HOPPER_LAZY"
 DEBUG = "ELSA_DEBUG"
 NCU_CHILD = "ELSA_NCU_CHILD"
 TEST_RANDOM_CASES = "ELSA_TEST_RANDOM_CASES"
+BLOCKED_PV_KEYS = "ELSA_BLOCKED_PV_KEYS"
 
 _MAX_CACHED = 32  # parsed values kept per knob (by raw value)
 
@@ -149,6 +150,10 @@ _DECLARED = (
     Knob(HOPPER_LAZY, "choice", _choices("0", "1", "force") + " (never, from 16 key tiles a row block, always)", "1",
          "lazy rescaling of the fp16/bf16 Hopper kernel's accumulator: 0 never, 1 from 16 key tiles a row block "
          "(8 causal), force always", _choice("0", "1", "force"), scope="tuning", choices=("0", "1", "force")),
+    Knob(BLOCKED_PV_KEYS, "int", "an integer >= 0", 1 << 20,
+         "keys a row accumulates in one kernel program above which the fp16/bf16/turbo portable kernel adds each key "
+         "block's P·V with a round-to-nearest add instead of accumulating in the tensor cores (0: always)",
+         _int_at_least(0), scope="tuning"),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

@@ -585,6 +585,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         return out, lse, state
     B, Hq, Hkv, Nq, Nk, D, Dv, groups = d.B, d.Hq, d.Hkv, d.Nq, d.Nk, d.D, d.Dv, d.groups
     BD, BDV, BH, varlen, cfg, parts, dot = d.BD, d.BDV, d.BH, d.varlen, plan.cfg, plan.parts, plan.dot
+    blocked_pv = occ.blocked_pv(dot, min(plan.part_len, Nk) if parts > 1 else Nk)
     if varlen:
         so = _strides4(out, True)
         sl = (0, lse.stride(0), lse.stride(1)) if want_lse else (0, 0, 0)
@@ -637,7 +638,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
             HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
-            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None,
+            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None, BLOCKED_PV=blocked_pv,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

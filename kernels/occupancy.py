@@ -454,6 +454,18 @@ def forced_partitions() -> Optional[int]:
     return knobs.get(ENV_PARTITIONS)
 
 
+def blocked_pv(dot: int, keys_per_program: int) -> bool:
+    """Whether ``scan.elsa_fwd`` adds each key block's P·V to a row's accumulator with a round-to-nearest add
+    (``BLOCKED_PV``) rather than accumulating in the tensor cores across blocks: for rows of more than
+    ``ELSA_BLOCKED_PV_KEYS`` keys in one program. The tensor cores' fp32 additions are reported to truncate; over
+    millions of keys the bias toward zero reaches bf16's rounding (session 27: the 32M stream's 8M-key tasks gave
+    rows 1.05e-2 from float64, the 8M stream's 1M-key tasks 2.6e-3). ``strict`` and the split kinds already add
+    each block's products that way."""
+    if dot == DOT_IEEE or dot in SPLIT_DOTS:
+        return False
+    return keys_per_program > knobs.get(knobs.BLOCKED_PV_KEYS)
+
+
 def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, rows: int, dv: int,
                    out_bytes: int, eta: Optional[float] = None, forced: Optional[int] = None,
                    decode: bool = False) -> int:

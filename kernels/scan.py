@@ -98,8 +98,13 @@ def _fold_block(
     kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+    BLOCKED_PV: tl.constexpr,
 ):
-    """``state ⊕ block``: fold keys ``[start_n, start_n + BLOCK_N)`` into the running row states."""
+    """``state ⊕ block``: fold keys ``[start_n, start_n + BLOCK_N)`` into the running row states.
+
+    ``BLOCKED_PV`` (rows of many keys, set by the launcher): the block's P·V in a fresh tensor-core accumulator,
+    then added to the row's with a round-to-nearest add, instead of accumulating in the tensor cores across every
+    key block, whose additions are reported to truncate (a bias toward zero that grows with the number of blocks)."""
     cols = start_n + offs_n
     kd_ok = offs_d[:, None] < D
     vd_ok = offs_dv[None, :] < DV
@@ -157,6 +162,8 @@ def _fold_block(
     elif DOT == 1:  # strict: the block's P·V in a fresh accumulator, then one add (blocked summation: the
         # rounding error grows with BLOCK_N + Nk / BLOCK_N, not with Nk as one FMA chain over every key does)
         acc = acc + _dot(p, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT)
+    elif BLOCKED_PV:
+        acc = acc + _dot(p.to(v.dtype), v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT)
     else:
         acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new
@@ -178,7 +185,7 @@ def elsa_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
     VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT: tl.constexpr,
-    CHUNKED: tl.constexpr, PACK: tl.constexpr = False,
+    CHUNKED: tl.constexpr, PACK: tl.constexpr = False, BLOCKED_PV: tl.constexpr = False,
 ):
     """Phase 1. Keys ``[koff, koff + klim)`` of each row (``koff = 0``, ``klim = Nk`` unless chunked).
 
@@ -364,13 +371,13 @@ def elsa_fwd(
             acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
             start_n, row_q, offs_n, offs_d, offs_dv,
             kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
-            D, DV, BLOCK_D, BLOCK_DV, False, IS_CAUSAL, MASK_KIND, DOT)
+            D, DV, BLOCK_D, BLOCK_DV, False, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
             acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
             start_n, row_q, offs_n, offs_d, offs_dv,
             kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
-            D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT)
+            D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
 
     row_store = offs_m < store_rows
     if PACK:

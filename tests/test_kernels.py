@@ -222,6 +222,43 @@ def test_state_merges_with_monoid(parts):
     assert not any(torch.isnan(t).any() for t in full)
 
 
+@pytest.mark.parametrize("mode", ["turbo", torch.bfloat16])
+def test_blocked_pv_for_rows_of_many_keys(mode, monkeypatch):
+    """Rows of more than ELSA_BLOCKED_PV_KEYS keys a program add each key block's P·V with a round-to-nearest add
+    (scan's BLOCKED_PV; session 27's 32M stream, occupancy.blocked_pv): the decision, and the kernel with it forced
+    on (the knob at 0) against float64, dense with partitions and as states (a stream task's call)."""
+    from elsa_surgery.kernels import occupancy as occ
+    from elsa_surgery.kernels import replay
+
+    assert occ.blocked_pv(occ.DOT_LOWP, (1 << 20) + 1) and not occ.blocked_pv(occ.DOT_LOWP, 1 << 20)
+    assert not occ.blocked_pv(occ.DOT_IEEE, 1 << 30) and not occ.blocked_pv(occ.DOT_F16X3, 1 << 30)
+    seen = []
+    real = replay.launch
+
+    def spy(fn, grid, *args, **kwargs):
+        if "CHUNKED" in kwargs:  # scan.elsa_fwd's launches (not phase 2's merge)
+            seen.append(kwargs.get("BLOCKED_PV"))
+        return real(fn, grid, *args, **kwargs)
+
+    monkeypatch.setattr(replay, "launch", spy)
+    dtype = mode if isinstance(mode, torch.dtype) else torch.float32
+    precision = None if isinstance(mode, torch.dtype) else mode
+    q, k, v = rand(1, 2, 70, 32, dtype=dtype), rand(1, 2, 150, 32, dtype=dtype), rand(1, 2, 150, 24, dtype=dtype)
+    out, lse = poisoned_run(q, k, v, is_causal=True, precision=precision, num_partitions=2)
+    assert seen and not any(seen)  # 75 keys a partition: the tensor cores' chain
+    monkeypatch.setenv(knobs.BLOCKED_PV_KEYS, "0")
+    assert occ.blocked_pv(occ.DOT_TF32, 1)
+    seen.clear()
+    out, lse = poisoned_run(q, k, v, is_causal=True, precision=precision, num_partitions=2)
+    assert seen and all(seen)
+    check(out, lse, *oracle(q, k, v, is_causal=True), TOL[mode])
+    seen.clear()
+    state = launch.attention_state(q, k, v, scale=32 ** -0.5, precision=precision)
+    assert seen and all(seen)
+    ref = monoid.finalize(elsa_surgery.attention_state(q.double(), k.double(), v.double(), backend="reference"))
+    assert rel(monoid.finalize(monoid.State(*state))[0], ref[0]) <= TOL[mode]
+
+
 @pytest.mark.parametrize("causal,parts", [(False, 1), (True, 1), (True, 2)])
 def test_varlen_packed(causal, parts):
     lens_q = [37, 0, 90, 5]
