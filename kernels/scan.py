@@ -66,6 +66,15 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _add_block(acc, pv):
+    """``acc + pv`` as fp32 adds rounded to nearest, ``pv`` a block's products from a fresh accumulator. Written as
+    ``fma(pv, 1, acc)``: Triton's combiner folds ``acc + tl.dot(a, b, 0)`` back into ``tl.dot(a, b, acc)``, the very
+    chain this avoids (session 27: the PTX of both forms was identical; tools/compile_kernels.py checks they
+    differ)."""
+    return tl.fma(pv, 1.0, acc)
+
+
+@triton.jit
 def _split16(x):
     """``x`` (already scaled into fp16's range) as fp16 ``hi + lo``: 22 of fp32's 24 significant bits."""
     hi = x.to(tl.float16)
@@ -161,9 +170,9 @@ def _fold_block(
         acc = acc + pv * (v_inv * (1.0 / 16384.0))[None, :]
     elif DOT == 1:  # strict: the block's P·V in a fresh accumulator, then one add (blocked summation: the
         # rounding error grows with BLOCK_N + Nk / BLOCK_N, not with Nk as one FMA chain over every key does)
-        acc = acc + _dot(p, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT)
+        acc = _add_block(acc, _dot(p, v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT))
     elif BLOCKED_PV:
-        acc = acc + _dot(p.to(v.dtype), v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT)
+        acc = _add_block(acc, _dot(p.to(v.dtype), v, tl.zeros([p.shape[0], v.shape[1]], dtype=tl.float32), DOT))
     else:
         acc = _dot(p.to(v.dtype), v, acc, DOT)
     return acc, l_i, m_new

@@ -1,0 +1,137 @@
+"""Compile the portable Triton kernels for a GPU without one: Triton's own compiler, from the kernels' source to PTX
+for sm_90 (no launch, no driver), for the variants the interpreter cannot vouch for (its semantics are Python's; the
+compiler's type rules, loop-carried values and layouts are not checked there). Session 27: written to check the
+backward's full-tile loops and the forward's ``BLOCKED_PV`` before any GPU saw them.
+
+Run with the interpreter off (``TRITON_INTERPRET`` unset): ``python tools/compile_kernels.py [--ptxas]``. Prints one
+line per variant and exits 1 if any fails to compile. ``--ptxas``: also assemble each with Triton's bundled ptxas and
+print its register count. Exit 3 when this Triton cannot compile for CUDA here (no NVIDIA backend, another
+``ASTSource`` API): tests/test_kernels_compile.py then skips, naming why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PTR_DTYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DS": "*fp32", "RES": "*fp32", "PM": "*fp32",
+               "PS": "*fp32", "PW": "*fp32", "KI": "*fp32", "VI": "*fp32", "QLEN": "*i32", "KVLEN": "*i32",
+               "CUQ": "*i32", "CUK": "*i32", "SEED": "*i64"}
+_DATA = ("Q", "K", "V", "MASK", "DO", "OUT", "DK", "DV", "KL", "VL")
+_FLOATS = {"qk_scale", "scale", "p_drop", "keep_scale"}
+
+
+def _signature(fn, data_dtype: str) -> dict:
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in _DATA:
+            sig[p.name] = "*" + data_dtype
+        elif p.name in _PTR_DTYPES:
+            sig[p.name] = _PTR_DTYPES[p.name]
+        elif p.name in _FLOATS:
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i32"
+    return sig
+
+
+def variants():
+    """(name, kernel, data dtype, constexprs, num_warps)."""
+    from elsa_surgery.kernels import backward, scan
+
+    fwd = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=128, BLOCK_N=64, MASK_KIND=0, HAS_QLEN=False,
+               HAS_KVLEN=False, VARLEN=False, WRITE_LSE=True, CHUNKED=0, PACK=False)
+    for dot, blocked, state in itertools.product((0, 2), (False, True), (False, True)):
+        dtype = "bf16" if dot == 0 else "fp32"
+        yield (f"elsa_fwd dot={dot} blocked_pv={blocked} state={state}", scan.elsa_fwd, dtype,
+               dict(fwd, IS_CAUSAL=True, DOT=dot, WRITE_STATE=state, BLOCKED_PV=blocked), 8)
+    yield ("elsa_fwd dot=1 (strict) state=True", scan.elsa_fwd, "fp32",
+           dict(fwd, IS_CAUSAL=True, DOT=1, WRITE_STATE=True, BLOCKED_PV=False), 8)
+    bwd = dict(D=64, DV_=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, HAS_QLEN=False, HAS_KVLEN=False,
+               VARLEN=False, DOT=0)
+    for keys_major, causal, mask in itertools.product((False, True), (False, True), (0, 2)):
+        yield (f"bwd_kv keys_major={keys_major} causal={causal} mask={mask}", backward.bwd_kv, "bf16",
+               dict(bwd, MASK_KIND=mask, IS_CAUSAL=causal, DROPOUT=mask == 2, ATOMIC_DQ=True, WRITE_DS=mask == 2,
+                    KEYS_MAJOR=keys_major), 4)
+    for what, causal in itertools.product((0, 1), (False, True)):
+        yield (f"row_pass what={what} causal={causal}", backward.row_pass, "bf16",
+               dict(bwd, MASK_KIND=0, IS_CAUSAL=causal, DROPOUT=what == 1, WHAT=what), 4)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ptxas", action="store_true", help="assemble with Triton's ptxas and print registers")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        print("run with TRITON_INTERPRET unset: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(ROOT))
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except Exception as e:  # pragma: no cover - depends on the installed Triton
+        print(f"skip: this Triton cannot compile for CUDA here ({type(e).__name__}: {e})")
+        return 3
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    ptx = {}
+    for name, fn, dtype, const, warps in variants():
+        try:
+            src = ASTSource(fn=fn, signature=_signature(fn, dtype),
+                            constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        except TypeError as e:  # pragma: no cover - another Triton's ASTSource
+            print(f"skip: this Triton's ASTSource takes other arguments ({e})")
+            return 3
+        try:
+            kernel = triton.compile(src, target=target, options={"num_warps": warps})
+        except Exception as e:
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
+        extra = ""
+        if args.ptxas:
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            ptxas = get_ptxas(90)
+            ptxas = getattr(ptxas, "path", ptxas)
+            with tempfile.TemporaryDirectory() as d:
+                ptx = Path(d) / "k.ptx"
+                ptx.write_text(kernel.asm["ptx"])
+                r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.cubin")],
+                                   capture_output=True, text=True)
+            regs = [line.split(":", 1)[-1].strip() for line in r.stderr.splitlines() if "registers" in line]
+            extra = f"  ({regs[-1] if regs else r.stderr[-200:]})"
+        print(f"ok   {name}: {len(kernel.asm['ptx'])} bytes of PTX{extra}", flush=True)
+        ptx[name] = kernel.asm["ptx"]
+    # BLOCKED_PV must survive Triton's combiner (which folds ``acc + tl.dot(a, b, 0)`` into ``tl.dot(a, b, acc)``):
+    # its PTX has the blocks' fp32 adds that the tensor cores' chain has not
+    for name in [n for n in ptx if "blocked_pv=True" in n]:
+        extra = fp32_adds(ptx[name]) - fp32_adds(ptx[name.replace("blocked_pv=True", "blocked_pv=False")])
+        if extra < 16:
+            failed += 1
+            print(f"FAIL {name}: {extra} more fp32 adds than without BLOCKED_PV (the compiler folded them away)")
+    return 1 if failed else 0
+
+
+def fp32_adds(ptx: str) -> int:
+    """fp32 add and fma instructions in ``ptx`` (predicated ones too)."""
+    n = 0
+    for line in ptx.splitlines():
+        words = line.split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+        n += op in ("add.f32", "add.rn.f32", "fma.rn.f32")
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())
