@@ -10,6 +10,9 @@ dropout keep mask ``z`` (factor ``z / (1 - p_drop)``)::
 
 Kernels (logits in base 2 as in ``scan.py``):
 
+Both walks run their full tiles (no mask, keys in range, off the causal diagonal: :func:`_full_rows`,
+:func:`_full_keys`) without the visibility tests that the diagonal's and the edges' tiles take.
+
 * :func:`bwd_delta` ``delta = rowsum(do * out) - dlse`` per query row.
 * :func:`bwd_kv` one program per (key block, batch, KV head): walks the query blocks that can see its keys
   (causal: from the diagonal on) of every query head of its group (GQA reduced here, without copying K/V), and
@@ -61,10 +64,13 @@ def _extent(b, CUQ, CUK, QLEN, KVLEN, Nq, Nk, VARLEN: tl.constexpr, HAS_QLEN: tl
 
 @triton.jit
 def _masked_logits(s, r, c, q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL: tl.constexpr,
-                   MASK_KIND: tl.constexpr):
+                   MASK_KIND: tl.constexpr, MASKED: tl.constexpr = True):
     """Logits ``s`` (base 2) plus the additive mask, with hidden pairs at -inf. ``r`` / ``c``: the pairs' query rows
     and keys broadcast to ``s``'s orientation (rows-major ``rows[:, None]``, ``cols[None, :]``; keys-major the
-    other way round); ``mask_ptrs`` in the same orientation."""
+    other way round); ``mask_ptrs`` in the same orientation. ``MASKED = False``: a full tile (every pair in range
+    and visible, no mask; the loops' interior, :func:`_full_rows` / :func:`_full_keys`): ``s`` as it is."""
+    if not MASKED:
+        return s
     vis = (r < q_len) & (c < kv_len)
     if IS_CAUSAL:
         vis = vis & (c <= r + causal_off)
@@ -80,11 +86,12 @@ def _masked_logits(s, r, c, q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL: tl.
 
 @triton.jit
 def _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
-           IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr):
+           IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr = True):
     """``p [BLOCK_M, BLOCK_N]`` recomputed from ``lse2`` (the row's lse in base 2; +inf for a row without a
     visible key, so that its probabilities are 0, never NaN). Hidden pairs give 0."""
     s = _dot(q, kt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT) * qk_scale
-    s = _masked_logits(s, rows[:, None], cols[None, :], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL, MASK_KIND)
+    s = _masked_logits(s, rows[:, None], cols[None, :], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL, MASK_KIND,
+                       MASKED)
     return tl.exp2(s - lse2[:, None])
 
 
@@ -131,47 +138,96 @@ def bwd_delta(DO, OUT, DLSE, DELTA, n_rows, H, Dv_rows,
 
 
 @triton.jit
-def _kv_step_t(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows, v_rows, dk, dv,
-               b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale, scale, p_drop, keep_scale, crb, crh, Nkc,
-               stride_qn, stride_qd, stride_on, stride_od, stride_ln, stride_mm, stride_mn,
-               stride_dqb, stride_dqh, stride_dqn, stride_dqd, stride_sb, stride_sh, stride_sm, stride_sn,
-               offs_d, offs_dv, D: tl.constexpr, DV_: tl.constexpr, BLOCK_M: tl.constexpr,
-               MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT: tl.constexpr, DROPOUT: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr):
-    """One query block of :func:`bwd_kv` computed keys-major (``KEYS_MAJOR``): ``p^T [BLOCK_N, BLOCK_M]`` straight
-    from ``k · q^T``, so that dV += p^T·dO and dK += dS^T·q take their first operand as computed (the rows-major
-    body transposes ``p`` and ``dS``, computed tiles, for those two products), and dQ^T = K^T·dS^T needs none. Same
-    arithmetic, another register layout; which is faster is the backward sweep's question."""
-    rows = m0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
-    r64 = q_row0 + rows.to(tl.int64)
-    qt = tl.load(q_base + r64[None, :] * stride_qn + offs_d[:, None] * stride_qd,
-                 mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_M]
-    do = tl.load(o_base + r64[:, None] * stride_on + offs_dv[None, :] * stride_od,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)  # [BLOCK_M, BLOCK_DV]
-    lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
-    st = _dot(k_rows, qt, tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT) * qk_scale
-    mask_ptrs = m_base + rows[None, :].to(tl.int64) * stride_mm + cols[:, None].to(tl.int64) * stride_mn
-    st = _masked_logits(st, rows[None, :], cols[:, None], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL, MASK_KIND)
-    pt = tl.exp2(st - lse2[None, :])
-    dpt = _dot(v_rows, tl.trans(do), tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT)
-    if DROPOUT:
-        keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[None, :], cols[:, None], Nkc, p_drop)
-        pdt = tl.where(keep, pt * keep_scale, 0.0)
-        dpt = tl.where(keep, dpt * keep_scale, 0.0)
+def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows, vt, v_rows, dk, dv,
+             b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale, scale, p_drop, keep_scale, crb, crh, Nkc,
+             stride_qn, stride_qd, stride_on, stride_od, stride_ln, stride_mm, stride_mn,
+             stride_dqb, stride_dqh, stride_dqn, stride_dqd, stride_sb, stride_sh, stride_sm, stride_sn,
+             offs_d, offs_dv, D: tl.constexpr, DV_: tl.constexpr, BLOCK_M: tl.constexpr,
+             MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT: tl.constexpr, DROPOUT: tl.constexpr,
+             ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr, KEYS_MAJOR: tl.constexpr, MASKED: tl.constexpr):
+    """One query block of :func:`bwd_kv`. Rows-major: ``p [BLOCK_M, BLOCK_N]``, dV += p^T·dO, dK += dS^T·q (``p``
+    and ``dS``, computed tiles, transposed for those two products). ``KEYS_MAJOR``: ``p^T [BLOCK_N, BLOCK_M]``
+    straight from ``k · q^T``, so that dV += p^T·dO and dK += dS^T·q take their first operand as computed, and
+    dQ^T = K^T·dS^T needs no transpose either. Same arithmetic, another register layout; which is faster is the
+    backward sweep's question. ``MASKED = False``: a full tile (:func:`_full_rows`)."""
+    if KEYS_MAJOR:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        r64 = q_row0 + rows.to(tl.int64)
+        qt = tl.load(q_base + r64[None, :] * stride_qn + offs_d[:, None] * stride_qd,
+                     mask=row_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_M]
+        do = tl.load(o_base + r64[:, None] * stride_on + offs_dv[None, :] * stride_od,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)  # [BLOCK_M, BLOCK_DV]
+        lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
+        st = _dot(k_rows, qt, tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT) * qk_scale
+        mask_ptrs = m_base + rows[None, :].to(tl.int64) * stride_mm + cols[:, None].to(tl.int64) * stride_mn
+        st = _masked_logits(st, rows[None, :], cols[:, None], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL,
+                            MASK_KIND, MASKED)
+        pt = tl.exp2(st - lse2[None, :])
+        dpt = _dot(v_rows, tl.trans(do), tl.zeros([k_rows.shape[0], BLOCK_M], dtype=tl.float32), DOT)
+        if DROPOUT:
+            keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[None, :], cols[:, None], Nkc, p_drop)
+            pdt = tl.where(keep, pt * keep_scale, 0.0)
+            dpt = tl.where(keep, dpt * keep_scale, 0.0)
+        else:
+            pdt = pt
+        dv = _dot(pdt.to(do.dtype), do, dv, DOT)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk, DOT)
+        if ATOMIC_DQ:
+            dqt = _dot(kt, dst.to(qt.dtype), tl.zeros([kt.shape[0], BLOCK_M], dtype=tl.float32), DOT) * scale
+            tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64[None, :] * stride_dqn
+                          + offs_d[:, None] * stride_dqd, dqt, mask=row_ok[None, :] & (offs_d[:, None] < D))
+        if WRITE_DS:
+            tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[None, :].to(tl.int64) * stride_sm
+                     + cols[:, None].to(tl.int64) * stride_sn, dst, mask=row_ok[None, :] & col_ok[:, None])
     else:
-        pdt = pt
-    dv = _dot(pdt.to(do.dtype), do, dv, DOT)
-    dst = pt * (dpt - delta[None, :])
-    dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk, DOT)
-    if ATOMIC_DQ:
-        dqt = _dot(kt, dst.to(qt.dtype), tl.zeros([kt.shape[0], BLOCK_M], dtype=tl.float32), DOT) * scale
-        tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64[None, :] * stride_dqn
-                      + offs_d[:, None] * stride_dqd, dqt, mask=row_ok[None, :] & (offs_d[:, None] < D))
-    if WRITE_DS:
-        tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[None, :].to(tl.int64) * stride_sm
-                 + cols[:, None].to(tl.int64) * stride_sn, dst, mask=row_ok[None, :] & col_ok[:, None])
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        r64 = q_row0 + rows[:, None].to(tl.int64)
+        q = tl.load(q_base + r64 * stride_qn + offs_d[None, :] * stride_qd,
+                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        do = tl.load(o_base + r64 * stride_on + offs_dv[None, :] * stride_od,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
+        lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
+        mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
+        p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale, IS_CAUSAL, MASK_KIND, DOT,
+                   MASKED)
+        dp = _dot(do, vt, tl.zeros([BLOCK_M, kt.shape[1]], dtype=tl.float32), DOT)
+        if DROPOUT:
+            keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[:, None], cols[None, :], Nkc, p_drop)
+            pd = tl.where(keep, p * keep_scale, 0.0)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        else:
+            pd = p
+        dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
+        ds = p * (dp - delta[:, None])
+        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
+        if ATOMIC_DQ:
+            dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, k_rows.shape[1]], dtype=tl.float32), DOT) * scale
+            tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
+                          + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D))
+        if WRITE_DS:
+            tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
+                     + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
     return dk, dv
+
+
+@triton.jit
+def _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+    """The first query block of :func:`bwd_kv`'s walk ``range(m_lo, m_hi, BLOCK_M)`` from which every row sees
+    every key of ``[n0, n0 + BLOCK_N)`` (no mask; every key below ``kv_len``, as the dense call stores zero dK, dV
+    for keys past a batch row's ``kv_len``; causal: rows from the diagonal's end on): the blocks from there run
+    without visibility tests; ``m_hi`` when none. Rows past ``q_len`` need no test: their lse is +inf (p = 0)."""
+    a = m_hi
+    if MASK_KIND == 0:
+        if n0 + BLOCK_N <= kv_len:
+            a = m_lo
+            if IS_CAUSAL:  # the first row that sees the block's last key, rounded up to a block
+                a = tl.maximum(a, (tl.maximum(n0 + BLOCK_N - 1 - causal_off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+            a = tl.minimum(a, m_hi)
+    return a
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -195,7 +251,7 @@ def bwd_kv(
 ):
     """dK, dV of keys ``[n0, n0 + BLOCK_N)`` of one (batch, KV head); dQ by atomics (``ATOMIC_DQ``); dS (``WRITE_DS``).
     ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s. ``KEYS_MAJOR``: each query block by
-    :func:`_kv_step_t` (no transposes of computed tiles)."""
+    :func:`_kv_step`'s keys-major form (no transposes of computed tiles)."""
     pid = tl.program_id(0)
     pid_n = pid % n_blocks
     pid_bk = pid // n_blocks
@@ -227,6 +283,7 @@ def bwd_kv(
     if IS_CAUSAL:  # rows before n0 - causal_off see none of these keys
         m_lo = tl.maximum(n0 - causal_off, 0) // BLOCK_M * BLOCK_M
     m_hi = tl.where(n0 < kv_len, q_len, 0)
+    a_end = _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND)
     for g in range(0, GROUPS):
         h = hk * GROUPS + g
         h64 = h.to(tl.int64)
@@ -234,44 +291,19 @@ def bwd_kv(
         o_base = DO + b64 * stride_ob + h64 * stride_oh
         l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
         m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            if KEYS_MAJOR:
-                dk, dv = _kv_step_t(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows,
-                                    v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale, scale,
-                                    p_drop, keep_scale, crb, crh, Nkc, stride_qn, stride_qd, stride_on, stride_od,
-                                    stride_ln, stride_mm, stride_mn, stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-                                    stride_sb, stride_sh, stride_sm, stride_sn, offs_d, offs_dv, D, DV_, BLOCK_M,
-                                    MASK_KIND, IS_CAUSAL, DOT, DROPOUT, ATOMIC_DQ, WRITE_DS)
+        for phase in tl.static_range(2):  # the causal diagonal's blocks (every block when masked), then full ones
+            if phase == 0:
+                lo, hi = m_lo, a_end
             else:
-                rows = m0 + tl.arange(0, BLOCK_M)
-                row_ok = rows < q_len
-                r64 = q_row0 + rows[:, None].to(tl.int64)
-                q = tl.load(q_base + r64 * stride_qn + offs_d[None, :] * stride_qd,
-                            mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                do = tl.load(o_base + r64 * stride_on + offs_dv[None, :] * stride_od,
-                             mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
-                lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
-                mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
-                p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
-                           IS_CAUSAL, MASK_KIND, DOT)
-                dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
-                if DROPOUT:
-                    keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[:, None], cols[None, :], Nkc,
-                                 p_drop)
-                    pd = tl.where(keep, p * keep_scale, 0.0)
-                    dp = tl.where(keep, dp * keep_scale, 0.0)
-                else:
-                    pd = p
-                dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
-                ds = p * (dp - delta[:, None])
-                dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
-                if ATOMIC_DQ:
-                    dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), DOT) * scale
-                    tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
-                                  + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D))
-                if WRITE_DS:
-                    tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
-                             + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
+                lo, hi = a_end, m_hi
+            for m0 in range(lo, hi, BLOCK_M):
+                dk, dv = _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows,
+                                  vt, v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale,
+                                  scale, p_drop, keep_scale, crb, crh, Nkc, stride_qn, stride_qd, stride_on,
+                                  stride_od, stride_ln, stride_mm, stride_mn, stride_dqb, stride_dqh, stride_dqn,
+                                  stride_dqd, stride_sb, stride_sh, stride_sm, stride_sn, offs_d, offs_dv, D, DV_,
+                                  BLOCK_M, MASK_KIND, IS_CAUSAL, DOT, DROPOUT, ATOMIC_DQ, WRITE_DS, KEYS_MAJOR,
+                                  phase == 0)
     c64 = k_row0 + cols[:, None].to(tl.int64)
     if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
         col_ok = cols < Nk
@@ -279,6 +311,62 @@ def bwd_kv(
              (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + c64 * stride_dvn + offs_dv[None, :] * stride_dvd,
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV_))
+
+
+@triton.jit
+def _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv, k_base, v_base, m_base,
+              k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale, p_drop, Nkc, RES, b64, h64,
+              stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+              stride_rb, stride_rh, stride_rn, stride_rd, D: tl.constexpr, DV_: tl.constexpr,
+              MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT: tl.constexpr, DROPOUT: tl.constexpr,
+              WHAT: tl.constexpr, MASKED: tl.constexpr):
+    """Key block ``[n0, n0 + BLOCK_N)`` of :func:`row_pass`."""
+    cols = n0 + offs_n
+    col_ok = cols < kv_len
+    c64 = k_row0 + cols[None, :].to(tl.int64)
+    kt = tl.load(k_base + c64 * stride_kn + offs_d[:, None] * stride_kd,
+                 mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+    mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
+    p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale, IS_CAUSAL, MASK_KIND, DOT,
+               MASKED)
+    if DROPOUT:
+        keep = _keep(seed, crow[:, None], cols[None, :], Nkc, p_drop)
+    else:
+        keep = p == p
+    if WHAT == 2:
+        tl.store(RES + b64 * stride_rb + h64 * stride_rh + rows[:, None].to(tl.int64) * stride_rn
+                 + cols[None, :].to(tl.int64) * stride_rd, keep.to(tl.uint8),
+                 mask=row_ok[:, None] & col_ok[None, :])
+    elif WHAT == 1:
+        v = tl.load(v_base + tl.trans(c64) * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
+        pd = tl.where(keep, p * keep_scale, 0.0)
+        acc = _dot(pd.to(v.dtype), v, acc, DOT)
+    else:
+        vt = tl.load(v_base + c64 * stride_vn + offs_dv[:, None] * stride_vd,
+                     mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)
+        dp = _dot(do, vt, tl.zeros([q.shape[0], kt.shape[1]], dtype=tl.float32), DOT)
+        if DROPOUT:
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        acc = _dot(ds.to(q.dtype), tl.trans(kt), acc, DOT)
+    return acc
+
+
+@triton.jit
+def _full_keys(m_start, n_hi, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+    """The end of :func:`row_pass`'s first key blocks ``range(0, n_hi, BLOCK_N)`` that every row of
+    ``[m_start, m_start + BLOCK_M)`` sees whole (no mask; causal: keys up to the first row's diagonal), run without
+    visibility tests; 0 when none. Rows and keys out of range need no test: a row past ``q_len`` has lse +inf (p =
+    0); a key past ``kv_len`` loads as zeros, so it adds nothing to dQ nor to the dropout output, and its keep mask
+    is not stored."""
+    nf = n_hi * 0
+    if MASK_KIND == 0:
+        nf = n_hi
+        if IS_CAUSAL:
+            nf = tl.minimum(nf, tl.maximum(m_start + causal_off + 1, 0) // BLOCK_N * BLOCK_N)
+    return nf
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -325,6 +413,7 @@ def row_pass(
                      mask=row_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
+        do = q  # (unused)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     seed = 0
     if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
@@ -336,36 +425,18 @@ def row_pass(
     n_hi = tl.where(pid_m * BLOCK_M < q_len, kv_len, 0)
     if IS_CAUSAL:
         n_hi = tl.minimum(n_hi, tl.maximum(tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len) + causal_off, 0))
-    for n0 in range(0, n_hi, BLOCK_N):
-        cols = n0 + offs_n
-        col_ok = cols < kv_len
-        c64 = k_row0 + cols[None, :].to(tl.int64)
-        kt = tl.load(k_base + c64 * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-        mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
-        p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale,
-                   IS_CAUSAL, MASK_KIND, DOT)
-        if DROPOUT:
-            keep = _keep(seed, crow[:, None], cols[None, :], Nkc, p_drop)
+    nf = _full_keys(pid_m * BLOCK_M, n_hi, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND)
+    for phase in tl.static_range(2):  # full key blocks (no visibility tests), then the rest
+        if phase == 0:
+            lo, hi = 0, nf
         else:
-            keep = p == p
-        if WHAT == 2:
-            tl.store(RES + b64 * stride_rb + h64 * stride_rh + rows[:, None].to(tl.int64) * stride_rn
-                     + cols[None, :].to(tl.int64) * stride_rd, keep.to(tl.uint8),
-                     mask=row_ok[:, None] & col_ok[None, :])
-        elif WHAT == 1:
-            v = tl.load(v_base + tl.trans(c64) * stride_vn + offs_dv[None, :] * stride_vd,
-                        mask=col_ok[:, None] & (offs_dv[None, :] < DV_), other=0.0)
-            pd = tl.where(keep, p * keep_scale, 0.0)
-            acc = _dot(pd.to(v.dtype), v, acc, DOT)
-        else:
-            vt = tl.load(v_base + c64 * stride_vn + offs_dv[:, None] * stride_vd,
-                         mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)
-            dp = _dot(do, vt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
-            if DROPOUT:
-                dp = tl.where(keep, dp * keep_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            acc = _dot(ds.to(q.dtype), tl.trans(kt), acc, DOT)
+            lo, hi = nf, n_hi
+        for n0 in range(lo, hi, BLOCK_N):
+            acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
+                            v_base, m_base, k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale, p_drop, Nkc,
+                            RES, b64, h64, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+                            stride_rb, stride_rh, stride_rn, stride_rd, D, DV_, MASK_KIND, IS_CAUSAL, DOT, DROPOUT,
+                            WHAT, phase == 1)
     if WHAT == 0:
         tl.store(RES + b64 * stride_rb + h64 * stride_rh + r64 * stride_rn + offs_d[None, :] * stride_rd,
                  (acc * scale).to(RES.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))

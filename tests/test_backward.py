@@ -81,14 +81,15 @@ def test_deterministic_mode_is_bitwise_reproducible():
 def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major):
     """The backward sweep's override (recipes/bench_attention.py --backward --sweep): other tile shapes, warps and
     stages, and bwd_kv's keys-major variant, still give the float64 oracle's gradients (causal, GQA, Dv != D), with
-    atomic and row-pass dQ."""
+    atomic and row-pass dQ. 70 queries on 80 keys: full tiles (run without visibility tests) beside the diagonal's and
+    the last rows' and keys' partial ones."""
     from elsa_surgery.kernels import backward_launch, occupancy
 
     backward_launch.set_tiles_override(occupancy.TileConfig(*tiles), keys_major=keys_major)
     try:
         assert backward_launch._blocks(64) == tiles
-        for det in (False, True):
-            _check(_leaf(1, 4, 37, 24), _leaf(1, 2, 45, 24), _leaf(1, 2, 45, 16), is_causal=True,
+        for causal, det in ((True, False), (True, True), (False, False)):
+            _check(_leaf(1, 4, 70, 24), _leaf(1, 2, 80, 24), _leaf(1, 2, 80, 16), is_causal=causal,
                    deterministic=det)
     finally:
         backward_launch.set_tiles_override(None)
