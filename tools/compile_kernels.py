@@ -76,43 +76,31 @@ def main(argv=None) -> int:
         return 2
     sys.path.insert(0, str(ROOT))
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
+        from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource
     except Exception as e:  # pragma: no cover - depends on the installed Triton
         print(f"skip: this Triton cannot compile for CUDA here ({type(e).__name__}: {e})")
         return 3
-    target = GPUTarget("cuda", 90, 32)
     failed = 0
     ptx = {}
     for name, fn, dtype, const, warps in variants():
         try:
-            src = ASTSource(fn=fn, signature=_signature(fn, dtype),
-                            constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+            ASTSource(fn=fn, signature=_signature(fn, dtype),
+                      constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
         except TypeError as e:  # pragma: no cover - another Triton's ASTSource
             print(f"skip: this Triton's ASTSource takes other arguments ({e})")
             return 3
         try:
-            kernel = triton.compile(src, target=target, options={"num_warps": warps})
+            ptx[name] = compile_ptx(fn, dtype, const, warps)
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             continue
         extra = ""
         if args.ptxas:
-            from triton.backends.nvidia.compiler import get_ptxas
-
-            ptxas = get_ptxas(90)
-            ptxas = getattr(ptxas, "path", ptxas)
-            with tempfile.TemporaryDirectory() as d:
-                ptx = Path(d) / "k.ptx"
-                ptx.write_text(kernel.asm["ptx"])
-                r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.cubin")],
-                                   capture_output=True, text=True)
-            regs = [line.split(":", 1)[-1].strip() for line in r.stderr.splitlines() if "registers" in line]
-            extra = f"  ({regs[-1] if regs else r.stderr[-200:]})"
-        print(f"ok   {name}: {len(kernel.asm['ptx'])} bytes of PTX{extra}", flush=True)
-        ptx[name] = kernel.asm["ptx"]
+            regs, spills = assemble(ptx[name])
+            extra = f"  ({regs} registers, {spills} bytes of spill stores)"
+        print(f"ok   {name}: {len(ptx[name])} bytes of PTX{extra}", flush=True)
     # BLOCKED_PV must survive Triton's combiner (which folds ``acc + tl.dot(a, b, 0)`` into ``tl.dot(a, b, acc)``):
     # its PTX has the blocks' fp32 adds that the tensor cores' chain has not
     for name in [n for n in ptx if "blocked_pv=True" in n]:
@@ -121,6 +109,37 @@ def main(argv=None) -> int:
             failed += 1
             print(f"FAIL {name}: {extra} more fp32 adds than without BLOCKED_PV (the compiler folded them away)")
     return 1 if failed else 0
+
+
+def compile_ptx(fn, dtype: str, const: dict, warps: int) -> str:
+    """``fn`` compiled to PTX for sm_90 (Triton's compiler, no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature=_signature(fn, dtype),
+                    constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+def assemble(ptx: str):
+    """(registers, bytes of spill stores) of ``ptx`` assembled for sm_90a by Triton's bundled ptxas."""
+    import re
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90)
+    ptxas = getattr(ptxas, "path", ptxas)
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+                           capture_output=True, text=True)
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    if not regs:
+        raise RuntimeError(f"ptxas: {r.stderr[-500:]}")
+    return int(regs[-1]), int(spills[-1]) if spills else 0
 
 
 def fp32_adds(ptx: str) -> int:

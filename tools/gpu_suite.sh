@@ -74,9 +74,11 @@ case "$part" in
       | tee "$out/train_llama.log" | tail -30 ;;
   bwd-sweep)  # issue 25: the backward's tiles (BLOCK_M, BLOCK_N, warps, stages) x dQ by atomics or the row pass x
     # bwd_kv rows- or keys-major, against flash/cuDNN's backward, N=4K causal (args: dtype [bf16], HxD [16x64]);
-    # 64 configurations, ~5 min (untimed estimate)
+    # 48 configurations, ~4 min (untimed estimate). The space holds the tiles that ptxas compiles without spills
+    # (benchmarks/lab/bwd_spills.py, session 27: at D = 64 32x64 and 64x64 with 8 warps, 32x128 rows-major; at
+    # D = 128 32x32 and 32x64 with 8 warps) beside the defaults (64x64/4 warps at D = 64 spills 216 bytes)
     timeout 560 python3 recipes/bench_attention.py --backward --sweep --dtypes "${1:-bf16}" --n 4096 \
-      --shapes "${2:-16x64}" --causal 1 --space 'bm=64,128;bn=64,128;w=4,8;s=2,3' --baselines flash,cudnn \
+      --shapes "${2:-16x64}" --causal 1 --space 'bm=32,64;bn=32,64,128;w=4,8;s=2' --baselines flash,cudnn \
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
