@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource
+        from triton.compiler import ASTSource  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the installed Triton
         print(f"skip: this Triton cannot compile for CUDA here ({type(e).__name__}: {e})")
         return 3
@@ -85,13 +85,12 @@ def main(argv=None) -> int:
     ptx = {}
     for name, fn, dtype, const, warps in variants():
         try:
-            ASTSource(fn=fn, signature=_signature(fn, dtype),
-                      constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+            src = source(fn, dtype, const)
         except TypeError as e:  # pragma: no cover - another Triton's ASTSource
             print(f"skip: this Triton's ASTSource takes other arguments ({e})")
             return 3
         try:
-            ptx[name] = compile_ptx(fn, dtype, const, warps)
+            ptx[name] = compile_source(src, warps)
         except Exception as e:
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
@@ -111,15 +110,25 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def compile_ptx(fn, dtype: str, const: dict, warps: int) -> str:
-    """``fn`` compiled to PTX for sm_90 (Triton's compiler, no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+def source(fn, dtype: str, const: dict):
+    """Triton's ``ASTSource`` of ``fn`` with data pointers of ``dtype`` and the constexprs ``const``."""
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature=_signature(fn, dtype),
-                    constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    return ASTSource(fn=fn, signature=_signature(fn, dtype),
+                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+
+
+def compile_source(src, warps: int) -> str:
+    """``src`` compiled to PTX for sm_90 (Triton's compiler, no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+def compile_ptx(fn, dtype: str, const: dict, warps: int) -> str:
+    """``fn`` compiled to PTX for sm_90."""
+    return compile_source(source(fn, dtype, const), warps)
 
 
 def assemble(ptx: str):
