@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from elsa_surgery import stream
+from elsa_surgery import monoid, stream
 from elsa_surgery.stream import faults
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -104,29 +104,19 @@ def scratch_bytes(args) -> int:
 
 
 def spot_rows(q, k, v, out, rows, scale=None, device="cpu", chunk_bytes=64 << 20):
-    """Max relative error of output rows (causal) against float64, keys in chunks."""
+    """Max relative error of output rows (causal) against float64, keys in chunks folded with the public monoid."""
     worst = 0.0
-    D = q.shape[-1]
+    B, H, _, D = q.shape
     scale = D ** -0.5 if scale is None else scale
-    step = max(1, chunk_bytes // (8 * q.shape[1] * D))  # keys a chunk: chunk_bytes of float64 K
+    step = max(1, chunk_bytes // (8 * H * D))  # keys a chunk: chunk_bytes of float64 K
     for r in rows:
-        qr = q[:, :, r].to(device, torch.float64)  # [B, H, D]
-        m = None
+        qr = q[:, :, r:r + 1].to(device, torch.float64)  # [B, H, 1, D]
+        st = monoid.identity((B, H, 1), v.shape[-1], dtype=torch.float64, device=device)
         for a in range(0, r + 1, step):
             b = min(r + 1, a + step)
-            s = torch.einsum("bhd,bhnd->bhn", qr, k[:, :, a:b].to(device, torch.float64)) * scale
-            mx = s.amax(-1)
-            p = torch.exp(s - mx.unsqueeze(-1))
-            w = torch.einsum("bhn,bhnd->bhd", p, v[:, :, a:b].to(device, torch.float64))
-            st = (mx, p.sum(-1), w)
-            if m is None:
-                m, S, W = st
-            else:
-                nm = torch.maximum(m, st[0])
-                S = S * torch.exp(m - nm) + st[1] * torch.exp(st[0] - nm)
-                W = W * torch.exp(m - nm).unsqueeze(-1) + st[2] * torch.exp(st[0] - nm).unsqueeze(-1)
-                m = nm
-        ref = W / S.unsqueeze(-1)
+            s = qr @ k[:, :, a:b].to(device, torch.float64).transpose(-1, -2) * scale
+            st = monoid.fold_scores(st, s, v[:, :, a:b].to(device, torch.float64))
+        ref = monoid.finalize(st)[0][:, :, 0]
         got = out[:, :, r].to(device, torch.float64)
         worst = max(worst, float((got - ref).norm() / ref.norm()))
     return worst

@@ -36,21 +36,15 @@ def size(s: str) -> int:
 
 
 def reference(q, k, v, rows, scale, chunk=1 << 20):
-    """float64 output of the chosen query rows, keys in chunks (exact online merge)."""
+    """float64 output of the chosen query rows, keys in chunks folded with the public monoid."""
+    from elsa_surgery import monoid
+
     qr = q[0, 0, rows].double()
-    m = S = W = None
+    st = monoid.identity((qr.shape[0],), v.shape[-1], dtype=torch.float64, device=q.device)
     for a in range(0, k.shape[2], chunk):
         s = (qr @ k[0, 0, a:a + chunk].double().T) * scale
-        mx = s.amax(-1)
-        p = torch.exp(s - mx[:, None])
-        st = (mx, p.sum(-1), p @ v[0, 0, a:a + chunk].double())
-        if m is None:
-            m, S, W = st
-        else:
-            nm = torch.maximum(m, st[0])
-            a0, a1 = torch.exp(m - nm), torch.exp(st[0] - nm)
-            m, S, W = nm, S * a0 + st[1] * a1, W * a0[:, None] + st[2] * a1[:, None]
-    return W / S[:, None]
+        st = monoid.fold_scores(st, s, v[0, 0, a:a + chunk].double())
+    return monoid.finalize(st)[0]
 
 
 def rel(got_rows, ref):
