@@ -25,7 +25,7 @@ def _kernels():
 
 
 _OVERRIDE: Optional[occ.TileConfig] = None
-_KEYS_MAJOR = False  # backward.bwd_kv's keys-major query steps (backward._kv_step's KEYS_MAJOR form): the sweep's other variant
+_KEYS_MAJOR = False  # bwd_kv's query steps in _kv_step's KEYS_MAJOR form: the backward sweep's other variant
 
 
 def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False) -> None:
