@@ -174,7 +174,6 @@ def run(key: tuple, slots: Dict[str, Optional[torch.Tensor]], plan_and_run: Call
     if plan is not None and plan.env_unchanged():
         if plan.launches is None:
             return plan_and_run()
-        STATS["replayed"] += 1
         return plan.replay(slots)
     rec = _Recorder(slots, aliases)
     _local.rec = rec
@@ -398,7 +397,9 @@ class Plan:
         return tuple(map(_RAW.get, self.env_keys)) == self.env_values
 
     def replay(self, slots):
-        """Runs the plan on the call's ``slots`` (a dict this adds the allocated and derived tensors to)."""
+        """Runs the plan on the call's ``slots`` (a dict this adds the allocated and derived tensors to); counted in
+        ``STATS["replayed"]`` whoever replays it (:func:`run`, or ``elsa_surgery.callcache``'s direct routes)."""
+        STATS["replayed"] += 1
         for name, how in self.prep:
             if callable(how):
                 slots[name] = how(slots)
