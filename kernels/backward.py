@@ -16,8 +16,8 @@ Both walks run their full tiles (no mask, keys in range, off the causal diagonal
 * :func:`bwd_delta` ``delta = rowsum(do * out) - dlse`` per query row.
 * :func:`bwd_kv` one program per (key block, batch, KV head): walks the query blocks that can see its keys
   (causal: from the diagonal on) of every query head of its group (GQA reduced here, without copying K/V), and
-  writes dK, dV once. With ``ATOMIC_DQ`` it also adds ``dS @ K`` into an fp32 dQ buffer with atomics; the
-  deterministic mode instead runs :func:`row_pass` for dQ. ``WRITE_DS`` stores dS (mask gradients).
+  writes dK, dV once. With ``ATOMIC_DQ`` it also adds ``dS @ K`` into an fp32 dQ buffer with atomics; by default
+  (``ELSA_BWD_DQ=rows``, deterministic) :func:`row_pass` computes dQ instead. ``WRITE_DS`` stores dS (mask grads).
 * :func:`row_pass` one program per (query block, batch, query head) over the key blocks its rows see:
   ``WHAT = 0`` dQ, ``1`` the dropout output ``sum_j p_ij z_ij / (1 - p_drop) v_j`` (the forward with dropout:
   lse from the scan, then this pass), ``2`` the keep mask itself (a debug hook for tests, small N).

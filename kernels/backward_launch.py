@@ -6,11 +6,12 @@ Dense tensors are ``[B, H, N, D]``; packed varlen ``[total, H, D]`` with ``cu_q`
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Dict, Optional
 
 import torch
 
-from . import launch
+from . import knobs, launch
 from . import occupancy as occ
 
 LOG2E = launch.LOG2E
@@ -24,7 +25,10 @@ def _kernels():
     return backward
 
 
+log = logging.getLogger("elsa_surgery.kernels")
 _OVERRIDE: Optional[occ.TileConfig] = None
+# (kernel, device, what specialises it, the tiles asked for) -> the tiles that fit the GPU's shared memory
+FITTED: Dict[tuple, tuple] = {}
 _KEYS_MAJOR = False  # bwd_kv's query steps in _kv_step's KEYS_MAJOR form: the backward sweep's other variant
 
 
@@ -40,14 +44,48 @@ def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False) 
 def _blocks(bd: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``: 32 under
     the interpreter (few programs); on a GPU smaller tiles and more warps as the fp32 dK/dV accumulators
-    (``BLOCK_N x bd`` each) grow. Untuned first choices (no GPU measurement yet; the sweep above measures)."""
+    (``BLOCK_N x bd`` each) grow. ``bd <= 64``: 32x64, 4 warps, 2 stages, the fastest of the backward sweep's 48
+    configurations (session 28, H100, bf16 H=16 D=64 N=4K causal: 0.645 ms with dQ by rows and bwd_kv keys-major,
+    against 1.317 ms for the former 64x64/4 warps with atomic dQ; docs/PERF.md). Larger head dims: untuned first
+    choices that ptxas compiles without spills (benchmarks/lab/bwd_spills.py)."""
     if _OVERRIDE is not None:
         return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
     if occ.interpreting():
         return 32, 32, 4, None
     if bd <= 64:
-        return 64, 64, 4, None
+        return 32, 64, 4, 2
     return (32, 64, 8, None) if bd <= 128 else (32, 32, 8, None)
+
+
+def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
+    """The tiles tried when ``(bm, bn, warps, stages)`` needs more shared memory than the GPU has: the same with one
+    stage, then BLOCK_N or BLOCK_M (the larger; BLOCK_N first) halved, one stage, down to 16 x 16."""
+    yield bm, bn, warps, stages
+    if stages != 1:
+        yield bm, bn, warps, 1
+    while bm > 16 or bn > 16:
+        if bn >= bm and bn > 16:
+            bn //= 2
+        else:
+            bm //= 2
+        yield bm, bn, warps, 1
+
+
+def _keys_major(bd: int) -> bool:
+    """``bwd_kv``'s form: keys-major where the sweep measured it faster (``bd <= 64``, with :func:`_blocks`'s tile),
+    rows-major elsewhere and under the interpreter; the override's when one is set."""
+    if _OVERRIDE is not None:
+        return _KEYS_MAJOR
+    return bd <= 64 and not occ.interpreting()
+
+
+def atomic_dq(deterministic: Optional[bool] = None) -> bool:
+    """Whether dQ is summed with atomic adds in the key-block pass rather than by the row pass: only when
+    ``ELSA_BWD_DQ=atomic`` and deterministic algorithms are off (``deterministic``, default
+    ``torch.are_deterministic_algorithms_enabled()``)."""
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    return not deterministic and knobs.get(knobs.BWD_DQ) == "atomic"
 
 
 class _Call:
@@ -81,6 +119,7 @@ class _Call:
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
         self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV))
+        self.keys_major = _keys_major(max(self.BD, self.BDV))
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)
@@ -93,22 +132,53 @@ class _Call:
         return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, self.Hq // self.Hkv,
                 n_blocks, self.period, *self.counter)
 
-    def consts(self):
-        stages = {} if self.stages is None else {"num_stages": self.stages}
-        return dict(D=self.D, DV_=self.Dv, BLOCK_D=self.BD, BLOCK_DV=self.BDV, BLOCK_M=self.BM, BLOCK_N=self.BN,
-                    num_warps=self.warps, **stages, **self.flags)
+    def consts(self, bm: int, bn: int, warps: int, stages: Optional[int]):
+        st = {} if stages is None else {"num_stages": stages}
+        return dict(D=self.D, DV_=self.Dv, BLOCK_D=self.BD, BLOCK_DV=self.BDV, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps, **st, **self.flags)
+
+    def launch(self, name: str, blocks_of, args_of, **extra):
+        """``backward.<name>`` launched with this call's tiles, or, where Triton finds that they need more shared
+        memory than the GPU has (it depends on the dot kind, the head dim, dQ's mode and the Triton version: session
+        28, fp32 precise at D = 128 with atomic dQ asked 311,808 bytes of an H100's 232,448), with the first that fits
+        of one stage, then halved BLOCK_N / BLOCK_M down to 16 (:func:`_ladder`), logged once and kept in
+        :data:`FITTED` for the next calls. ``blocks_of(bm, bn)``: the grid's block count; ``args_of(n_blocks)``: the
+        positional arguments. A forced tile (:func:`set_tiles_override`) is launched as it is."""
+        from triton.runtime.errors import OutOfResources
+
+        asked = (self.BM, self.BN, self.warps, self.stages)
+        key = (name, self.q.device, self.q.dtype, self.BD, self.BDV, self.keys_major,
+               tuple(sorted(self.flags.items())), tuple(sorted(extra.items())), asked)
+        fitted = FITTED.get(key)
+        rungs = [asked] if _OVERRIDE is not None else ([fitted] if fitted else list(_ladder(*asked)))
+        kernel = getattr(_kernels(), name)
+        for i, (bm, bn, warps, stages) in enumerate(rungs):
+            n = blocks_of(bm, bn)
+            try:
+                kernel[(n,)](*args_of(n), **extra, **self.consts(bm, bn, warps, stages))
+            except OutOfResources as e:
+                if "shared memory" not in str(e) or i + 1 == len(rungs):
+                    raise
+                continue
+            if fitted is None and i:
+                log.info("elsa backward: %s's tiles %dx%d (%s stages) need more shared memory than this GPU has; "
+                         "running %dx%d with %s stage(s)", name, asked[0], asked[1], asked[3] or "Triton's default",
+                         bm, bn, stages)
+            FITTED[key] = (bm, bn, warps, stages)
+            return
 
     def row_pass(self, what: int, res, res_strides, do=None, lse=None, delta=None):
         """``backward.row_pass`` over every (query block, batch, query head)."""
-        n_mb = -(-self.Nq // self.BM)
-        if n_mb == 0 or self.B * self.Hq == 0:
+        if self.Nq == 0 or self.B * self.Hq == 0:
             return res
         do_ = do if do is not None else self.q
-        _kernels().row_pass[(n_mb * self.B * self.Hq,)](
-            self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse, self.seed, res,
-            *self.scalars(n_mb), *self.strides(self.q), *self.strides(self.k), *self.strides(self.v), *self.sm,
-            *(self.strides(do) if do is not None else (0, 0, 0, 0)), *self.lse_strides(lse), *res_strides,
-            WHAT=what, **self.consts())
+        self.launch(
+            "row_pass", lambda bm, bn: -(-self.Nq // bm) * self.B * self.Hq,
+            lambda n: (self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse, self.seed,
+                       res, *self.scalars(n // (self.B * self.Hq)), *self.strides(self.q), *self.strides(self.k),
+                       *self.strides(self.v), *self.sm, *(self.strides(do) if do is not None else (0, 0, 0, 0)),
+                       *self.lse_strides(lse), *res_strides),
+            WHAT=what)
         return res
 
 
@@ -166,29 +236,26 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
                        kv_lengths=None, cu_q=None, cu_k=None, varlen_dims=None, precision=None, dropout_p=0.0,
                        seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None):
     """``(dq, dk, dv, dmask or None)`` of one attention call (contiguous tensors). ``out``/``lse`` are the forward's; ``do`` may have
-    any strides. ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``) computes dQ in a
-    separate pass over query blocks instead of with atomics."""
+    any strides. dQ is computed by a separate pass over query blocks unless :func:`atomic_dq` (``ELSA_BWD_DQ=atomic``
+    and not ``deterministic``, default ``torch.are_deterministic_algorithms_enabled()``) picks atomic adds."""
     c = _Call(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
               cu_q=cu_q, cu_k=cu_k, varlen_dims=varlen_dims, precision=precision, dropout_p=dropout_p, seed=seed)
     lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
     if mask_grad and (mask is None or mask.dtype == torch.bool):
         raise ValueError("mask_grad: only an additive float mask has a gradient")
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, as ops' fake impl says
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    atomic = not deterministic
+    atomic = atomic_dq(deterministic)
     dq = torch.zeros(q.shape, dtype=torch.float32 if atomic else q.dtype, device=q.device)
     ds = (torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.float32, device=q.device) if mask_grad else None)
     delta = _delta(c, do, out, lse, dlse)
-    n_nb = -(-c.Nk // c.BN)
-    if n_nb and c.B * c.Hkv:
-        _kernels().bwd_kv[(n_nb * c.B * c.Hkv,)](
-            q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
-            *c.scalars(n_nb), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm, *c.strides(do),
-            *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
-            *(ds.stride() if ds is not None else (0, 0, 0, 0)),
-            ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=_KEYS_MAJOR, **c.consts())
+    if c.Nk and c.B * c.Hkv:
+        c.launch("bwd_kv", lambda bm, bn: -(-c.Nk // bn) * c.B * c.Hkv,
+                 lambda n: (q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
+                            *c.scalars(n // (c.B * c.Hkv)), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm,
+                            *c.strides(do), *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
+                            *(ds.stride() if ds is not None else (0, 0, 0, 0))),
+                 ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=c.keys_major)
     else:  # no keys: no gradient reaches q, k or v
         dk.zero_()
         dv.zero_()

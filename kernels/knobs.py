@@ -37,6 +37,7 @@ DEBUG = "ELSA_DEBUG"
 NCU_CHILD = "ELSA_NCU_CHILD"
 TEST_RANDOM_CASES = "ELSA_TEST_RANDOM_CASES"
 BLOCKED_PV_KEYS = "ELSA_BLOCKED_PV_KEYS"
+BWD_DQ = "ELSA_BWD_DQ"
 
 _MAX_CACHED = 32  # parsed values kept per knob (by raw value)
 
@@ -154,6 +155,11 @@ _DECLARED = (
          "keys a row accumulates in one kernel program above which the fp16/bf16/turbo portable kernel adds each key "
          "block's P·V with a round-to-nearest add instead of accumulating in the tensor cores (0: always)",
          _int_at_least(0), scope="tuning"),
+    Knob(BWD_DQ, "choice", _choices("rows", "atomic"), "rows",
+         "how the backward computes dQ: rows, a pass over query blocks (deterministic; session 28 H100: faster in "
+         "every measured tile), or atomic adds from the key-block pass (never under "
+         "torch.use_deterministic_algorithms(True))", _choice("rows", "atomic"), scope="tuning",
+         choices=("rows", "atomic")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

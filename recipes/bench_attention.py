@@ -413,11 +413,12 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1):
             tag = (f"bm={bm} bn={bn} w={w} s={st} dq={'rows' if det else 'atomic'} "
                    f"kv={'keys-major' if km else 'rows-major'}")
             try:
-                fn = backward_of(out)
-                grads = fn()
-                first = grads if first is None else first
-                err = max(rel(a, b) for a, b in zip(grads, first))
-                ms = bench(fn, warmup=5, rep=30)
+                with benchmark.environ({"ELSA_BWD_DQ": "rows" if det else "atomic"}):
+                    fn = backward_of(out)
+                    grads = fn()
+                    first = grads if first is None else first
+                    err = max(rel(a, b) for a, b in zip(grads, first))
+                    ms = bench(fn, warmup=5, rep=30)
             except Exception as exc:
                 print(f"  sweep {tag}: failed ({str(exc).splitlines()[0][:80]})", flush=True)
                 continue

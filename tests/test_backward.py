@@ -4,10 +4,13 @@ Fresh random inputs for every case; dQ, dK, dV (and the additive mask's gradient
 mask's own broadcast shape) compared with ``tests/oracle.naive_attention`` differentiated in float64. On CPU the
 kernels run in the Triton interpreter (small shapes)."""
 
+import contextlib
+
 import pytest
 import torch
 
 import elsa_surgery
+from elsa_surgery import benchmark
 from oracle import naive_attention, rel_err
 
 from kernel_env import DEV, needs_kernels
@@ -20,22 +23,47 @@ def _leaf(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=torch.float64).to(dtype).to(DEV).requires_grad_()
 
 
-def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
-           **kw):
-    """Kernel grads (backend='elsa', strict fp32) vs the oracle's; returns the kernel's grads."""
-    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
-    gl = torch.randn(q.shape[:-1], dtype=torch.float64)
+@contextlib.contextmanager
+def _dq_mode(deterministic: bool):
+    """dQ by atomic adds (``deterministic=False``, with ``ELSA_BWD_DQ=atomic``: the default is the row pass) or by
+    the row pass under ``torch.use_deterministic_algorithms(True)``."""
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
+        with benchmark.environ({"ELSA_BWD_DQ": "rows" if deterministic else "atomic"}):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
+def test_dq_mode_defaults_to_the_row_pass(monkeypatch):
+    """dQ: the row pass by default; atomics only when asked for and deterministic algorithms are off."""
+    from elsa_surgery.kernels import backward_launch
+
+    monkeypatch.delenv("ELSA_BWD_DQ", raising=False)
+    assert not backward_launch.atomic_dq(False)
+    monkeypatch.setenv("ELSA_BWD_DQ", "atomic")
+    assert backward_launch.atomic_dq(False) and not backward_launch.atomic_dq(True)
+    with _dq_mode(True):
+        assert not backward_launch.atomic_dq()
+    monkeypatch.setenv("ELSA_BWD_DQ", "sometimes")
+    with pytest.raises(ValueError, match="ELSA_BWD_DQ"):
+        backward_launch.atomic_dq(False)
+
+
+def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
+           **kw):
+    """Kernel grads (backend='elsa', strict fp32) vs the oracle's; returns the kernel's grads. ``deterministic``:
+    dQ by the row pass, else by atomics (:func:`_dq_mode`)."""
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    gl = torch.randn(q.shape[:-1], dtype=torch.float64)
+    with _dq_mode(deterministic):
         out, lse = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa", precision="strict",
                                           return_lse=True, enable_gqa=True, **kw)
         loss = (out.double() * go.to(DEV)).sum()
         if grad_lse:
             loss = loss + (torch.where(lse.isinf(), 0.0, lse).double() * gl.to(DEV)).sum()
         loss.backward()
-    finally:
-        torch.use_deterministic_algorithms(prev)
     leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
     ref_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
     rmask = oracle_mask(ref_leaves[3]) if oracle_mask else (ref_leaves[3] if len(leaves) == 4 else mask)
@@ -93,7 +121,19 @@ def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major):
                    deterministic=det)
     finally:
         backward_launch.set_tiles_override(None)
-    assert backward_launch._blocks(64)[3] is None and not backward_launch._KEYS_MAJOR
+    assert backward_launch._OVERRIDE is None and not backward_launch._KEYS_MAJOR
+
+
+def test_default_backward_tiles_on_a_gpu(monkeypatch):
+    """The compiled kernels' defaults (session 28's sweep): 32x64, 4 warps, 2 stages, keys-major up to D = 64;
+    rows-major above; the interpreter keeps 32x32 rows-major."""
+    from elsa_surgery.kernels import backward_launch, occupancy
+
+    monkeypatch.setattr(occupancy, "interpreting", lambda: False)
+    assert backward_launch._blocks(64) == (32, 64, 4, 2) and backward_launch._keys_major(64)
+    assert backward_launch._blocks(128) == (32, 64, 8, None) and not backward_launch._keys_major(128)
+    monkeypatch.setattr(occupancy, "interpreting", lambda: True)
+    assert backward_launch._blocks(64) == (32, 32, 4, None) and not backward_launch._keys_major(64)
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
@@ -252,13 +292,10 @@ def test_gpu_backward_against_float64_reference(dtype, precision, D, causal):
     ro = elsa_surgery.attention(*ref, is_causal=causal, backend="reference", enable_gqa=True)
     rg = torch.autograd.grad(ro, ref, go.double())
     for det in (False, True):
-        torch.use_deterministic_algorithms(det)
-        try:
+        with _dq_mode(det):
             out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=precision,
                                          enable_gqa=True)
             g = torch.autograd.grad(out, (q, k, v), go)
-        finally:
-            torch.use_deterministic_algorithms(False)
         for name, a, b in zip("qkv", g, rg):
             assert torch.isfinite(a).all()
             assert rel_err(a.double().cpu(), b.cpu()) <= GPU_TOL[(dtype, precision)], (name, det)
@@ -277,3 +314,51 @@ def test_gpu_dropout_and_mask_grad_large():
     keep = training.dropout_keep_mask(q.detach(), k.detach(), v.detach(), training.draw_seed(q.device),
                                       scale=64 ** -0.5, dropout_p=0.1)
     assert abs(keep.float().mean().item() - 0.9) < 0.002
+
+
+def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
+    """A launch whose tiles need more shared memory than the GPU has (Triton's OutOfResources at load time, before
+    anything runs; session 28: fp32 precise at D = 128/256 on an H100) is retried down the ladder (one stage, then
+    halved tiles), logged once, and the next call starts from the tiles that fit. Stand-in kernels refuse tiles of
+    more than 16 x 16 / one stage here and run the real (interpreted) kernels otherwise: the gradients are the
+    oracle's."""
+    import types
+
+    from triton.runtime.errors import OutOfResources
+
+    from elsa_surgery.kernels import backward, backward_launch
+
+    tried = []
+
+    class Picky:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                tried.append((self.name, kw["BLOCK_M"], kw["BLOCK_N"], kw.get("num_stages")))
+                if kw["BLOCK_M"] * kw["BLOCK_N"] > 256 or kw.get("num_stages") != 1:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                return getattr(backward, self.name)[grid](*args, **kw)
+            return run
+
+    fake = types.SimpleNamespace(bwd_kv=Picky("bwd_kv"), row_pass=Picky("row_pass"), bwd_delta=backward.bwd_delta)
+    monkeypatch.setattr(backward_launch, "_kernels", lambda: fake)
+    monkeypatch.setattr(backward_launch, "FITTED", {})
+    with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
+        _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
+    # interpreter tiles 32 x 32 (Triton's stages): 32x32/1, 32x16/1, 16x16/1 for each kernel
+    assert [t[1:] for t in tried if t[0] == "bwd_kv"] == [(32, 32, None), (32, 32, 1), (32, 16, 1), (16, 16, 1)]
+    assert [t[1:] for t in tried if t[0] == "row_pass"] == [(32, 32, None), (32, 32, 1), (32, 16, 1), (16, 16, 1)]
+    assert sum("need more shared memory" in r.message for r in caplog.records) == 2
+    tried.clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
+        _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
+    assert [t[1:] for t in tried] == [(16, 16, 1), (16, 16, 1)] and not caplog.records  # kept, not logged again
+    # a refusal that is not about shared memory, or of the last rung, is raised
+    monkeypatch.setattr(backward_launch, "FITTED", {})
+    monkeypatch.setattr(Picky, "__getitem__", lambda self, grid: (lambda *a, **kw: (_ for _ in ()).throw(
+        OutOfResources(300000, 232448, "shared memory"))))
+    with pytest.raises(OutOfResources):
+        _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), deterministic=True)
