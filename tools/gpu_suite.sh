@@ -74,12 +74,13 @@ case "$part" in
       | tee "$out/train_llama.log" | tail -30 ;;
   bwd-sweep)  # issue 25: the backward's tiles (BLOCK_M, BLOCK_N, warps, stages) x dQ by atomics or the row pass x
     # bwd_kv rows- or keys-major, against flash/cuDNN's backward, N=4K causal (args: dtype [bf16], HxD [16x64]);
-    # 48 configurations, ~4 min (untimed estimate). The space holds the tiles that ptxas compiles without spills
-    # (benchmarks/lab/bwd_spills.py, session 27: at D = 64 32x64 and 64x64 with 8 warps, 32x128 rows-major; at
-    # D = 128 32x32 and 32x64 with 8 warps) beside the defaults (64x64/4 warps at D = 64 spills 216 bytes)
+    # 48 configurations, < 8 min on an H100 (session 28, bf16 16x64; D = 64 defaults taken from it). The space
+    # holds the tiles that ptxas compiles without spills (benchmarks/lab/bwd_spills.py, session 27). Gradients vs
+    # float64 (a configuration 1.5x worse than the worst baseline is WRONG; session 28 saw 32x128 rows-major with dQ
+    # by rows 5e-3 from the others: this tells which side is wrong)
     timeout 560 python3 recipes/bench_attention.py --backward --sweep --dtypes "${1:-bf16}" --n 4096 \
       --shapes "${2:-16x64}" --causal 1 --space 'bm=32,64;bn=32,64,128;w=4,8;s=2' --baselines flash,cudnn \
-      2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline" ;;
+      2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline|WRONG" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
