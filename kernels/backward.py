@@ -35,11 +35,11 @@ Head dims that are not powers of two are padded with masked loads. Dot kinds as 
 import triton
 import triton.language as tl
 
-from .scan import MASK_FLOOR, _dot
+from .scan import MASK_FLOOR, _dot, heaviest_first
 
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
 
-_SIZES = ["Nq", "Nk", "n_blocks", "mask_period", "crb", "crh", "Nkc"]
+_SIZES = ["Nq", "Nk", "n_blocks", "mask_period", "crb", "crh", "Nkc", "head_group", "n_bh"]
 
 
 @triton.jit
@@ -233,7 +233,7 @@ def _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M: tl.constexpr, BLOCK_
 @triton.jit(do_not_specialize=_SIZES)
 def bwd_kv(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, DQ, DK, DV, DS,
-    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc, head_group, n_bh,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -253,9 +253,12 @@ def bwd_kv(
     ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s. ``KEYS_MAJOR``: each query block by
     :func:`_kv_step`'s keys-major form (no transposes of computed tiles)."""
     pid = tl.program_id(0)
-    pid_n = pid % n_blocks
-    pid_bk = pid // n_blocks
     Hkv = Hq // GROUPS
+    if IS_CAUSAL:  # the key blocks that most query blocks see first (scan.heaviest_first)
+        pid_n, pid_bk = heaviest_first(pid, n_blocks, n_bh, head_group, False)
+    else:
+        pid_n = pid % n_blocks
+        pid_bk = pid // n_blocks
     b = pid_bk // Hkv
     hk = pid_bk % Hkv
     b64 = b.to(tl.int64)
@@ -372,7 +375,7 @@ def _full_keys(m_start, n_hi, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 @triton.jit(do_not_specialize=_SIZES)
 def row_pass(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, RES,
-    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc, head_group, n_bh,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -389,8 +392,11 @@ def row_pass(
     (``WHAT = 0``, fp32 or q's dtype), the dropout output (``1``, ``[.., Dv]``), the keep mask (``2``, ``[B, Hq,
     Nq, Nk]`` uint8, ``stride_rd`` the key stride). ``DO`` shares ``OUT``'s strides (``stride_o*``)."""
     pid = tl.program_id(0)
-    pid_m = pid % n_blocks
-    pid_bh = pid // n_blocks
+    if IS_CAUSAL:  # the row blocks that see the most keys first (scan.heaviest_first)
+        pid_m, pid_bh = heaviest_first(pid, n_blocks, n_bh, head_group, True)
+    else:
+        pid_m = pid % n_blocks
+        pid_bh = pid // n_blocks
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUPS

@@ -127,10 +127,27 @@ class _Call:
     def lse_strides(self, lse):
         return (0, lse.stride(0), lse.stride(1)) if self.varlen else lse.stride()
 
-    def scalars(self, n_blocks: int):
+    def scalars(self, n_blocks: int, n_bh: int, rows_major: bool):
+        """The kernels' scalar arguments for ``n_blocks`` blocks of ``n_bh`` (batch, head) pairs: row blocks
+        (``rows_major``: row_pass, one per query head) or key blocks (bwd_kv, one per K/V head). Causal launches order
+        their blocks heaviest first over groups of heads that share the L2 (``scan.heaviest_first``, the forward's
+        rule: ``occupancy.causal_head_group``; session 28, untimed in the backward): a row block reads the keys of its
+        head, a key block the queries and output gradients of its group's heads."""
         keep_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1 else 0.0
-        return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, self.Hq // self.Hkv,
-                n_blocks, self.period, *self.counter)
+        groups = self.Hq // self.Hkv
+        head_group = 1
+        if self.is_causal:
+            elt = self.q.element_size()
+            if rows_major:
+                head_group = occ.causal_head_group(self.q.device, n_k=self.Nk,
+                                                   kv_bytes_per_key=elt * (self.D + self.Dv), groups=groups,
+                                                   bh=n_bh, m_blocks=n_blocks)
+            else:
+                head_group = occ.causal_head_group(self.q.device, n_k=self.Nq,
+                                                   kv_bytes_per_key=elt * (self.D + self.Dv) * groups, groups=1,
+                                                   bh=n_bh, m_blocks=n_blocks)
+        return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, groups,
+                n_blocks, self.period, *self.counter, head_group, n_bh)
 
     def consts(self, bm: int, bn: int, warps: int, stages: Optional[int]):
         st = {} if stages is None else {"num_stages": stages}
@@ -172,10 +189,11 @@ class _Call:
         if self.Nq == 0 or self.B * self.Hq == 0:
             return res
         do_ = do if do is not None else self.q
+        bh = self.B * self.Hq
         self.launch(
-            "row_pass", lambda bm, bn: -(-self.Nq // bm) * self.B * self.Hq,
+            "row_pass", lambda bm, bn: -(-self.Nq // bm) * bh,
             lambda n: (self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse, self.seed,
-                       res, *self.scalars(n // (self.B * self.Hq)), *self.strides(self.q), *self.strides(self.k),
+                       res, *self.scalars(n // bh, bh, True), *self.strides(self.q), *self.strides(self.k),
                        *self.strides(self.v), *self.sm, *(self.strides(do) if do is not None else (0, 0, 0, 0)),
                        *self.lse_strides(lse), *res_strides),
             WHAT=what)
@@ -250,9 +268,10 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
     ds = (torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.float32, device=q.device) if mask_grad else None)
     delta = _delta(c, do, out, lse, dlse)
     if c.Nk and c.B * c.Hkv:
-        c.launch("bwd_kv", lambda bm, bn: -(-c.Nk // bn) * c.B * c.Hkv,
+        bh = c.B * c.Hkv
+        c.launch("bwd_kv", lambda bm, bn: -(-c.Nk // bn) * bh,
                  lambda n: (q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
-                            *c.scalars(n // (c.B * c.Hkv)), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm,
+                            *c.scalars(n // bh, bh, False), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm,
                             *c.strides(do), *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
                             *(ds.stride() if ds is not None else (0, 0, 0, 0))),
                  ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=c.keys_major)

@@ -178,6 +178,23 @@ def _fold_block(
     return acc, l_i, m_new
 
 
+@triton.jit
+def heaviest_first(pid, n_blocks, BH, head_group, LAST_IS_HEAVIEST: tl.constexpr):
+    """``(block, batch x head)`` of program ``pid`` of a causal launch of ``n_blocks`` blocks for each of ``BH``
+    (batch, head) pairs, ordered so that the heaviest blocks of each group of ``head_group`` heads run first
+    together (``occupancy.causal_head_group``: as many heads as keep their operands in L2, or enough to fill the
+    GPU): the block index counts down from ``n_blocks - 1`` (``LAST_IS_HEAVIEST``: a row block sees more keys the
+    later it is) or up from 0 (a key block is seen by more rows the earlier it is)."""
+    per_group = n_blocks * head_group
+    g = pid // per_group
+    gh = tl.minimum(head_group, BH - g * head_group)  # the last group may be smaller
+    r = pid - g * per_group
+    j = r // gh
+    if LAST_IS_HEAVIEST:
+        j = n_blocks - 1 - j
+    return j, g * head_group + r % gh
+
+
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def elsa_fwd(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
@@ -212,12 +229,7 @@ def elsa_fwd(
     pid = tl.program_id(0)
     pid_p = tl.program_id(1)
     if IS_CAUSAL:  # the longest rows first across each group of head_group heads (occupancy.causal_head_group)
-        per_group = n_mblocks * head_group
-        g = pid // per_group
-        gh = tl.minimum(head_group, BH - g * head_group)  # the last group may be smaller
-        r = pid - g * per_group
-        pid_m = n_mblocks - 1 - r // gh
-        pid_bh = g * head_group + r % gh
+        pid_m, pid_bh = heaviest_first(pid, n_mblocks, BH, head_group, True)
     else:
         pid_m = pid % n_mblocks
         pid_bh = pid // n_mblocks

@@ -362,3 +362,13 @@ def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
         OutOfResources(300000, 232448, "shared memory"))))
     with pytest.raises(OutOfResources):
         _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), deterministic=True)
+
+
+@pytest.mark.parametrize("forced", ["1", "3"])
+def test_causal_backward_heaviest_first_over_head_groups(monkeypatch, forced):
+    """Causal backward launches order their blocks heaviest first over groups of heads (scan.heaviest_first, as
+    the forward): with a forced group of 3 heads the row pass's 8 (batch, head) pairs fall in groups of 3, 3 and 2
+    and bwd_kv's 4 (batch, K/V head) pairs in 3 and 1; every block is still computed once (float64 oracle)."""
+    monkeypatch.setenv("ELSA_CAUSAL_HEAD_GROUP", forced)
+    for det in (False, True):
+        _check(_leaf(2, 4, 70, 16), _leaf(2, 2, 83, 16), _leaf(2, 2, 83, 16), is_causal=True, deterministic=det)
