@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
-#   PART: tests | tests-kernels | tests-tiles | tests-rest | models | llama | vision | train-vision | train-llama |
-#   compile | bwd-sweep | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows |
-#   exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
+#   train-llama | compile | bwd-sweep | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling |
+#   stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -46,6 +46,12 @@ gpu_tests() {  # $1: log name, then pytest selection; run from outside the check
 case "$part" in
   tests-kernels) gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" -k "not every_tile_config" ;;
   tests-tiles) gpu_tests pytest_gpu_tiles.log "$repo/tests/test_kernels_gpu.py" -k "every_tile_config" ;;
+  tests-training)  # issue 25 (session 28, untimed estimate ~4 min): every test of the backward, dropout and training
+    # surgery files on the compiled kernels (their CPU tests run on CUDA here: kernel_env.DEV), not only the gpu-marked
+    (cd /tmp && timeout 560 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+       --tb=short -rf "$repo/tests/test_backward.py" "$repo/tests/test_dropout.py" \
+       "$repo/tests/test_varlen_dropout.py" "$repo/tests/test_train_surgery.py" 2>&1 \
+       | tee "$out/pytest_gpu_training.log" | tail -40) ;;
   tests-rest) gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" \
     -k "not test_fuzz_every_backend_gpu" ;;  # (the 10,000-case fuzz is the fuzz part's)
   tests)
