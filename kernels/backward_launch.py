@@ -136,16 +136,11 @@ class _Call:
         keep_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1 else 0.0
         groups = self.Hq // self.Hkv
         head_group = 1
-        if self.is_causal:
-            elt = self.q.element_size()
-            if rows_major:
-                head_group = occ.causal_head_group(self.q.device, n_k=self.Nk,
-                                                   kv_bytes_per_key=elt * (self.D + self.Dv), groups=groups,
-                                                   bh=n_bh, m_blocks=n_blocks)
-            else:
-                head_group = occ.causal_head_group(self.q.device, n_k=self.Nq,
-                                                   kv_bytes_per_key=elt * (self.D + self.Dv) * groups, groups=1,
-                                                   bh=n_bh, m_blocks=n_blocks)
+        if self.is_causal:  # the operand rows a program walks: K/V of its head, or q/dO of its group's heads
+            row = self.q.element_size() * (self.D + self.Dv)
+            walked, row_bytes, shared = (self.Nk, row, groups) if rows_major else (self.Nq, row * groups, 1)
+            head_group = occ.causal_head_group(self.q.device, n_k=walked, kv_bytes_per_key=row_bytes, groups=shared,
+                                               bh=n_bh, m_blocks=n_blocks)
         return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, groups,
                 n_blocks, self.period, *self.counter, head_group, n_bh)
 

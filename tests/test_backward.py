@@ -390,12 +390,21 @@ def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
         _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
     assert [t[1:] for t in tried] == [(16, 16, 1), (16, 16, 1)] and not caplog.records  # kept, not logged again
-    # a refusal that is not about shared memory, or of the last rung, is raised
-    monkeypatch.setattr(backward_launch, "FITTED", {})
-    monkeypatch.setattr(Picky, "__getitem__", lambda self, grid: (lambda *a, **kw: (_ for _ in ()).throw(
-        OutOfResources(300000, 232448, "shared memory"))))
-    with pytest.raises(OutOfResources):
-        _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), deterministic=True)
+    # a refusal that is not about shared memory is raised at once; one of the last rung, after the ladder
+    for resource, rungs in (("registers", 1), ("shared memory", 4)):
+        monkeypatch.setattr(backward_launch, "FITTED", {})
+        tried.clear()
+
+        def refuse(self, grid, resource=resource):
+            def run(*a, **kw):
+                tried.append(self.name)
+                raise OutOfResources(300000, 232448, resource)
+            return run
+
+        monkeypatch.setattr(Picky, "__getitem__", refuse)
+        with pytest.raises(OutOfResources, match=resource):
+            _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), deterministic=True)
+        assert tried == ["bwd_kv"] * rungs
 
 
 @pytest.mark.parametrize("forced", ["1", "3"])
