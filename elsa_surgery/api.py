@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import callcache, dispatch, monoid, reference_ops, sdpa
-from .semantics import Lengths, build_problem, build_varlen_problem
+from .semantics import Lengths, autocast_inputs, build_problem, build_varlen_problem
 
 
 _kernels = dispatch.kernels_module  # imported on first use: triton is only needed when the kernels run
@@ -60,6 +60,7 @@ def attention(
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
         Rows with no visible key are zeros. Deliberate differences from SDPA: docs/fidelity.md.
     """
+    q, k, v, attn_mask = autocast_inputs(q, k, v, attn_mask)  # SDPA's cast inside torch.autocast
     # build_problem + dispatch.decide (+ announce), memoised per signature, and the direct route of a call seen
     # before: see callcache.py
     key = callcache.signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
@@ -161,6 +162,7 @@ def attention_varlen(
     maxima, not on the other sequences of the pack. The reference backend draws its own masks (the same
     distribution, other draws), as the dense reference does.
     """
+    q, k, v, _ = autocast_inputs(q, k, v)
     vp = build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     d = dispatch.decide(vp.q, vp.k, vp.v, None, backend=backend, precision=precision, varlen=True,

@@ -168,6 +168,31 @@ def _check_tensor(name: str, t) -> None:
         )
 
 
+def autocast_inputs(q, k, v, attn_mask=None):
+    """SDPA's autocast rule, which the kernels' entry points must follow to be a drop-in: inside
+    ``torch.autocast(device_type, dtype)`` for q's device type, every float16/bfloat16/float32 tensor argument on
+    that device (q, k, v and a float mask) is cast to the autocast dtype; float64 and bool are left as they are.
+    (Session 29: timm ViT with ``qk_norm`` under CUDA autocast gave fp32 q/k from the fp32 LayerNorm beside a bf16
+    v, which SDPA accepts and ``check_qkv`` refused.) Returns ``(q, k, v, attn_mask)``, unchanged outside
+    autocast."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v, attn_mask
+    dev = q.device.type
+    try:
+        if not torch.is_autocast_enabled(dev):
+            return q, k, v, attn_mask
+        dt = torch.get_autocast_dtype(dev)
+    except RuntimeError:  # a device type without autocast
+        return q, k, v, attn_mask
+
+    def cast(t):
+        eligible = (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                    and t.device.type == dev)
+        return t.to(dt) if eligible else t
+
+    return cast(q), cast(k), cast(v), cast(attn_mask)
+
+
 def check_qkv(q, k, v, *, layout: str) -> None:
     """Types, dtypes and devices of q/k/v (shapes are checked by the caller, per layout)."""
     for name, t in (("q", q), ("k", k), ("v", v)):

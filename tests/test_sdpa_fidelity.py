@@ -637,3 +637,35 @@ def test_found_sdpa_backend_float32_mask_half_q_on_cuda_case():
         pytest.skip("needs a CUDA GPU (run on the device machine)")
     assert check(Case(B=1, Hq=1, Hkv=1, Nq=1, Nk=1, D=8, Dv=8, dtype="float16", mask="additive", mask_shape=(1, 1),
                       mask_dtype="float32", large="-1e4", backend="sdpa", device="cuda", seed=0)) == "match"
+
+
+@pytest.mark.parametrize("backend", _backends("cpu"))
+def test_autocast_casts_as_sdpa(backend):
+    """Inside ``torch.autocast`` SDPA casts q, k, v and a float mask to the autocast dtype, so it takes inputs of
+    mixed dtypes (session 29, GPU: timm ViT with ``qk_norm`` under CUDA autocast gave fp32 q/k beside a bf16 v,
+    which ``attention`` refused). ``attention`` and ``attention_varlen`` do the same: the autocast dtype out, SDPA's
+    answer; float64 is not cast (as autocast leaves it), and outside autocast mixed dtypes are still refused."""
+    g = torch.Generator().manual_seed(29)
+    q, k = torch.randn(2, 2, 7, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    v = torch.randn(2, 2, 9, 16, generator=g).bfloat16()
+    mask = torch.randn(7, 9, generator=g)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype):
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            got = elsa_surgery.attention(q, k, v, attn_mask=mask, backend=backend)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert q.dtype == torch.float32 and v.dtype == torch.bfloat16  # the caller's tensors untouched
+    with pytest.raises(TypeError, match="share one dtype"):
+        elsa_surgery.attention(q, k, v, backend=backend)
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(TypeError, match="share one dtype"):
+        elsa_surgery.attention(q.double(), k, v, backend=backend)  # float64 stays float64, as in SDPA
+    if backend == "sdpa":
+        return
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    qp, kp, vp = torch.randn(7, 2, 16, generator=g), torch.randn(7, 2, 16, generator=g), torch.randn(7, 2, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = elsa_surgery.attention_varlen(qp, kp, vp.bfloat16(), cu, cu, 4, 4, backend=backend)
+    assert out.dtype == torch.bfloat16
+    want = elsa_surgery.attention_varlen(*(t.bfloat16() for t in (qp, kp, vp)), cu, cu, 4, 4, backend="reference")
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
