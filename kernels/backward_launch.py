@@ -71,12 +71,24 @@ def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
         yield bm, bn, warps, 1
 
 
-def _keys_major(bd: int) -> bool:
+def _keys_major(bd: int, bm: int, bn: int) -> bool:
     """``bwd_kv``'s form: keys-major where the sweep measured it faster (``bd <= 64``, with :func:`_blocks`'s tile),
-    rows-major elsewhere and under the interpreter; the override's when one is set."""
-    if _OVERRIDE is not None:
-        return _KEYS_MAJOR
-    return bd <= 64 and not occ.interpreting()
+    rows-major elsewhere and under the interpreter; the override's when one is set. Rows-major tiles with
+    ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once): 32x128 rows-major with dQ by the row pass gave bf16
+    gradients 1.6-3x further from float64 than every other form on an H100 and an H200 (Triton 3.6; sessions 28
+    and 29; the interpreter and every other tile agree with float64), a suspected miscompile that no default tile
+    or ladder rung reaches."""
+    km = _KEYS_MAJOR if _OVERRIDE is not None else (bd <= 64 and not occ.interpreting())
+    if not km and bn >= 4 * bm:
+        if (bm, bn) not in _REROUTED:
+            _REROUTED.add((bm, bn))
+            log.info("elsa backward: bwd_kv's rows-major form is not used at %dx%d (wrong gradients on the GPU, "
+                     "sessions 28-29); running it keys-major", bm, bn)
+        return True
+    return km
+
+
+_REROUTED: set = set()  # the (BLOCK_M, BLOCK_N) that _keys_major moved to the keys-major form (logged once each)
 
 
 def atomic_dq(deterministic: Optional[bool] = None) -> bool:
@@ -119,7 +131,7 @@ class _Call:
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
         self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV))
-        self.keys_major = _keys_major(max(self.BD, self.BDV))
+        self.keys_major = _keys_major(max(self.BD, self.BDV), self.BM, self.BN)
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)

@@ -66,7 +66,12 @@ def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_ls
         loss.backward()
     leaves = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
     ref_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
-    rmask = oracle_mask(ref_leaves[3]) if oracle_mask else (ref_leaves[3] if len(leaves) == 4 else mask)
+    if len(leaves) == 4:
+        rmask = ref_leaves[3]
+    else:  # a mask without grad (bool, or float not learned) goes to the oracle's device too
+        rmask = mask.cpu() if isinstance(mask, torch.Tensor) else mask
+    if oracle_mask:
+        rmask = oracle_mask(rmask)
     o_kw = {a: kw[a] for a in ("is_causal", "scale", "q_lengths", "kv_lengths") if a in kw}
     if "windowed_mask" in kw:
         o_kw["windowed"] = kw["windowed_mask"]
@@ -130,10 +135,31 @@ def test_default_backward_tiles_on_a_gpu(monkeypatch):
     from elsa_surgery.kernels import backward_launch, occupancy
 
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
-    assert backward_launch._blocks(64) == (32, 64, 4, 2) and backward_launch._keys_major(64)
-    assert backward_launch._blocks(128) == (32, 64, 8, None) and not backward_launch._keys_major(128)
+    assert backward_launch._blocks(64) == (32, 64, 4, 2) and backward_launch._keys_major(64, 32, 64)
+    assert backward_launch._blocks(128) == (32, 64, 8, None) and not backward_launch._keys_major(128, 32, 64)
     monkeypatch.setattr(occupancy, "interpreting", lambda: True)
-    assert backward_launch._blocks(64) == (32, 32, 4, None) and not backward_launch._keys_major(64)
+    assert backward_launch._blocks(64) == (32, 32, 4, None) and not backward_launch._keys_major(64, 32, 32)
+
+
+def test_rows_major_tiles_four_times_wider_run_keys_major(monkeypatch, caplog):
+    """A forced rows-major 32x128 (the sweep's tile that gave wrong bf16 gradients on two GPUs, sessions 28-29)
+    runs bwd_kv keys-major, logged once, with the oracle's gradients; 32x64 stays rows-major."""
+    from elsa_surgery.kernels import backward_launch, occupancy
+
+    monkeypatch.setattr(backward_launch, "_REROUTED", set())
+    for tiles, rerouted in (((32, 128, 4, None), True), ((32, 64, 4, None), False)):
+        backward_launch.set_tiles_override(occupancy.TileConfig(*tiles), keys_major=False)
+        try:
+            caplog.clear()
+            with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
+                _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 140, 16), _leaf(1, 2, 140, 16), is_causal=True,
+                       deterministic=True)
+                _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 140, 16), _leaf(1, 2, 140, 16), deterministic=True)
+            assert backward_launch._keys_major(64, *tiles[:2]) == rerouted
+        finally:
+            backward_launch.set_tiles_override(None)
+        logged = [r for r in caplog.records if "rows-major form is not used" in r.message]
+        assert len(logged) == (1 if rerouted else 0)
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
@@ -381,9 +407,12 @@ def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
     monkeypatch.setattr(backward_launch, "FITTED", {})
     with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
         _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
-    # interpreter tiles 32 x 32 (Triton's stages): 32x32/1, 32x16/1, 16x16/1 for each kernel
-    assert [t[1:] for t in tried if t[0] == "bwd_kv"] == [(32, 32, None), (32, 32, 1), (32, 16, 1), (16, 16, 1)]
-    assert [t[1:] for t in tried if t[0] == "row_pass"] == [(32, 32, None), (32, 32, 1), (32, 16, 1), (16, 16, 1)]
+    # the default tiles (interpreter: 32 x 32 with Triton's stages; a GPU's for D = 16), then the ladder down to 16x16
+    bm, bn, _, stages = backward_launch._blocks(16)
+    ladder = [(b_m, b_n, s) for b_m, b_n, _, s in backward_launch._ladder(bm, bn, 4, stages)]
+    assert ladder[-1] == (16, 16, 1) and all(s == 1 for _, _, s in ladder[1:])
+    assert [t[1:] for t in tried if t[0] == "bwd_kv"] == ladder
+    assert [t[1:] for t in tried if t[0] == "row_pass"] == ladder
     assert sum("need more shared memory" in r.message for r in caplog.records) == 2
     tried.clear()
     caplog.clear()
@@ -391,7 +420,7 @@ def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
         _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
     assert [t[1:] for t in tried] == [(16, 16, 1), (16, 16, 1)] and not caplog.records  # kept, not logged again
     # a refusal that is not about shared memory is raised at once; one of the last rung, after the ladder
-    for resource, rungs in (("registers", 1), ("shared memory", 4)):
+    for resource, rungs in (("registers", 1), ("shared memory", len(ladder))):
         monkeypatch.setattr(backward_launch, "FITTED", {})
         tried.clear()
 

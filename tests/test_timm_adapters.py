@@ -50,7 +50,12 @@ FAMILIES = {
 def build(family, dtype=torch.float32, **overrides):
     name, kw, _ = FAMILIES[family]
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, **dict(kw, **overrides)).eval().to(dtype)
+    try:
+        model = timm.create_model(name, pretrained=False, **dict(kw, **overrides)).eval().to(dtype)
+    except TypeError as exc:  # an older timm without the family's option (the device's: Eva without num_kv_heads)
+        if "unexpected keyword argument" not in str(exc):
+            raise
+        pytest.skip(f"timm {timm.__version__} cannot build {family}: {exc}")
     with torch.no_grad():  # random weights a little larger than timm's init, so attention is not uniform
         for n, p in model.named_parameters():
             if p.dim() == 1 and n.endswith("weight") and "norm" in n:  # SwinV2 zero-inits its post-norms
