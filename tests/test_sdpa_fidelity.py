@@ -669,3 +669,15 @@ def test_autocast_casts_as_sdpa(backend):
     assert out.dtype == torch.bfloat16
     want = elsa_surgery.attention_varlen(*(t.bfloat16() for t in (qp, kp, vp)), cu, cu, 4, 4, backend="reference")
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_autocast_without_pytorchs_private_test(monkeypatch):
+    """Where ``torch._C._is_any_autocast_enabled`` is missing (another PyTorch), the public per-device test
+    decides: cast inside autocast, untouched outside."""
+    from elsa_surgery import semantics
+
+    monkeypatch.setattr(semantics, "_ANY_AUTOCAST", lambda: True)
+    q, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16()
+    with torch.autocast("cpu", torch.bfloat16):
+        assert elsa_surgery.attention(q, q, v, backend="reference").dtype == torch.bfloat16
+    assert [t.dtype for t in semantics.autocast_inputs(q, q, v)[:3]] == [torch.float32, torch.float32, v.dtype]
