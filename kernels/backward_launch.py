@@ -41,20 +41,26 @@ def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False) 
     _KEYS_MAJOR = bool(keys_major)
 
 
-def _blocks(bd: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``: 32 under
-    the interpreter (few programs); on a GPU smaller tiles and more warps as the fp32 dK/dV accumulators
-    (``BLOCK_N x bd`` each) grow. ``bd <= 64``: 32x64, 4 warps, 2 stages, the fastest of the backward sweep's 48
-    configurations (session 28, H100, bf16 H=16 D=64 N=4K causal: 0.645 ms with dQ by rows and bwd_kv keys-major,
-    against 1.317 ms for the former 64x64/4 warps with atomic dQ; docs/PERF.md). Larger head dims: untuned first
-    choices that ptxas compiles without spills (benchmarks/lab/bwd_spills.py)."""
+def _blocks(bd: int, wide: bool = False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``
+    (``wide``: 4-byte operands, fp32 in any mode): 32 under the interpreter (few programs); on a GPU, from the
+    backward sweeps (bf16/fp32 precise, H=16, N=4K, causal; docs/PERF.md):
+
+    * ``bd <= 64``: 32x64, 4 warps, 2 stages (session 28, H100 bf16: 0.645 ms against 1.317 ms for the former
+      64x64/4 warps with atomic dQ);
+    * ``bd <= 128``: 64x64, 4 warps, 2 stages for 2-byte operands (session 29, H200 bf16: 0.695 ms, 1.14x SDPA
+      flash's backward, against 1.914 ms for the former 32x64/8 warps); 32x32, 4 warps, 2 stages for fp32 (7.13 ms
+      against 10.1-13.2 ms for the rest; 64x64 needs more shared memory than an H100/H200 has);
+    * larger: untuned first choices that ptxas compiles without spills (benchmarks/lab/bwd_spills.py)."""
     if _OVERRIDE is not None:
         return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
     if occ.interpreting():
         return 32, 32, 4, None
     if bd <= 64:
         return 32, 64, 4, 2
-    return (32, 64, 8, None) if bd <= 128 else (32, 32, 8, None)
+    if bd <= 128:
+        return (32, 32, 4, 2) if wide else (64, 64, 4, 2)
+    return 32, 32, 8, None
 
 
 def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
@@ -71,14 +77,17 @@ def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
         yield bm, bn, warps, 1
 
 
-def _keys_major(bd: int, bm: int, bn: int) -> bool:
-    """``bwd_kv``'s form: keys-major where the sweep measured it faster (``bd <= 64``, with :func:`_blocks`'s tile),
-    rows-major elsewhere and under the interpreter; the override's when one is set. Rows-major tiles with
-    ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once): 32x128 rows-major with dQ by the row pass gave bf16
-    gradients 1.6-3x further from float64 than every other form on an H100 and an H200 (Triton 3.6; sessions 28
-    and 29; the interpreter and every other tile agree with float64), a suspected miscompile that no default tile
-    or ladder rung reaches."""
-    km = _KEYS_MAJOR if _OVERRIDE is not None else (bd <= 64 and not occ.interpreting())
+def _keys_major(bd: int, bm: int, bn: int, wide: bool = False) -> bool:
+    """``bwd_kv``'s form where the sweeps measured it faster with :func:`_blocks`'s tile: keys-major for
+    ``bd <= 64``, and for fp32 (``wide``) up to 128; rows-major elsewhere and under the interpreter; the override's
+    when one is set. Rows-major tiles with ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once): 32x128
+    rows-major with dQ by the row pass gave bf16 gradients 1.6-3x further from float64 than every other form on an
+    H100 and an H200 (Triton 3.6; sessions 28 and 29; the interpreter and every other tile agree with float64), a
+    suspected miscompile that no default tile or ladder rung reaches."""
+    if _OVERRIDE is not None:
+        km = _KEYS_MAJOR
+    else:
+        km = not occ.interpreting() and (bd <= 64 or (wide and bd <= 128))
     if not km and bn >= 4 * bm:
         if (bm, bn) not in _REROUTED:
             _REROUTED.add((bm, bn))
@@ -130,8 +139,9 @@ class _Call:
                           HAS_KVLEN=kv_lengths is not None, VARLEN=self.varlen, DOT=self.dot,
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
-        self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV))
-        self.keys_major = _keys_major(max(self.BD, self.BDV), self.BM, self.BN)
+        wide = q.element_size() == 4
+        self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV), wide)
+        self.keys_major = _keys_major(max(self.BD, self.BDV), self.BM, self.BN, wide)
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)
