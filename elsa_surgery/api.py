@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import callcache, dispatch, monoid, reference_ops, sdpa
-from .semantics import Lengths, autocast_inputs, build_problem, build_varlen_problem
+from .semantics import Lengths, autocast_cast, autocast_dtype, build_problem, build_varlen_problem
 
 
 _kernels = dispatch.kernels_module  # imported on first use: triton is only needed when the kernels run
@@ -60,7 +60,13 @@ def attention(
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
         Rows with no visible key are zeros. Deliberate differences from SDPA: docs/fidelity.md.
     """
-    q, k, v, attn_mask = autocast_inputs(q, k, v, attn_mask)  # SDPA's cast inside torch.autocast
+    cast_to = autocast_dtype(q)
+    if cast_to is not None:  # inside torch.autocast: SDPA's rule, the inputs cast and the call run without autocast
+        q, k, v, attn_mask = autocast_cast(cast_to, q.device.type, q, k, v, attn_mask)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
+                             precision=precision, return_lse=return_lse, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                             windowed_mask=windowed_mask)
     # build_problem + dispatch.decide (+ announce), memoised per signature, and the direct route of a call seen
     # before: see callcache.py
     key = callcache.signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
@@ -162,7 +168,13 @@ def attention_varlen(
     maxima, not on the other sequences of the pack. The reference backend draws its own masks (the same
     distribution, other draws), as the dense reference does.
     """
-    q, k, v, _ = autocast_inputs(q, k, v)
+    cast_to = autocast_dtype(q)
+    if cast_to is not None:  # inside torch.autocast: as attention
+        q, k, v = autocast_cast(cast_to, q.device.type, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):
+            return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    is_causal=is_causal, scale=scale, backend=backend, precision=precision,
+                                    return_lse=return_lse, dropout_p=dropout_p)
     vp = build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     d = dispatch.decide(vp.q, vp.k, vp.v, None, backend=backend, precision=precision, varlen=True,

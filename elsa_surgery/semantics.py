@@ -173,29 +173,34 @@ def _check_tensor(name: str, t) -> None:
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def autocast_inputs(q, k, v, attn_mask=None):
-    """SDPA's autocast rule, which the kernels' entry points must follow to be a drop-in: inside
-    ``torch.autocast(device_type, dtype)`` for q's device type, every float16/bfloat16/float32 tensor argument on
-    that device (q, k, v and a float mask) is cast to the autocast dtype; float64 and bool are left as they are.
-    (Session 29: timm ViT with ``qk_norm`` under CUDA autocast gave fp32 q/k from the fp32 LayerNorm beside a bf16
-    v, which SDPA accepts and ``check_qkv`` refused.) Returns ``(q, k, v, attn_mask)``, unchanged outside
-    autocast."""
+def autocast_dtype(q) -> Optional[torch.dtype]:
+    """The dtype of the ``torch.autocast`` region active for ``q``'s device type, or None (outside one).
+
+    SDPA's autocast rule, which the entry points follow to be a drop-in (:func:`autocast_cast`): inside
+    ``torch.autocast(device_type, dtype)`` every float16/bfloat16/float32 tensor argument on that device (q, k, v, a
+    float mask) is cast to the autocast dtype (float64 and bool are left as they are), and the op itself runs with
+    autocast off. (Session 29: timm ViT with ``qk_norm`` under CUDA autocast gave fp32 q/k from the fp32 LayerNorm
+    beside a bf16 v, which SDPA accepts and ``check_qkv`` refused; the reference backend's fp32 scores, computed
+    inside the region, were downcast by autocast.)"""
     if not _ANY_AUTOCAST() or not isinstance(q, torch.Tensor):  # the cheap test first: it is on every call's host
-        return q, k, v, attn_mask
+        return None
     dev = q.device.type
     try:
-        if not torch.is_autocast_enabled(dev):
-            return q, k, v, attn_mask
-        dt = torch.get_autocast_dtype(dev)
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     except RuntimeError:  # a device type without autocast
-        return q, k, v, attn_mask
+        return None
 
+
+def autocast_cast(dtype: torch.dtype, device_type: str, *tensors):
+    """``tensors`` as autocast hands them to SDPA (:func:`autocast_dtype`): each float16/bfloat16/float32 tensor
+    on ``device_type`` cast to ``dtype``; the rest (float64, bool, None, a ``CausalBias``, which holds no values)
+    unchanged."""
     def cast(t):
-        eligible = (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-                    and t.device.type == dev)
-        return t.to(dt) if eligible else t
+        eligible = (isinstance(t, torch.Tensor) and not isinstance(t, CausalBias) and t.is_floating_point()
+                    and t.dtype != torch.float64 and t.device.type == device_type)
+        return t.to(dtype) if eligible else t
 
-    return cast(q), cast(k), cast(v), cast(attn_mask)
+    return tuple(cast(t) for t in tensors)
 
 
 def check_qkv(q, k, v, *, layout: str) -> None:

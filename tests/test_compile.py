@@ -239,6 +239,23 @@ def test_op_compiled_equals_eager_through_the_api(monkeypatch):
     assert {t for t in _targets(graphs[0]) if t.startswith("elsa_surgery.")} == {"elsa_surgery.attention.default"}
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_autocast_region_compiles_fullgraph(backend):
+    """Inside ``torch.autocast`` (fp32 q/k beside a bf16 v, as a LayerNorm under autocast gives), ``attention``
+    casts and runs the call with autocast off; that traces with ``fullgraph=True`` and equals the eager call."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 12, 16, generator=gen), torch.randn(1, 2, 12, 16, generator=gen)
+    v = torch.randn(1, 2, 12, 16, generator=gen).bfloat16()
+
+    def call(q, k, v):
+        with torch.autocast("cpu", torch.bfloat16):
+            return elsa_surgery.attention(q, k, v, is_causal=True, backend=backend)
+
+    got, want = torch.compile(call, fullgraph=True)(q, k, v), call(q, k, v)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("strided", [True, False])
 def test_op_output_layout_under_inductor_gpu(strided, monkeypatch):

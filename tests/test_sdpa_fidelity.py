@@ -63,6 +63,9 @@ EXTENSIONS = {
     "a float32 additive mask with fp16/bf16 q on CUDA (SDPA's fused kernels take only q's dtype there)":
         lambda c: c.mask == "additive" and c.mask_dtype == "float32" and c.dtype in ("float16", "bfloat16")
         and c.device == "cuda",
+    "q, k, v of mixed dtypes inside torch.autocast with a CausalBias (PyTorch's CausalBias checks their dtypes "
+    "before autocast casts them; its same-dtype calls are autocast)":
+        lambda c: c.autocast != "none" and c.mask.startswith("causal_") and c.v_dtype not in ("same", c.dtype),
 }
 # PyTorch's CUDA SDPA refuses some calls its documentation accepts, from a fused kernel's constraint rather than the
 # arguments' meaning (a broadcast mask's stride-0 last axis, a bias dtype other than q's); its float64 math path takes
@@ -102,6 +105,8 @@ class Case:
     backend: str = "reference"
     device: str = "cpu"
     seed: int = 0
+    autocast: str = "none"  # none | bfloat16 | float16: the call runs inside torch.autocast(device, that dtype)
+    v_dtype: str = "same"  # same (as q) | a DTYPES name: v's own dtype (autocast makes such calls valid)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,8 +180,28 @@ def build(case: Case):
     lq, lk, lv = case.layouts
     q = _tensor(gen, (case.B, case.Hq, case.Nq, case.D), lq, dt, dev)
     k = _tensor(gen, (case.B, case.Hkv, case.Nk, case.D), lk, dt, dev)
-    v = _tensor(gen, (case.B, case.Hkv, case.Nk, case.Dv), lv, dt, dev)
+    v = _tensor(gen, (case.B, case.Hkv, case.Nk, case.Dv), lv, dt if case.v_dtype == "same" else DTYPES[case.v_dtype],
+                dev)
     return q, k, v, _mask(case, gen, dev)
+
+
+def _autocast(case, device_type):
+    """The case's ``torch.autocast`` context on ``device_type`` (a null context without one)."""
+    if case.autocast == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, DTYPES[case.autocast])
+
+
+def autocast_cast(case, t):
+    """``t`` as autocast hands it to SDPA: float16/bfloat16/float32 tensors to the autocast dtype; float64, bool
+    and non-tensors (CausalBias) unchanged."""
+    if case.autocast == "none" or type(t) is not torch.Tensor or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(DTYPES[case.autocast])
+
+
+def dtype_name(t) -> str:
+    return next(name for name, dt in DTYPES.items() if dt == t.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,10 +312,11 @@ def check(case: Case) -> str:
     # kernel that may fail on the call and poison the CUDA context (torch 2.11's cuDNN attention does, on fp16 D=8
     # with a 32-element q row stride and a [B, H, 1, 1] mask: "misaligned address"; docs/fidelity.md)
     cq, ck, cv, cm = (t.cpu() if isinstance(t, torch.Tensor) and type(t) is torch.Tensor else t for t in (q, k, v, mask))
-    _, sdpa_exc = _call(lambda: _native(case, cq, ck, cv, cm))
-    native, equiv_exc = _call(lambda: _native_equivalent(case, cq, ck, cv, cm))
+    with _autocast(case, "cpu"):
+        _, sdpa_exc = _call(lambda: _native(case, cq, ck, cv, cm))
+        native, equiv_exc = _call(lambda: _native_equivalent(case, *(autocast_cast(case, t) for t in (cq, ck, cv, cm))))
     native = None if native is None else native.to(q.device)
-    with dispatch.record() as log, _without_cudnn(case):
+    with dispatch.record() as log, _without_cudnn(case), _autocast(case, q.device.type):
         got, exc = _call(lambda: elsa_surgery.attention(
             q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.enable_gqa,
             backend=case.backend, return_lse=case.return_lse))
@@ -314,6 +340,7 @@ def check(case: Case) -> str:
         _fail(case, f"ELSA answered a call SDPA refuses ({type(equiv_exc).__name__}: {equiv_exc})")
     _check_decision(case, q, log)
     out, lse = got if case.return_lse else (got, None)
+    q, k, v, mask = (autocast_cast(case, t) for t in (q, k, v, mask))  # the inputs as SDPA receives them
     ref_out, ref_lse = expected(case, q, k, v, mask)
     if out.dtype != q.dtype or out.shape != ref_out.shape:
         _fail(case, f"output {out.dtype} {tuple(out.shape)}, expected {q.dtype} {tuple(ref_out.shape)}")
@@ -321,15 +348,15 @@ def check(case: Case) -> str:
     if not bool((out[~seen] == 0).all()):
         _fail(case, "a row with no visible key is not zeros")
     err = float((out.double() - ref_out).abs().max()) if out.numel() else 0.0
-    tol = OUT_FLOOR[case.dtype] + NATIVE_FACTOR * _native_error(native, ref_out, seen)
+    tol = OUT_FLOOR[dtype_name(q)] + NATIVE_FACTOR * _native_error(native, ref_out, seen)
     if not err <= tol:  # also catches NaN
         _fail(case, f"max |out - SDPA(float64)| = {err:.3g} > tolerance {tol:.3g}")
     if lse is not None:
-        _check_lse(case, lse, ref_lse)
+        _check_lse(case, lse, ref_lse, dtype_name(q))
     return "answered where SDPA's CUDA kernel refuses" if limit else "extension" if extension else "match"
 
 
-def _check_lse(case, lse, ref_lse):
+def _check_lse(case, lse, ref_lse, dtype):
     lse = lse.double()
     if lse.shape != ref_lse.shape:
         _fail(case, f"lse shape {tuple(lse.shape)}, expected {tuple(ref_lse.shape)}")
@@ -341,7 +368,7 @@ def _check_lse(case, lse, ref_lse):
         _fail(case, "the lse of a row whose keys all lie below the kernels' clamp is not below it")
     rest = ~empty & ~clamped
     rel = ((lse[rest] - ref_lse[rest]).abs() / (1 + ref_lse[rest].abs())).nan_to_num(float("inf"))
-    bound = LSE_FLOOR[case.dtype] * (1 + (case.scale or case.D ** -0.5) * math.sqrt(case.D))
+    bound = LSE_FLOOR[dtype] * (1 + (case.scale or case.D ** -0.5) * math.sqrt(case.D))
     if rel.numel() and not float(rel.max()) <= bound:
         _fail(case, f"max relative lse error {float(rel.max()):.3g} > {bound:.3g}")
 
@@ -378,6 +405,7 @@ def cases(draw, *, backends, device="cpu", max_n=40, head_dims=None, dtypes=tupl
     mask = draw(st.sampled_from(["none", "bool", "additive", "bool", "additive", "causal_upper_left",
                                  "causal_lower_right"]))
     mask_shape, expanded, empty = (), False, ()
+    autocast = draw(st.sampled_from(["none"] * 6 + ["bfloat16", "float16"]))
     if mask in ("bool", "additive"):
         rank = draw(st.integers(2, 4))
         full = (B, Hq, Nq, Nk)[4 - rank:]
@@ -394,7 +422,8 @@ def cases(draw, *, backends, device="cpu", max_n=40, head_dims=None, dtypes=tupl
         scale=draw(st.sampled_from([None, None, 1.0, 0.05, 0.3])),
         enable_gqa=draw(st.booleans()) if g == 1 else draw(st.sampled_from([True, True, True, False])),
         return_lse=draw(st.booleans()), backend=draw(st.sampled_from(backends)), device=device,
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(st.integers(0, 2**31 - 1)), autocast=autocast,
+        v_dtype=draw(st.sampled_from(["same", "float32", "bfloat16"])) if autocast != "none" else "same",
     )
 
 
@@ -679,5 +708,21 @@ def test_autocast_without_pytorchs_private_test(monkeypatch):
     monkeypatch.setattr(semantics, "_ANY_AUTOCAST", lambda: True)
     q, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8).bfloat16()
     with torch.autocast("cpu", torch.bfloat16):
+        assert semantics.autocast_dtype(q) == torch.bfloat16
         assert elsa_surgery.attention(q, q, v, backend="reference").dtype == torch.bfloat16
-    assert [t.dtype for t in semantics.autocast_inputs(q, q, v)[:3]] == [torch.float32, torch.float32, v.dtype]
+    assert semantics.autocast_dtype(q) is None
+
+
+def test_autocast_runs_the_call_without_autocast():
+    """SDPA runs its op with autocast off once the inputs are cast; so must ``attention``: the reference backend's
+    fp32 scores inside the region were downcast by autocast (the extended fuzz, session 29: 0.062 from float64 at
+    scale 1.0, D = 52, where SDPA was within 0.008)."""
+    g = torch.Generator().manual_seed(52)
+    q, k, v = (torch.randn(1, 2, 27, 52, generator=g) for _ in range(3))
+    cast = [t.bfloat16() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*(t.double() for t in cast), scale=1.0)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = elsa_surgery.attention(q, k, v, scale=1.0, backend="reference")
+    plain = elsa_surgery.attention(*cast, scale=1.0, backend="reference")
+    assert torch.equal(got, plain)  # the same as the call on the cast inputs outside autocast
+    assert (got.double() - want).abs().max() < 0.02
