@@ -7,7 +7,8 @@ are timed back to back on the caller's own tensors (:func:`race`, :data:`CALLS` 
 GPU time: what an eager caller waits), and SDPA is kept only if it is faster by more than :data:`MIN_GAIN`. Each side
 is the whole public call as later calls of the signature will make it (``elsa_surgery/callcache.py`` runs the race
 with the signature's memo entry set to each decision in turn: direct routes, validation, launch plans and all),
-so the host cost of our Python counts against ELSA, as it does for the user. The
+so the host cost of our Python counts against ELSA, as it does for the user. A training call (autograd records it:
+q, k or v requires grad) is its own signature, raced forward + backward (the backward to q, k, v only). The
 choice is made once per signature (``elsa_surgery/callcache.py`` keeps it), and its :class:`~.dispatch.Decision`
 names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never
 races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
@@ -91,13 +92,15 @@ def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float,
 SDPA_SIDE = Decision("sdpa", None, "auto's race: the PyTorch SDPA side")  # what the race's SDPA calls run under
 
 
-def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], *, traced: bool = False) -> Decision:
+def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], *, traced: bool = False,
+           training: bool = False) -> Decision:
     """``d`` (naming both timings), or an SDPA decision naming them when SDPA is faster by more than
     :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way; ``traced``: the race of a call torch.compile
-    is tracing (:func:`choose_compiled`)."""
+    is tracing (:func:`choose_compiled`); ``training``: each side is a call and its backward."""
     elsa_ms, sdpa_ms = race(elsa, sdpa)
-    how = ("call for this signature (raced once when torch.compile traced it)" if traced else
-           f"eager call for this signature (measured once, median of {ROUNDS} interleaved rounds)")
+    what = "forward + backward of each training call" if training else "call"
+    how = (f"{what} for this signature (raced once when torch.compile traced it)" if traced else
+           f"eager {what} for this signature (measured once, median of {ROUNDS} interleaved rounds)")
     verdict = f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per {how}"
     where = "auto under torch.compile" if traced else "auto"
     if elsa_ms > MIN_GAIN * sdpa_ms:

@@ -98,8 +98,10 @@ def _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, p
     types = tuple(map(type, scalars))  # in the key too: True and 1 hash alike but are not the same argument
     if not _PLAIN.issuperset(types):
         return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # (training
+    # calls are raced forward + backward: their own entry)
     return (q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, sm, scalars, types,
-            _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3))
+            _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3), grad)
 
 
 def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -135,7 +137,8 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             _entries[key] = entry
             if call is not None and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
                                                            return_lse=return_lse) is None:
-                d = _race(entry, call)
+                grads = [t for t in (q, k, v) if t.requires_grad] if torch.is_grad_enabled() else []
+                d = _race(entry, call, grads)
         else:
             STATS["hits"] += 1
             squeeze, scale_, causal, dropout, d = hit.squeeze, hit.scale, hit.causal, hit.dropout, hit.decision
@@ -225,22 +228,27 @@ def learn(key: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_m
     DIRECT["routes"] += 1
 
 
-def _race(entry: _Entry, call) -> dispatch.Decision:
+def _race(entry: _Entry, call, grads=()) -> dispatch.Decision:
     """auto's race (elsa_surgery/autoselect.py) for a new entry: ``call``, the public call, made with the entry set
-    to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner."""
+    to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner. ``grads``: the
+    inputs autograd records the call for (a training call): each side is then the call and its backward to them
+    (``torch.autograd.grad``: nothing upstream of q/k/v runs, no ``.grad`` is written)."""
     d = entry.decision
     sides = {"elsa": (d, entry.routes), "sdpa": (autoselect.SDPA_SIDE, None if entry.routes is None else {})}
 
     def side(backend):
         def run():
             entry.decision, entry.routes = sides[backend]
-            return call()
+            out = call()
+            if grads:
+                torch.autograd.grad(out, grads, torch.ones_like(out))
+            return out
         return run
 
     counts = dict(STATS), dict(DIRECT)
     try:
         with dispatch.unrecorded():
-            final = autoselect.choose(d, side("elsa"), side("sdpa"))
+            final = autoselect.choose(d, side("elsa"), side("sdpa"), training=bool(grads))
     finally:
         STATS.update(counts[0])
         DIRECT.update(counts[1])

@@ -169,3 +169,25 @@ def test_compiled_call_holds_the_trace_time_winner(racing, monkeypatch, times, b
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert float((out - ref).abs().max()) < 1e-5
     torch._dynamo.reset()
+
+
+def test_training_calls_race_forward_and_backward_on_their_own(racing, monkeypatch):
+    """A call autograd records is its own signature, raced as forward + backward (the backward to q, k, v only: no
+    parameter's ``.grad`` is written); the same shapes without grad keep their own forward-only race."""
+    grads_run = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: (grads_run.append(1), real_grad(*a, **kw))[1])
+    w = torch.nn.Parameter(torch.ones(16, device=DEV))
+    q, k, v = _qkv()
+    qg = q * w  # a non-leaf, as a projection's output
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(qg, k, v)
+        elsa_surgery.attention(q, k, v)  # inference: another signature, another race
+        with torch.no_grad():
+            elsa_surgery.attention(qg, k, v)  # no grad recorded: the inference signature
+    assert len(grads_run) == 2 and w.grad is None  # the race's two sides ran a backward; nothing accumulated
+    assert "forward + backward of each training call" in log[0].reason
+    assert "forward + backward" not in log[1].reason and log[2].reason == log[1].reason
+    assert callcache.STATS["misses"] >= 2
+    out.sum().backward()  # the training call's graph is intact
+    assert w.grad is not None
