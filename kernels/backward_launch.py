@@ -30,15 +30,20 @@ _OVERRIDE: Optional[occ.TileConfig] = None
 # (kernel, device, what specialises it, the tiles asked for) -> the tiles that fit the GPU's shared memory
 FITTED: Dict[tuple, tuple] = {}
 _KEYS_MAJOR = False  # bwd_kv's query steps in _kv_step's KEYS_MAJOR form: the backward sweep's other variant
+_ROW_SWAP = False  # the row pass with the tile transposed (the backward sweep's question, session 29)
 
 
-def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False) -> None:
+def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False, row_swap: bool = False) -> None:
     """Force one tile configuration (block_m, block_n, num_warps, num_stages) for every backward and dropout launch,
     and ``bwd_kv``'s variant (``keys_major``: each query block computed as ``p^T``) (``recipes/bench_attention.py
-    --backward --sweep``, tests); None (and False) restores the defaults."""
-    global _OVERRIDE, _KEYS_MAJOR
+    --backward --sweep``, tests); ``row_swap``: the row pass takes the tile transposed (BLOCK_M = the tile's
+    BLOCK_N): the two passes are mirror images (``bwd_kv`` keeps a key block and its dK/dV and streams query
+    blocks; the row pass keeps a row block and its dQ and streams key blocks), so the one tile makes the resident
+    block of one pass the streamed block of the other. None (and False) restores the defaults."""
+    global _OVERRIDE, _KEYS_MAJOR, _ROW_SWAP
     _OVERRIDE = cfg
     _KEYS_MAJOR = bool(keys_major)
+    _ROW_SWAP = bool(row_swap) and cfg is not None
 
 
 def _blocks(bd: int, wide: bool = False):
@@ -142,6 +147,7 @@ class _Call:
         wide = q.element_size() == 4
         self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV), wide)
         self.keys_major = _keys_major(max(self.BD, self.BDV), self.BM, self.BN, wide)
+        self.row_swap = _ROW_SWAP
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)
@@ -181,6 +187,8 @@ class _Call:
         from triton.runtime.errors import OutOfResources
 
         asked = (self.BM, self.BN, self.warps, self.stages)
+        if name == "row_pass" and self.row_swap:
+            asked = (self.BN, self.BM, self.warps, self.stages)
         key = (name, self.q.device, self.q.dtype, self.BD, self.BDV, self.keys_major,
                tuple(sorted(self.flags.items())), tuple(sorted(extra.items())), asked)
         fitted = FITTED.get(key)

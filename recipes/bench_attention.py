@@ -377,7 +377,7 @@ def backward_cell(dname, H, D, N, causal, baselines, B=1):
     return row
 
 
-def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("auto",)):
+def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("auto",), row_tiles=("same",)):
     """``--backward --sweep``: the backward alone (one forward, its graph kept; ``torch.autograd.grad`` timed) for
     every tile configuration of ``space`` (``kernels/backward_launch.set_tiles_override``), with dQ by atomics and
     by the deterministic row pass, ``bwd_kv`` rows-major and keys-major, against the SDPA backends' backward on the
@@ -387,7 +387,9 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
     differed from the others by 5e-3 where the rest agreed within 7e-5; against the first configuration alone, that
     could not tell which was wrong). ``head_groups``: causal launches' head groups to try (``auto``: the rule of
     ``occupancy.causal_head_group``; an integer forces ``ELSA_CAUSAL_HEAD_GROUP``; 1 = each head's blocks heaviest
-    first, one head after another: session 29's A/B question). Returns the five fastest."""
+    first, one head after another: session 29's A/B question). ``row_tiles``: the row pass with the same tile as
+    ``bwd_kv`` (``same``) or transposed (``swapped``: ``set_tiles_override(row_swap=True)``). Returns the five
+    fastest."""
     from elsa_surgery.kernels import backward_launch
 
     dtype, prec = DTYPES[dname]
@@ -426,14 +428,18 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
     res = []
     saved = torch.are_deterministic_algorithms_enabled()
     try:
-        for bm, bn, w, st, det, km, hg in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
-                                                             (False, True), (False, True), head_groups):
+        for bm, bn, w, st, det, km, hg, rt in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
+                                                                 (False, True), (False, True), head_groups, row_tiles):
+            if rt == "swapped" and (not det or bm == bn):  # no row pass (atomic dQ), or the same tile
+                continue
             if not km and bn >= 4 * bm:  # runs keys-major (backward_launch._keys_major): timed on its keys-major line
                 continue
-            backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st), keys_major=km)
+            backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st), keys_major=km,
+                                               row_swap=rt == "swapped")
             torch.use_deterministic_algorithms(det, warn_only=True)
             tag = (f"bm={bm} bn={bn} w={w} s={st} dq={'rows' if det else 'atomic'} "
-                   f"kv={'keys-major' if km else 'rows-major'}" + (f" hg={hg}" if len(head_groups) > 1 else ""))
+                   f"kv={'keys-major' if km else 'rows-major'}" + (f" hg={hg}" if len(head_groups) > 1 else "")
+                   + (f" row={rt}" if len(row_tiles) > 1 else ""))
             env = {"ELSA_BWD_DQ": "rows" if det else "atomic",
                    "ELSA_CAUSAL_HEAD_GROUP": None if hg == "auto" else str(hg)}
             try:
@@ -470,6 +476,8 @@ def main(argv=None):
                     help="sweep space, e.g. 'bm=32,64;bn=16,32;w=4;s=1,2'")
     ap.add_argument("--bwd-head-groups", default="auto",
                     help="--backward --sweep: causal head groups to try, e.g. 'auto,1' (1: one head after another)")
+    ap.add_argument("--bwd-row-tiles", default="same",
+                    help="--backward --sweep: the row pass's tile, 'same' as bwd_kv's and/or 'swapped' (transposed)")
     ap.add_argument("--graph", action="store_true",
                     help="also time ELSA and the SDPA baselines replayed from CUDA graphs (ratios gx*: kernel "
                          "against kernel, no launch overhead); with --sweep: time every tile that way")
@@ -531,7 +539,8 @@ def main(argv=None):
     if a.backward and a.sweep:
         for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
             best = backward_sweep(dname, H, D, N, c, space, baselines,
-                                  head_groups=tuple(a.bwd_head_groups.split(",")))
+                                  head_groups=tuple(a.bwd_head_groups.split(",")),
+                                  row_tiles=tuple(a.bwd_row_tiles.split(",")))
             print(f"BEST backward {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
         return
     if a.backward:

@@ -109,16 +109,17 @@ def test_deterministic_mode_is_bitwise_reproducible():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("tiles,keys_major", [((16, 32, 4, None), False), ((32, 16, 2, 1), False),
-                                              ((16, 32, 4, None), True), ((32, 16, 4, 2), True)])
-def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major):
+@pytest.mark.parametrize("tiles,keys_major,row_swap", [((16, 32, 4, None), False, False), ((32, 16, 2, 1), False, True),
+                                                       ((16, 32, 4, None), True, True), ((32, 16, 4, 2), True, False)])
+def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major, row_swap, monkeypatch):
     """The backward sweep's override (recipes/bench_attention.py --backward --sweep): other tile shapes, warps and
     stages, and bwd_kv's keys-major variant, still give the float64 oracle's gradients (causal, GQA, Dv != D), with
-    atomic and row-pass dQ. 70 queries on 80 keys: full tiles (run without visibility tests) beside the diagonal's and
-    the last rows' and keys' partial ones."""
+    atomic and row-pass dQ, and the row pass with the tile transposed (``row_swap``). 70 queries on 80 keys: full
+    tiles (run without visibility tests) beside the diagonal's and the last rows' and keys' partial ones."""
     from elsa_surgery.kernels import backward_launch, occupancy
 
-    backward_launch.set_tiles_override(occupancy.TileConfig(*tiles), keys_major=keys_major)
+    monkeypatch.setattr(backward_launch, "FITTED", {})  # (kernel, ...) -> the tiles each launch ran
+    backward_launch.set_tiles_override(occupancy.TileConfig(*tiles), keys_major=keys_major, row_swap=row_swap)
     try:
         assert backward_launch._blocks(64) == tiles
         for causal, det in ((True, False), (True, True), (False, False)):
@@ -126,7 +127,9 @@ def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major):
                    deterministic=det)
     finally:
         backward_launch.set_tiles_override(None)
-    assert backward_launch._OVERRIDE is None and not backward_launch._KEYS_MAJOR
+    assert backward_launch._OVERRIDE is None and not backward_launch._KEYS_MAJOR and not backward_launch._ROW_SWAP
+    ran = {name: {t[:2] for k, t in backward_launch.FITTED.items() if k[0] == name} for name in ("bwd_kv", "row_pass")}
+    assert ran == {"bwd_kv": {tiles[:2]}, "row_pass": {tiles[1::-1] if row_swap else tiles[:2]}}
 
 
 def test_default_backward_tiles_on_a_gpu(monkeypatch):

@@ -89,14 +89,15 @@ case "$part" in
       | tee "$out/train_llama.log" | tail -30 ;;
   bwd-sweep)  # issue 25: the backward's tiles (BLOCK_M, BLOCK_N, warps, stages) x dQ by atomics or the row pass x
     # bwd_kv rows- or keys-major, against flash/cuDNN's backward, N=4K causal (args: dtype [bf16], HxD [16x64],
-    # causal head groups [auto; 'auto,1' for session 29's heaviest-first A/B], space);
+    # causal head groups [auto; 'auto,1' for session 29's heaviest-first A/B], space, the row pass's tile [same;
+    # 'same,swapped': transposed, session 29's second question]);
     # 48 configurations, < 8 min on an H100 (session 28, bf16 16x64; D = 64 defaults taken from it). The space
     # holds the tiles that ptxas compiles without spills (benchmarks/lab/bwd_spills.py, session 27). Gradients vs
     # float64 (a configuration 1.5x worse than the worst baseline is WRONG; session 28 saw 32x128 rows-major with dQ
     # by rows 5e-3 from the others: this tells which side is wrong)
     timeout 560 python3 recipes/bench_attention.py --backward --sweep --dtypes "${1:-bf16}" --n 4096 \
       --shapes "${2:-16x64}" --causal 1 --space "${4:-bm=32,64;bn=32,64,128;w=4,8;s=2}" --baselines flash,cudnn \
-      --bwd-head-groups "${3:-auto}" \
+      --bwd-head-groups "${3:-auto}" --bwd-row-tiles "${5:-same}" \
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline|WRONG" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
