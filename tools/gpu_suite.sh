@@ -2,8 +2,8 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
-#   train-llama | compile | bwd-sweep | fuzz | s32m-fuzz | tests-stream | stream-ranks | stream-scaling |
-#   stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   train-llama | compile | bwd-sweep | bwd-questions | fuzz | s32m-fuzz | tests-stream | stream-ranks |
+#   stream-scaling | stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -99,6 +99,15 @@ case "$part" in
       --shapes "${2:-16x64}" --causal 1 --space "${4:-bm=32,64;bn=32,64,128;w=4,8;s=2}" --baselines flash,cudnn \
       --bwd-head-groups "${3:-auto}" --bwd-row-tiles "${5:-same}" \
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline|WRONG" ;;
+  bwd-questions)  # session 29's two open backward questions in one call (args: HxD [16x64]; ~6 min, untimed
+    # estimate): the per-kernel profile of forward + backward, causal and not, then the sweep of the causal
+    # backward with the head-group order (auto vs 1: heaviest first over groups of heads vs one head after another)
+    # and the row pass's tile (same vs transposed), ranked by the kernels' own GPU time
+    timeout 120 python3 benchmarks/lab/bwd_profile.py --shape "${1:-16x64}" 2>&1 | grep -v Warning \
+      | tee "$out/bwd_profile_${1:-16x64}.log"
+    timeout 450 python3 recipes/bench_attention.py --backward --sweep --dtypes bf16 --n 4096 --shapes "${1:-16x64}" \
+      --causal 1 --space 'bm=32,64;bn=64,128;w=4;s=2' --baselines flash,cudnn --bwd-head-groups auto,1 \
+      --bwd-row-tiles same,swapped 2>&1 | tee "$out/bwd_questions_${1:-16x64}.log" | grep -E "BEST|baseline|WRONG" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
