@@ -99,7 +99,7 @@ case "$part" in
       --shapes "${2:-16x64}" --causal 1 --space "${4:-bm=32,64;bn=32,64,128;w=4,8;s=2}" --baselines flash,cudnn \
       --bwd-head-groups "${3:-auto}" --bwd-row-tiles "${5:-same}" \
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline|WRONG" ;;
-  bwd-questions)  # session 29's two open backward questions in one call (args: HxD [16x64]; ~6 min, untimed
+  bwd-questions)  # session 29's two open backward questions in one call (args: HxD [16x64]; ~7 min, untimed
     # estimate): the per-kernel profile of forward + backward, causal and not, then the sweep of the causal
     # backward with the head-group order (auto vs 1: heaviest first over groups of heads vs one head after another)
     # and the row pass's tile (same vs transposed), ranked by the kernels' own GPU time
@@ -107,7 +107,11 @@ case "$part" in
       | tee "$out/bwd_profile_${1:-16x64}.log"
     timeout 450 python3 recipes/bench_attention.py --backward --sweep --dtypes bf16 --n 4096 --shapes "${1:-16x64}" \
       --causal 1 --space 'bm=32,64;bn=64,128;w=4;s=2' --baselines flash,cudnn --bwd-head-groups auto,1 \
-      --bwd-row-tiles same,swapped 2>&1 | tee "$out/bwd_questions_${1:-16x64}.log" | grep -E "BEST|baseline|WRONG" ;;
+      --bwd-row-tiles same,swapped 2>&1 | tee "$out/bwd_questions_${1:-16x64}.log" | grep -E "BEST|baseline|WRONG"
+    # Triton's tutorial backward: 32x128 for dK/dV (keys-major), 128x32 for dQ, 4 warps, 5 stages: the stages
+    timeout 150 python3 recipes/bench_attention.py --backward --sweep --dtypes bf16 --n 4096 --shapes "${1:-16x64}" \
+      --causal 1 --space 'bm=32;bn=128;w=4;s=3,4,5' --baselines flash --bwd-row-tiles swapped 2>&1 \
+      | tee "$out/bwd_stages_${1:-16x64}.log" | grep -E "BEST|WRONG" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
