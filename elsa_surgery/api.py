@@ -78,9 +78,9 @@ def attention(
     p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
                              precision=precision, return_lse=return_lse, q_lengths=q_lengths,
                              kv_lengths=kv_lengths, windowed_mask=windowed_mask, key=key,
-                             call=lambda: attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                                    backend=backend, precision=precision, return_lse=return_lse,
-                                                    windowed_mask=windowed_mask))
+                             call=lambda *qkv: attention(*(qkv or (q, k, v)), attn_mask, dropout_p, is_causal, scale,
+                                                         enable_gqa, backend=backend, precision=precision,
+                                                         return_lse=return_lse, windowed_mask=windowed_mask))
     pieces = [_run(piece, d, return_lse) for piece in p.row_pieces()]  # one, but for upper-left CausalBias
     out, lse = pieces[0] if len(pieces) == 1 else _cat_rows(pieces)
     out, lse = p.restore_shape(out, lse)

@@ -137,8 +137,7 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             _entries[key] = entry
             if call is not None and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
                                                            return_lse=return_lse) is None:
-                grads = [t for t in (q, k, v) if t.requires_grad] if torch.is_grad_enabled() else []
-                d = _race(entry, call, grads)
+                d = _race(entry, call, (q, k, v))
         else:
             STATS["hits"] += 1
             squeeze, scale_, causal, dropout, d = hit.squeeze, hit.scale, hit.causal, hit.dropout, hit.decision
@@ -228,18 +227,26 @@ def learn(key: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_m
     DIRECT["routes"] += 1
 
 
-def _race(entry: _Entry, call, grads=()) -> dispatch.Decision:
+def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
     """auto's race (elsa_surgery/autoselect.py) for a new entry: ``call``, the public call, made with the entry set
-    to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner. ``grads``: the
-    inputs autograd records the call for (a training call): each side is then the call and its backward to them
-    (``torch.autograd.grad``: nothing upstream of q/k/v runs, no ``.grad`` is written)."""
+    to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner. A training
+    call (autograd records it: q, k or v requires grad) is raced as the call and its backward, on detached twins of
+    the inputs (``call(*twins)``: the caller's graph and tensor hooks are not touched, no ``.grad`` is written).
+    Tensors the race saves for backward skip any saved-tensor hooks in force (activation checkpointing's: a race
+    inside a checkpointed forward would change the number of tensors saved there, which the recomputation, finding
+    the signature decided, does not repeat: torch.utils.checkpoint's CheckpointError)."""
     d = entry.decision
     sides = {"elsa": (d, entry.routes), "sdpa": (autoselect.SDPA_SIDE, None if entry.routes is None else {})}
+    twins = ()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in qkv):
+        made = {}  # one twin per distinct tensor (q is k stays so: the signature's identity flags)
+        twins = tuple(made.setdefault(id(t), t.detach().requires_grad_(t.requires_grad)) for t in qkv)
+    grads = [t for t in {id(t): t for t in twins}.values() if t.requires_grad]
 
     def side(backend):
         def run():
             entry.decision, entry.routes = sides[backend]
-            out = call()
+            out = call(*twins)
             if grads:
                 torch.autograd.grad(out, grads, torch.ones_like(out))
             return out
@@ -248,12 +255,17 @@ def _race(entry: _Entry, call, grads=()) -> dispatch.Decision:
     counts = dict(STATS), dict(DIRECT)
     try:
         with dispatch.unrecorded():
-            final = autoselect.choose(d, side("elsa"), side("sdpa"), training=bool(grads))
+            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                final = autoselect.choose(d, side("elsa"), side("sdpa"), training=bool(grads))
     finally:
         STATS.update(counts[0])
         DIRECT.update(counts[1])
     entry.decision, entry.routes = final, sides[final.backend][1]
     return final
+
+
+def _as_is(t):
+    return t
 
 
 def _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,

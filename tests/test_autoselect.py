@@ -180,6 +180,8 @@ def test_training_calls_race_forward_and_backward_on_their_own(racing, monkeypat
     w = torch.nn.Parameter(torch.ones(16, device=DEV))
     q, k, v = _qkv()
     qg = q * w  # a non-leaf, as a projection's output
+    hooked = []
+    qg.register_hook(lambda g: hooked.append(1))  # the caller's tensor hooks: never fired by the race
     with dispatch.record() as log:
         out = elsa_surgery.attention(qg, k, v)
         elsa_surgery.attention(q, k, v)  # inference: another signature, another race
@@ -189,5 +191,30 @@ def test_training_calls_race_forward_and_backward_on_their_own(racing, monkeypat
     assert "forward + backward of each training call" in log[0].reason
     assert "forward + backward" not in log[1].reason and log[2].reason == log[1].reason
     assert callcache.STATS["misses"] >= 2
+    assert not hooked
     out.sum().backward()  # the training call's graph is intact
-    assert w.grad is not None
+    assert w.grad is not None and hooked == [1]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_race_inside_activation_checkpointing(racing, reentrant):
+    """The first call of a signature inside a checkpointed forward races there; the recomputation in backward finds
+    the signature decided and does not race. The race's saved tensors must not reach the checkpoint's hooks (the
+    non-reentrant checkpoint raised CheckpointError: a different number of tensors saved), and the gradients are
+    the uncheckpointed ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16, device=DEV))
+    q, k, v = _qkv()
+
+    def block(x):
+        return elsa_surgery.attention(x * w, k, v)
+
+    with dispatch.record() as log:
+        out = checkpoint(block, q.requires_grad_(reentrant), use_reentrant=reentrant)
+    out.square().sum().backward()
+    assert log[0].backend == "sdpa"  # the race ran (its clock says SDPA) and the call kept its choice
+    got = w.grad.clone()
+    w.grad = None
+    block(q).square().sum().backward()
+    torch.testing.assert_close(got, w.grad)
