@@ -98,8 +98,10 @@ def _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, p
     types = tuple(map(type, scalars))  # in the key too: True and 1 hash alike but are not the same argument
     if not _PLAIN.issuperset(types):
         return None
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # (training
-    # calls are raced forward + backward: their own entry)
+    # whether autograd records the call: training calls are their own entry (raced forward + backward), and never
+    # have direct routes
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (attn_mask is not None and attn_mask.requires_grad))
     return (q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, sm, scalars, types,
             _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3), grad)
 
@@ -164,16 +166,14 @@ def _direct_ok(p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask) ->
 def _extras(q, k, v, mask) -> tuple:
     """What a direct route depends on beyond the signature: the strides and 16-byte alignment its launch plan's
     kernels were specialised for, which inputs are one tensor, the current device and stream capture (the rest of
-    the plan's key, kernels/launch.py), and whether autograd records the call (routes never do)."""
+    the plan's key, kernels/launch.py). Whether autograd records the call is in the signature (:func:`_key`)."""
     cuda = q.is_cuda
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (mask is not None and mask.requires_grad))
     if mask is None:
         m = None
     else:
         m = (mask.stride(), mask.data_ptr() % 16 == 0)
     return (q.stride(), k.stride(), v.stride(), m, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
-            v.data_ptr() % 16 == 0, q is k, k is v, q is v, grad, torch.cuda.current_device() if cuda else None,
+            v.data_ptr() % 16 == 0, q is k, k is v, q is v, torch.cuda.current_device() if cuda else None,
             cuda and torch.cuda.is_current_stream_capturing())
 
 
@@ -210,8 +210,10 @@ def learn(key: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_m
     entry = _entries.get(key)
     if entry is None or entry.routes is None or entry.decision is not d:
         return
+    if key[-1]:  # autograd records the call (_key): no route
+        return
     extras = _extras(q, k, v, attn_mask)
-    if extras in entry.routes or extras[10]:  # known, or autograd records the call
+    if extras in entry.routes:
         return
     if d.backend == "sdpa":
         route = p.heads_q != p.heads_kv
@@ -237,11 +239,14 @@ def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
     the signature decided, does not repeat: torch.utils.checkpoint's CheckpointError)."""
     d = entry.decision
     sides = {"elsa": (d, entry.routes), "sdpa": (autoselect.SDPA_SIDE, None if entry.routes is None else {})}
-    twins = ()
+    twins, grads = (), []
     if torch.is_grad_enabled() and any(t.requires_grad for t in qkv):
         made = {}  # one twin per distinct tensor (q is k stays so: the signature's identity flags)
-        twins = tuple(made.setdefault(id(t), t.detach().requires_grad_(t.requires_grad)) for t in qkv)
-    grads = [t for t in {id(t): t for t in twins}.values() if t.requires_grad]
+        for t in qkv:
+            if id(t) not in made:
+                made[id(t)] = t.detach().requires_grad_(t.requires_grad)
+        twins = tuple(made[id(t)] for t in qkv)
+        grads = [t for t in made.values() if t.requires_grad]
 
     def side(backend):
         def run():

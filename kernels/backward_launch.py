@@ -144,10 +144,12 @@ class _Call:
                           HAS_KVLEN=kv_lengths is not None, VARLEN=self.varlen, DOT=self.dot,
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
-        wide = q.element_size() == 4
-        self.BM, self.BN, self.warps, self.stages = _blocks(max(self.BD, self.BDV), wide)
-        self.keys_major = _keys_major(max(self.BD, self.BDV), self.BM, self.BN, wide)
-        self.row_swap = _ROW_SWAP
+        bd, wide = max(self.BD, self.BDV), q.element_size() == 4
+        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide)
+        self.keys_major = _keys_major(bd, self.BM, self.BN, wide)
+        # the tiles each pass asks for (set_tiles_override's row_swap: the row pass's transposed)
+        self.tiles = {"bwd_kv": (self.BM, self.BN, self.warps, self.stages),
+                      "row_pass": ((self.BN, self.BM) if _ROW_SWAP else (self.BM, self.BN)) + (self.warps, self.stages)}
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)
@@ -186,9 +188,7 @@ class _Call:
         positional arguments. A forced tile (:func:`set_tiles_override`) is launched as it is."""
         from triton.runtime.errors import OutOfResources
 
-        asked = (self.BM, self.BN, self.warps, self.stages)
-        if name == "row_pass" and self.row_swap:
-            asked = (self.BN, self.BM, self.warps, self.stages)
+        asked = self.tiles[name]
         key = (name, self.q.device, self.q.dtype, self.BD, self.BDV, self.keys_major,
                tuple(sorted(self.flags.items())), tuple(sorted(extra.items())), asked)
         fitted = FITTED.get(key)

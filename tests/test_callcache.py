@@ -262,6 +262,11 @@ def test_direct_routes_follow_strides_aliasing_and_autograd(monkeypatch):
     with torch.no_grad():
         elsa_surgery.attention(qg, k, v, scale=0.25)  # no gradient recorded: the route of (q, k, v)
     assert _direct_delta(before)["runs"] == 5
+    bias = torch.zeros(2, 3, 24, 24, device=DEV).requires_grad_()  # a learned bias: autograd records the call
+    for _ in range(2):
+        out = elsa_surgery.attention(q, k, v, bias, scale=0.25)
+    out.sum().backward()
+    assert bias.grad is not None and _direct_delta(before)["runs"] == 5
 
 
 def test_direct_routes_are_dropped_with_their_plans(monkeypatch):
