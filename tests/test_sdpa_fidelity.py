@@ -58,8 +58,9 @@ LSE_CLAMP = -1e37  # the kernels clamp finite mask values below -2.3e38 (semanti
 EXTENSIONS = {
     "is_causal together with attn_mask (intersected)":
         lambda c: c.is_causal and c.mask in ("bool", "additive"),
-    "an additive mask of another float dtype than q (float64 with lower-precision q)":
-        lambda c: c.mask == "additive" and c.mask_dtype == "float64" and c.dtype != "float64",
+    "an additive mask of another float dtype than q, other than float32 (a float64 mask with lower-precision q; "
+    "inside autocast, a float32 mask cast to the autocast dtype beside a float64 q, which autocast leaves)":
+        lambda c: c.mask == "additive" and _dtype_seen(c, c.mask_dtype) not in (_dtype_seen(c, "same"), "float32"),
     "a float32 additive mask with fp16/bf16 q on CUDA (SDPA's fused kernels take only q's dtype there)":
         lambda c: c.mask == "additive" and c.mask_dtype == "float32" and c.dtype in ("float16", "bfloat16")
         and c.device == "cuda",
@@ -67,6 +68,15 @@ EXTENSIONS = {
     "before autocast casts them; its same-dtype calls are autocast)":
         lambda c: c.autocast != "none" and c.mask.startswith("causal_") and c.v_dtype not in ("same", c.dtype),
 }
+
+
+def _dtype_seen(c, name: str) -> str:
+    """The dtype SDPA sees for a tensor of dtype ``name`` ("same": q's) in case ``c``: autocast casts every
+    float16/bfloat16/float32 tensor to its dtype and leaves float64."""
+    name = c.dtype if name == "same" else name
+    return name if c.autocast == "none" or name == "float64" else c.autocast
+
+
 # PyTorch's CUDA SDPA refuses some calls its documentation accepts, from a fused kernel's constraint rather than the
 # arguments' meaning (a broadcast mask's stride-0 last axis, a bias dtype other than q's); its float64 math path takes
 # them. ELSA answering such a call is no infidelity: its answer is still checked against the float64 reference.
@@ -608,6 +618,16 @@ def test_found_sdpa_backend_float32_mask_with_float64_q():
     output for this call as given (max error 0.855); found by the CPU fuzz in CI."""
     check(Case(B=1, Hq=1, Hkv=1, Nq=8, Nk=8, D=8, Dv=8, dtype="float64", mask="additive", mask_shape=(1, 1),
                mask_dtype="float32", large="-1e4", backend="sdpa", device="cpu", seed=0))
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto", "sdpa"])
+def test_found_float32_mask_with_float64_q_inside_autocast(backend):
+    """Found by the CPU fuzz in CI (session 29's tree): inside bf16 autocast a float32 mask is cast to bf16 while a
+    float64 q is left, and SDPA refuses the bf16 mask; ELSA answers (the mask-dtype extension, docs/fidelity.md),
+    checked against float64 with the mask SDPA was handed."""
+    assert check(Case(B=1, Hq=1, Hkv=1, Nq=3, Nk=5, D=8, Dv=8, dtype="float64", mask="additive", mask_shape=(1, 1),
+                      mask_dtype="float32", large="-1e4", backend=backend, device="cpu", seed=0,
+                      autocast="bfloat16")) == "extension"
 
 
 def test_found_sdpa_backend_min_mask_on_cuda_floored():
