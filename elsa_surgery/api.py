@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import callcache, dispatch, monoid, reference_ops, sdpa
-from .semantics import Lengths, autocast_cast, autocast_dtype, build_problem, build_varlen_problem
+from .semantics import _ANY_AUTOCAST, Lengths, autocast_cast, autocast_dtype, build_problem, build_varlen_problem
 
 
 _kernels = dispatch.kernels_module  # imported on first use: triton is only needed when the kernels run
@@ -60,21 +60,24 @@ def attention(
         ``out`` (dtype of ``q``, shape ``[B, Hq, Nq, Dv]``), or ``(out, lse)`` with ``return_lse``.
         Rows with no visible key are zeros. Deliberate differences from SDPA: docs/fidelity.md.
     """
-    cast_to = autocast_dtype(q)
+    cast_to = autocast_dtype(q) if _ANY_AUTOCAST() else None
     if cast_to is not None:  # inside torch.autocast: SDPA's rule, the inputs cast and the call run without autocast
         q, k, v, attn_mask = autocast_cast(cast_to, q.device.type, q, k, v, attn_mask)
         with torch.autocast(q.device.type, enabled=False):
             return attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
                              precision=precision, return_lse=return_lse, q_lengths=q_lengths, kv_lengths=kv_lengths,
                              windowed_mask=windowed_mask)
-    # build_problem + dispatch.decide (+ announce), memoised per signature, and the direct route of a call seen
-    # before: see callcache.py
+    # the direct route of a call seen before; else build_problem + dispatch.decide (+ announce), memoised per
+    # signature: see callcache.py
+    rkey = None
+    if q_lengths is None and kv_lengths is None:
+        res = callcache.direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
+                               return_lse, windowed_mask)
+        if type(res) is not callcache.Miss:
+            return res
+        rkey = res.key
     key = callcache.signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
                               return_lse, q_lengths, kv_lengths, windowed_mask)
-    if key is not None:
-        res = callcache.direct(key, q, k, v, attn_mask, return_lse)
-        if res is not None:
-            return res
     p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
                              precision=precision, return_lse=return_lse, q_lengths=q_lengths,
                              kv_lengths=kv_lengths, windowed_mask=windowed_mask, key=key,
@@ -84,8 +87,8 @@ def attention(
     pieces = [_run(piece, d, return_lse) for piece in p.row_pieces()]  # one, but for upper-left CausalBias
     out, lse = pieces[0] if len(pieces) == 1 else _cat_rows(pieces)
     out, lse = p.restore_shape(out, lse)
-    if key is not None:
-        callcache.learn(key, p, d, q, k, v, attn_mask, return_lse)
+    if key is not None and rkey is not None:
+        callcache.learn(key, rkey, p, d, q, k, v, attn_mask, return_lse)
     return (out, lse) if return_lse else out
 
 

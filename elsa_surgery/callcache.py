@@ -16,10 +16,14 @@ call. Under ``auto`` the first eager CUDA call of a signature may also race the 
 Direct routes: once a signature's call has run with the same inputs (the canonical problem holds the caller's own
 q, k, v and mask: no 3-D or broadcast views, no rebuilt mask view; no dropout, lengths or gradient), its entry also
 keeps how to run it again without any of the above: for the kernels, the launch plan that ``kernels/replay.py``
-recorded for it (keyed here by what that plan's key adds: strides, 16-byte alignment, which inputs are one tensor,
-the current device and stream capture); for SDPA chosen by ``auto``, the plain SDPA call. :func:`direct` runs a
-call through its route (the decision still announced), the cheapest eager path there is; :func:`learn` makes
-routes after a call ran. A route is dropped with its plan (``replay.clear``) or when a knob the plan read changes.
+recorded for it; for SDPA chosen by ``auto``, the plain SDPA call. A route is found by one flat key, built by
+:func:`direct`: the signature together with what the plan's key adds (strides, 16-byte alignment, which inputs
+are one tensor, the current device and stream capture), built in one pass over the tensors and looked up once, so
+that a call seen before reads each property of its tensors once (session 30, CPU host, direct SDPA route: 8.9 µs
+of routing a call before, the signature and the route's extras built and looked up apart; 7.9 µs after;
+``benchmarks/lab/host_cost_cpu.py``). :func:`direct` runs a call through its
+route (the decision still announced), the cheapest eager path there is; :func:`learn` makes routes after a call
+ran. A route is dropped with its plan (``replay.clear``), when a knob the plan read changes, and with its entry.
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), calls with
 ``q_lengths`` / ``kv_lengths`` (their values are checked), a tensor ``scale``, arguments of other types than plain
@@ -46,14 +50,26 @@ _RAW = internals.ENVIRON
 _E0, _E1, _E2, _E3 = (internals.ENCODE(n) for n in _ENV_NAMES)
 
 _entries: dict = {}
+# a route's key (direct) -> (entry, the entry's routes dict it was made in, route): every live direct route
+_routes: dict = {}
+MAX_ROUTES = 4 * MAX_ENTRIES
 STATS = {"hits": 0, "misses": 0, "bypassed": 0}
 DIRECT = {"runs": 0, "routes": 0}  # calls run through a direct route (counted among the hits too), routes made
 
 _PLAIN = frozenset((bool, int, float, str, type(None)))
 
+# the current CUDA device and whether its stream is capturing, for a route's key: the C functions behind
+# torch.cuda.current_device() and torch.cuda.is_current_stream_capturing() where this PyTorch has them (a CUDA tensor
+# in hand: CUDA is initialised, the public function's lazy init has nothing to do), else those public functions
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
 
 def clear() -> None:
+    for entry in _entries.values():
+        entry.routes = None  # (its routes held elsewhere, as the race's sides, die with it)
     _entries.clear()
+    _routes.clear()
 
 
 def _tensor_sig(t):
@@ -69,7 +85,8 @@ class _Entry:
     def __init__(self, p: AttentionProblem, d: dispatch.Decision, direct_ok: bool):
         self.squeeze, self.scale, self.causal, self.dropout, self.decision = (p.squeeze_head, p.scale, p.is_causal,
                                                                               p.dropout_p, d)
-        self.routes = {} if direct_ok else None  # _extras(...) -> route; None: calls of the signature never have one
+        # a route's key (direct) -> route; None: calls of the signature never have one (or the entry was dropped)
+        self.routes = {} if direct_ok else None
         self.mask_shape = None if p.mask is None else tuple(p.mask.shape)  # a 4-D mask's canonical (expanded) view
 
 
@@ -135,7 +152,7 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                         precision, return_lse, None, None, windowed_mask)
             entry = _Entry(p, d, _direct_ok(p, d, q, k, v, attn_mask))
             if len(_entries) >= MAX_ENTRIES:
-                del _entries[next(iter(_entries))]
+                _entries.pop(next(iter(_entries))).routes = None  # its direct routes go with it
             _entries[key] = entry
             if call is not None and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
                                                            return_lse=return_lse) is None:
@@ -163,70 +180,109 @@ def _direct_ok(p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask) ->
             and (d.backend == "elsa" or (attn_mask is None and (not p.is_causal or p.n_q == p.n_k))))
 
 
-def _extras(q, k, v, mask) -> tuple:
-    """What a direct route depends on beyond the signature: the strides and 16-byte alignment its launch plan's
-    kernels were specialised for, which inputs are one tensor, the current device and stream capture (the rest of
-    the plan's key, kernels/launch.py). Whether autograd records the call is in the signature (:func:`_key`)."""
-    cuda = q.is_cuda
-    if mask is None:
-        m = None
-    else:
-        m = (mask.stride(), mask.data_ptr() % 16 == 0)
-    return (q.stride(), k.stride(), v.stride(), m, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
-            v.data_ptr() % 16 == 0, q is k, k is v, q is v, torch.cuda.current_device() if cuda else None,
-            cuda and torch.cuda.is_current_stream_capturing())
+class Miss:
+    """What :func:`direct` returns for a call without a direct route: its route key (None: it cannot have one),
+    for :func:`learn` after the full path ran."""
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
 
 
-def direct(key: tuple, q, k, v, attn_mask, return_lse: bool):
+_NO_ROUTE = Miss(None)
+
+
+def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
+           windowed_mask):
     """The call's result (as :func:`elsa_surgery.attention` returns it) through its direct route, the decision
-    announced; None when it has none (the caller takes the full path). A route is ``enable_gqa`` for SDPA, ``(launch
-    plan, replay.GENERATION when it was recorded)`` for the kernels."""
-    entry = _entries.get(key)
-    if entry is None or not entry.routes:
-        return None
-    extras = _extras(q, k, v, attn_mask)
-    route = entry.routes.get(extras)
-    if route is None:
-        return None
+    announced; a :class:`Miss` when it has none (the caller takes the full path).
+
+    The route is found by one flat key, built here in one pass over the tensors: all the signature holds
+    (:func:`_key`), and the strides and 16-byte alignment the route's launch plan was specialised for, which inputs
+    are one tensor, the current CUDA device and stream capture (the rest of the plan's key, kernels/launch.py). A
+    call traced by torch.compile, with arguments other than plain tensors, or that autograd records (a training
+    call: its own memo entry, raced forward + backward) has no route and no key. A route is ``enable_gqa`` for
+    SDPA, ``(launch plan, replay.GENERATION when it was recorded, the mask's canonical shape when the caller's mask
+    must be expanded to it, else None)`` for the kernels."""
+    T = torch.Tensor
+    if (type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling() or q.is_nested
+            or k.is_nested or v.is_nested):
+        return _NO_ROUTE
+    grad = torch.is_grad_enabled()
+    if attn_mask is None:
+        m = None
+    elif type(attn_mask) is T and not attn_mask.is_nested and not (grad and attn_mask.requires_grad):
+        m = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device, attn_mask.data_ptr() % 16 == 0)
+    else:
+        return _NO_ROUTE
+    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _NO_ROUTE
+    cuda = q.is_cuda
+    rkey = (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
+            k.shape, k.stride(), k.dtype, k.device, k.data_ptr() % 16 == 0,
+            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0, m, q is k, k is v, q is v,
+            # the scalars with their types: True and 1 hash alike but are not the same argument
+            dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse, windowed_mask,
+            type(dropout_p), type(is_causal), type(scale), type(enable_gqa), type(backend), type(precision),
+            type(return_lse), type(windowed_mask),
+            _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3),
+            _cuda_device() if cuda else None, cuda and _cuda_capturing())
+    try:
+        got = _routes.get(rkey)
+    except TypeError:  # an unhashable scalar: no route (the full path validates it)
+        return _NO_ROUTE
+    if got is None:
+        return Miss(rkey)
+    entry, routes, route = got
+    if entry.routes is not routes:  # the entry was dropped, or the route was made on the losing side of a race
+        del _routes[rkey]
+        return Miss(rkey)
     d = entry.decision
-    if d.backend == "elsa":
-        plan, generation = route
-        if replay.GENERATION[0] != generation or not plan.env_unchanged():
-            del entry.routes[extras]
-            return None
     STATS["hits"] += 1
-    DIRECT["runs"] += 1
-    dispatch.announce(d)
     if d.backend == "sdpa":
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=entry.causal, scale=entry.scale,
+        DIRECT["runs"] += 1
+        dispatch.announce_eager(d)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, entry.causal, scale=entry.scale,
                                                                 enable_gqa=route)
-    mask = None if attn_mask is None else attn_mask.expand(entry.mask_shape)
-    out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "mask": mask})
+    plan, generation, expand = route
+    if replay.GENERATION[0] != generation or not plan.env_unchanged():
+        STATS["hits"] -= 1
+        del routes[rkey], _routes[rkey]
+        return Miss(rkey)
+    DIRECT["runs"] += 1
+    dispatch.announce_eager(d)
+    out, lse, _ = plan.replay({"q": q, "k": k, "v": v,
+                               "mask": attn_mask if expand is None else attn_mask.expand(expand)})
     return (out, lse) if return_lse else out
 
 
-def learn(key: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask, return_lse: bool) -> None:
-    """After a memoised call ran on the full path: keep its direct route if it can have one (module docstring)."""
+def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask,
+          return_lse: bool) -> None:
+    """After a memoised call (signature ``key``, route key ``rkey`` from :func:`direct`'s :class:`Miss`) ran on the
+    full path: keep its direct route if it can have one (module docstring)."""
     entry = _entries.get(key)
     if entry is None or entry.routes is None or entry.decision is not d:
         return
-    if key[-1]:  # autograd records the call (_key): no route
+    if key[-1]:  # autograd records the call (_key): no route (nor a route key: direct)
         return
-    extras = _extras(q, k, v, attn_mask)
-    if extras in entry.routes:
-        return
-    if d.backend == "sdpa":
-        route = p.heads_q != p.heads_kv
-    else:
-        from .kernels import launch  # the kernels ran: imported
+    route = entry.routes.get(rkey)
+    if route is None:
+        if d.backend == "sdpa":
+            route = p.heads_q != p.heads_kv
+        else:
+            from .kernels import launch  # the kernels ran: imported
 
-        plan = launch.attention_plan(q, k, v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
-                                     precision=d.precision or None, return_lse=return_lse)
-        if plan is None:
-            return
-        route = (plan, replay.GENERATION[0])
-    entry.routes[extras] = route
-    DIRECT["routes"] += 1
+            plan = launch.attention_plan(q, k, v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
+                                         precision=d.precision or None, return_lse=return_lse)
+            if plan is None:
+                return
+            expand = None if attn_mask is None or tuple(attn_mask.shape) == entry.mask_shape else entry.mask_shape
+            route = (plan, replay.GENERATION[0], expand)
+        entry.routes[rkey] = route
+        DIRECT["routes"] += 1
+    if len(_routes) >= MAX_ROUTES and rkey not in _routes:
+        del _routes[next(iter(_routes))]
+    _routes[rkey] = (entry, entry.routes, route)
 
 
 def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
@@ -266,6 +322,8 @@ def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
         STATS.update(counts[0])
         DIRECT.update(counts[1])
     entry.decision, entry.routes = final, sides[final.backend][1]
+    # both sides made a route under the call's route key, the later side's left in _routes: direct() drops it unless
+    # it is the winner's, and the call itself, run next on the full path, points the key at the winner's (learn)
     return final
 
 

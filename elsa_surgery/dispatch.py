@@ -175,6 +175,13 @@ def unrecorded():
         _local.stack = [] if saved is None else saved
 
 
+def announce_eager(decision: Decision) -> None:
+    """:func:`announce` for an eager call whose decision is not the reference backend's (a direct route: nothing to
+    log, and no compile check needed): the per-call cost of a call seen before."""
+    for log in getattr(_local, "stack", ()):
+        log.append(decision)
+
+
 def announce(decision: Decision) -> None:
     """Hand ``decision`` to every open :func:`record` log of this thread (and log a reference fallback once).
 

@@ -89,6 +89,25 @@ def test_elsa_kept_when_sdpa_is_not_faster_enough(racing):
     assert log[0].backend == "elsa" and "ELSA 104.0 us vs PyTorch SDPA 100.0 us" in log[0].reason
 
 
+@pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
+def test_later_calls_take_the_winners_direct_route(racing, monkeypatch, times, winner):
+    """Both sides of the race run the public call under one route key, so both make a direct route; later calls
+    run through the winner's (session 30: routes found by one flat key, the loser's dropped when the race ends)."""
+    if DEV == "cpu":
+        monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")  # launch plans (so kernel routes) in the interpreter too
+    racing[0] = times
+    q, k, v = _qkv(n=24)
+    before = dict(callcache.DIRECT)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v, is_causal=True)  # the race (its routes uncounted), then the call itself
+        out = elsa_surgery.attention(*(t.clone() for t in (q, k, v)), is_causal=True)
+    # the route taken is the winner's: the loser's (a bool for SDPA, a launch plan for ELSA) would not even run
+    assert {n: callcache.DIRECT[n] - before[n] for n in before} == {"runs": 1, "routes": 0}
+    assert [d.backend for d in log] == [winner, winner]
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert float((out - ref).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("kw", [dict(backend="elsa"), dict(precision="strict"), dict(return_lse=True),
                                 dict(is_causal=True, kv_rows=30), dict(mask=True), dict(kv_lengths=True)])
 def test_no_race_where_sdpa_differs_or_elsa_was_asked_for(racing, kw):

@@ -195,6 +195,29 @@ def test_the_memo_is_bounded(monkeypatch):
 
 # ---- direct routes (callcache.direct / learn): a call seen before runs through its launch plan or plain SDPA ----
 
+
+@pytest.mark.parametrize("how", ["evicted", "cleared"])
+def test_direct_routes_go_with_their_entry(monkeypatch, how):
+    """A route is found by its own flat key, apart from the memo's: an entry dropped from the memo (bounded, or
+    cleared) takes its routes with it, so the next call decides afresh instead of running the old decision."""
+    monkeypatch.setattr(callcache, "MAX_ENTRIES", 2)
+    q, k, v = _qkv(1, 2, 16, 16)
+    before = dict(callcache.DIRECT)
+    for _ in range(2):
+        elsa_surgery.attention(q, k, v, backend="sdpa", scale=0.1)
+    assert _direct_delta(before) == {"runs": 1, "routes": 1}
+    if how == "evicted":
+        for s in (0.2, 0.3):  # two more signatures: the first entry is dropped
+            elsa_surgery.attention(q, k, v, backend="sdpa", scale=s)
+    else:
+        callcache.clear()
+    runs = callcache.DIRECT["runs"]
+    hits = callcache.STATS["hits"]
+    elsa_surgery.attention(q, k, v, backend="sdpa", scale=0.1)
+    assert callcache.DIRECT["runs"] == runs and callcache.STATS["hits"] == hits  # decided again, in full
+    elsa_surgery.attention(q, k, v, backend="sdpa", scale=0.1)
+    assert callcache.DIRECT["runs"] == runs + 1  # and its new route taken
+
 def _plans_on_cpu(monkeypatch):
     """Launch plans (and so direct routes) on the CPU too: the kernels in the interpreter, replayed."""
     _kernels_on_cpu(monkeypatch)
@@ -300,3 +323,17 @@ def test_sdpa_chosen_runs_plain_sdpa_directly():
             out = elsa_surgery.attention(q, *kv, backend="sdpa", enable_gqa=True, is_causal=True)
     assert _direct_delta(before) == {"runs": 1, "routes": 1} and [d.backend for d in log] == ["sdpa"] * 2
     assert rel_err(out.cpu(), _oracle(q, *kv, is_causal=True)) < 2e-6
+
+
+@pytest.mark.gpu
+def test_route_keys_read_the_current_device_and_capture_as_pytorch_does():
+    """A route's key reads the current CUDA device and stream capture through PyTorch's C functions where it has
+    them (callcache._cuda_device / _cuda_capturing), else through torch.cuda's public functions: the same values."""
+    assert callcache._cuda_device() == torch.cuda.current_device()
+    assert callcache._cuda_capturing() == torch.cuda.is_current_stream_capturing() is False
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        capturing = (callcache._cuda_capturing(), torch.cuda.is_current_stream_capturing())
+        torch.empty(1, device="cuda").add_(1)
+    assert capturing == (True, True)
