@@ -115,3 +115,18 @@ def test_benchmark_environ_sets_and_restores(monkeypatch):
         with benchmark.environ({"ELSA_TEST_KNOB_A": "0", "ELSA_TEST_KNOB_B": "1"}):
             raise RuntimeError
     assert os.environ["ELSA_TEST_KNOB_A"] == "kept" and "ELSA_TEST_KNOB_B" not in os.environ
+
+
+def test_host_cost_cpu_times_both_calls_and_routes_directly(load_recipe, monkeypatch, capsys):
+    """``benchmarks/lab/host_cost_cpu.py`` times the public call through its direct route (made by the warm-up), not
+    the full path: every timed SDPA call is a direct run, and it prints the overhead line."""
+    from elsa_surgery import callcache
+
+    m = load_recipe("host_cost_cpu")
+    monkeypatch.setattr("sys.argv", ["host_cost_cpu.py", "--rounds", "1", "--calls", "20"])
+    runs = callcache.DIRECT["runs"]
+    m.main()
+    out = capsys.readouterr().out
+    assert "routing overhead of a direct SDPA route" in out and "F.sdpa" in out
+    # warm-up 500 + one round of 20, for each of the two routed SDPA cases, less each signature's first call
+    assert callcache.DIRECT["runs"] - runs == 2 * (500 + 20 - 1)
