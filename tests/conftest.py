@@ -8,11 +8,21 @@ from hypothesis import settings
 
 # The test command draws the same examples on every run, so that a red build always means a changed tree (session
 # 29's tree passed the clean-clone run here and then failed the project's CI on a fresh random draw: the fuzzer's
-# find, fixed in the tree, but a gate must not be a lottery). SDPA_FUZZ_EXPLORE=1 draws new examples on each run:
-# that is how to hunt (docs/fidelity.md), and a find becomes a pinned test.
+# find, fixed in the tree, but a gate must not be a lottery). SDPA_FUZZ_EXPLORE=1, or a --hypothesis-seed (which
+# the pinned draws would ignore: tools/gpu_fuzz.sh gives each process its own), draws new examples: that is how to
+# hunt (docs/fidelity.md), and a find becomes a pinned test.
 settings.register_profile("pinned", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile("explore" if os.environ.get("SDPA_FUZZ_EXPLORE") else "pinned")
+
+
+def pytest_configure(config):
+    try:
+        seeded = config.getoption("hypothesis_seed") is not None
+    except ValueError:  # Hypothesis's pytest plugin not loaded
+        seeded = False
+    if seeded:
+        settings.load_profile("explore")
 
 # Without a GPU the Triton kernels run in the interpreter: it must be on before triton compiles them.
 if not torch.cuda.is_available():
