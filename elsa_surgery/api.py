@@ -76,8 +76,11 @@ def attention(
         if type(res) is not callcache.Miss:
             return res
         rkey = res.key
-    key = callcache.signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
-                              return_lse, q_lengths, kv_lengths, windowed_mask)
+    if rkey is not None:
+        key = callcache.signature_of(rkey)
+    else:
+        key = callcache.signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
+                                  return_lse, q_lengths, kv_lengths, windowed_mask)
     p, d = callcache.prepare(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend,
                              precision=precision, return_lse=return_lse, q_lengths=q_lengths,
                              kv_lengths=kv_lengths, windowed_mask=windowed_mask, key=key,

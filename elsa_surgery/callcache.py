@@ -256,6 +256,19 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
     return (out, lse) if return_lse else out
 
 
+def signature_of(rkey: tuple) -> Optional[tuple]:
+    """:func:`signature` of the call whose route key (:func:`direct`) is ``rkey``, taken from the key instead of read
+    again from the tensors: a call without a route pays for one pass over them, not two. (The two layouts are
+    pinned together by ``tests/test_callcache.py``.)"""
+    types = rkey[27:35]
+    if not _PLAIN.issuperset(types):
+        return None
+    m = rkey[15]
+    return (rkey[0], rkey[2], rkey[3], rkey[5], rkey[7], rkey[8], rkey[10], rkey[12], rkey[13],
+            None if m is None else (m[0], m[2], m[3]), rkey[19:27], types, rkey[35], rkey[36], rkey[37], rkey[38],
+            False)  # (a call autograd records has no route key)
+
+
 def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask,
           return_lse: bool) -> None:
     """After a memoised call (signature ``key``, route key ``rkey`` from :func:`direct`'s :class:`Miss`) ran on the

@@ -337,3 +337,31 @@ def test_route_keys_read_the_current_device_and_capture_as_pytorch_does():
         capturing = (callcache._cuda_capturing(), torch.cuda.is_current_stream_capturing())
         torch.empty(1, device="cuda").add_(1)
     assert capturing == (True, True)
+
+
+@pytest.mark.parametrize("form", ["plain", "mask", "bool mask", "scalars", "int scale", "numpy scale", "aliased"])
+def test_a_route_key_holds_the_signature(form):
+    """A call that misses its direct route takes its memo signature from the route key (one pass over the tensors):
+    ``signature_of(route key)`` must be exactly ``signature(...)`` of the call, or the memo and the routes would part."""
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv(2, 3, 12, 8)
+    args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, backend="auto",
+                precision=None, return_lse=False, windowed_mask=False)
+    if form == "mask":
+        args["attn_mask"] = torch.randn(2, 1, 12, 12, device=DEV)
+    elif form == "bool mask":
+        args["attn_mask"] = torch.rand(1, 1, 1, 12, device=DEV) > 0.5
+    elif form == "scalars":
+        args.update(is_causal=True, scale=0.3, backend="sdpa", precision="strict", return_lse=True)
+    elif form == "int scale":
+        args["scale"] = 1
+    elif form == "numpy scale":
+        args["scale"] = np.float32(0.5)  # not a plain scalar: no memo signature
+    elif form == "aliased":
+        k = v = q
+    order = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "backend", "precision", "return_lse")
+    miss = callcache.direct(q, k, v, *(args[n] for n in order), args["windowed_mask"])
+    assert type(miss) is callcache.Miss and miss.key is not None
+    expected = callcache.signature(q, k, v, *(args[n] for n in order), None, None, args["windowed_mask"])
+    assert callcache.signature_of(miss.key) == expected
+    assert (expected is None) == (form == "numpy scale")
