@@ -342,7 +342,8 @@ def test_route_keys_read_the_current_device_and_capture_as_pytorch_does():
 @pytest.mark.parametrize("form", ["plain", "mask", "bool mask", "scalars", "int scale", "numpy scale", "aliased"])
 def test_a_route_key_holds_the_signature(form):
     """A call that misses its direct route takes its memo signature from the route key (one pass over the tensors):
-    ``signature_of(route key)`` must be exactly ``signature(...)`` of the call, or the memo and the routes would part."""
+    ``signature_of(route key)`` must be exactly ``signature(...)`` of the call, or the memo and the routes would
+    part."""
     np = pytest.importorskip("numpy")
     q, k, v = _qkv(2, 3, 12, 8)
     args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, backend="auto",
