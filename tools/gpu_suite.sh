@@ -2,7 +2,7 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
-#   train-llama | compile | bwd-sweep | bwd-questions | fuzz | s32m-fuzz | tests-stream | stream-ranks |
+#   train-llama | compile | eager-host | bwd-sweep | bwd-questions | fuzz | s32m-fuzz | tests-stream | stream-ranks |
 #   stream-scaling | stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
@@ -112,6 +112,12 @@ case "$part" in
     timeout 150 python3 recipes/bench_attention.py --backward --sweep --dtypes bf16 --n 4096 --shapes "${1:-16x64}" \
       --causal 1 --space 'bm=32;bn=128;w=4;s=3,4,5' --baselines flash --bwd-row-tiles swapped 2>&1 \
       | tee "$out/bwd_stages_${1:-16x64}.log" | grep -E "BEST|WRONG" ;;
+  eager-host)  # issue 24: the public call's host cost against SDPA's (session 30 cut its routing on the CPU host),
+    # then the host-bound small models where auto's SDPA choice still lost (DeiT3-S fp32 0.87x, session 23); ~4 min,
+    # untimed estimate
+    timeout 200 python3 recipes/profile_host_cost.py 2>&1 | tee "$out/host_cost.log" | tail -25
+    timeout 340 python3 recipes/bench_models.py --eager --workloads deit3_s,vit_b16,bert_base_128 --dtypes fp32,bf16 \
+      --batches 8 --rounds 3 --calls 5 --out "$out/eager_small.json" 2>&1 | tee "$out/eager_small.log" | tail -20 ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
