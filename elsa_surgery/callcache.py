@@ -66,8 +66,6 @@ _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or t
 
 
 def clear() -> None:
-    for entry in _entries.values():
-        entry.routes = None  # (its routes held elsewhere, as the race's sides, die with it)
     _entries.clear()
     _routes.clear()
 
@@ -238,19 +236,17 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         del _routes[rkey]
         return Miss(rkey)
     d = entry.decision
+    if d.backend == "elsa":
+        plan, generation, expand = route
+        if replay.GENERATION[0] != generation or not plan.env_unchanged():
+            del routes[rkey], _routes[rkey]
+            return Miss(rkey)
     STATS["hits"] += 1
-    if d.backend == "sdpa":
-        DIRECT["runs"] += 1
-        dispatch.announce_eager(d)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, entry.causal, scale=entry.scale,
-                                                                enable_gqa=route)
-    plan, generation, expand = route
-    if replay.GENERATION[0] != generation or not plan.env_unchanged():
-        STATS["hits"] -= 1
-        del routes[rkey], _routes[rkey]
-        return Miss(rkey)
     DIRECT["runs"] += 1
     dispatch.announce_eager(d)
+    if d.backend == "sdpa":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, entry.causal, scale=entry.scale,
+                                                                enable_gqa=route)
     out, lse, _ = plan.replay({"q": q, "k": k, "v": v,
                                "mask": attn_mask if expand is None else attn_mask.expand(expand)})
     return (out, lse) if return_lse else out

@@ -10,20 +10,12 @@ Runs on older checkouts too (it uses only the public call). One thread; medians 
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import elsa_surgery
-
-
-def per_call_us(fn, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
+from elsa_surgery import benchmark
 
 
 def main() -> None:
@@ -44,16 +36,12 @@ def main() -> None:
         "attention(backend='reference'), float mask, memo": lambda: elsa_surgery.attention(
             q, k, v, attn_mask=mask, backend="reference"),
     }
-    times = {name: [] for name in cases}
-    with torch.inference_mode():
-        for fn in cases.values():
-            per_call_us(fn, 500)  # warm: the memo and the direct routes made
-        for _ in range(args.rounds):
-            for name, fn in cases.items():
-                times[name].append(per_call_us(fn, args.calls))
-    for name, ts in times.items():
-        print(f"{name:52s} {statistics.median(ts):8.2f} us  (min {min(ts):.2f})")
-    base, ours = (statistics.median(times[n]) for n in ("F.sdpa", "attention(backend='sdpa')"))
+    with torch.inference_mode():  # warm-up: the memo and the direct routes made
+        us = {name: ms * 1e3 for name, ms in benchmark.interleaved_ms(
+            cases, rounds=args.rounds, calls=args.calls, warmup=500, device="cpu").items()}
+    for name, t in us.items():
+        print(f"{name:52s} {t:8.2f} us")
+    base, ours = us["F.sdpa"], us["attention(backend='sdpa')"]
     print(f"routing overhead of a direct SDPA route: {ours - base:.2f} us a call ({ours / base:.2f}x SDPA's call)")
 
 
