@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 import elsa_surgery
-from elsa_surgery import patching
+from elsa_surgery import patching, semantics
 from elsa_surgery.registry import Adapter, PatchConfig
 
 logger = logging.getLogger("elsa_surgery")
@@ -163,6 +163,7 @@ def elsa_attention_forward(
             kv_lengths = _visible_prefix(mask)
             if kv_lengths.shape[0] != query.shape[0]:
                 kv_lengths = kv_lengths.expand(query.shape[0]).contiguous()
+                semantics.trust_lengths(kv_lengths, mask.shape[-1])
         _note_call(module, "mask" if mask is not None else ("causal" if causal else "dense"))
 
     out = elsa_surgery.attention(
@@ -181,14 +182,20 @@ _LAST_PREFIX: list = [None, -1, None]  # the same for a 4-D mask's visible prefi
 
 def _per_mask(memo: list, mask: torch.Tensor, compute):
     """``compute(mask)``, kept while ``mask`` is the same unmodified tensor: every layer of a forward pass gets the
-    same result, so its value check (``semantics.canonical_lengths``, a host sync) runs once per forward."""
+    same result. The result lies in ``[0, mask.shape[-1]]`` by construction, so it is recorded as checked
+    (``semantics.trust_lengths``): its calls skip the value check, a host sync. An inference tensor (made under
+    ``torch.inference_mode``) has no version counter, so an in-place change could not be seen: its result is
+    computed again for each layer (one small reduction, no sync)."""
     ref, version, value = memo
     compiling = torch.compiler.is_compiling()
-    if ref is not None and ref() is mask and version == mask._version and not compiling:
+    inference = mask.is_inference()
+    if not compiling and not inference and ref is not None and ref() is mask and version == mask._version:
         return value
     value = compute(mask)
     if not compiling:
-        memo[:] = [weakref.ref(mask), mask._version, value]
+        semantics.trust_lengths(value, mask.shape[-1])
+        if not inference:
+            memo[:] = [weakref.ref(mask), mask._version, value]
     return value
 
 

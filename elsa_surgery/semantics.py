@@ -298,18 +298,31 @@ def canonical_lengths(name: str, lengths: Lengths, batch: int, limit: int, devic
 
 # Lengths tensors whose values were checked, while unchanged (same object, same in-place version): the layers of one
 # forward pass share one lengths tensor (the transformers adapter computes it once per padding mask), so the value
-# check, a host sync, runs once per forward instead of once per layer.
+# check, a host sync, runs once per forward instead of once per layer. Inference tensors (made under
+# torch.inference_mode) have no version counter: a caller's is checked on every call, as an in-place change could
+# not be seen; lengths a caller made itself and never hands out (:func:`trust_lengths`) are kept as they are.
 _VALID_MAX = 8
-_valid: list = []  # [(weakref to the tensor, its _version, the checked limit)]
+_valid: list = []  # [(weakref to the tensor, its _version or None for an inference tensor, the checked limit)]
 
 
 def _validated(t: torch.Tensor, limit: int) -> bool:
-    return any(ref() is t and version == t._version and checked <= limit for ref, version, checked in _valid)
+    return any(ref() is t and checked <= limit and (version is None or version == t._version)
+               for ref, version, checked in _valid)
 
 
-def _remember_valid(t: torch.Tensor, limit: int) -> None:
-    _valid.append((weakref.ref(t), t._version, limit))
+def _remember_valid(t: torch.Tensor, limit: int, trusted: bool = False) -> None:
+    if t.is_inference() and not trusted:
+        return  # no version counter: an in-place change could not be seen, so the next call checks again
+    _valid.append((weakref.ref(t), None if t.is_inference() else t._version, limit))
     del _valid[:-_VALID_MAX]
+
+
+def trust_lengths(t: torch.Tensor, limit: int) -> None:
+    """Records lengths that lie in ``[0, limit]`` by construction (e.g. the row sums of a padding mask ``limit``
+    keys wide) as checked, so their calls skip the value check and its host sync. Only for a tensor its caller
+    made and does not hand out: nothing else can change it in place. A no-op while tracing or capturing."""
+    if _data_checks_allowed(t):
+        _remember_valid(t, limit, trusted=True)
 
 
 def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, windowed: bool, device):

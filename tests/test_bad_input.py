@@ -100,6 +100,21 @@ def test_lengths_out_of_range():
         elsa_surgery.attention(q, k, v, q_lengths=torch.tensor([1.0, 2.0]))
 
 
+def test_lengths_made_under_inference_mode_are_checked_on_every_call():
+    """Inference tensors have no version counter: such lengths run (session 31's H100 run raised "Inference tensors
+    do not track version counter"), and an in-place change to an out-of-range value is still refused."""
+    q, k, v = qkv()
+    with torch.inference_mode():
+        lengths = torch.tensor([3, 8])
+        out = elsa_surgery.attention(q, k, v, kv_lengths=lengths)
+        assert torch.equal(elsa_surgery.attention(q, k, v, kv_lengths=lengths), out)
+        ref = elsa_surgery.attention(q, k, v, attn_mask=torch.arange(8) < lengths.view(2, 1, 1, 1))
+        torch.testing.assert_close(out, ref)
+        lengths[1] = 9
+        with pytest.raises(ValueError, match=r"kv_lengths values must lie in \[0, 8\], got min 3 and max 9"):
+            elsa_surgery.attention(q, k, v, kv_lengths=lengths)
+
+
 def _packed(lens=(3, 5)):
     total = sum(lens)
     cu = torch.tensor([0, lens[0], total], dtype=torch.int32)

@@ -533,9 +533,12 @@ def test_fuzz_hf_packed_sequences(lens, kind):
         assert (out[:, a:b] - x).abs().max() < 1e-4
 
 
-def test_padding_lengths_checked_once_per_forward(monkeypatch):
-    """The per-row lengths of a padding mask are computed once per mask and their values checked once (a host sync),
-    not once per layer (BERT-base ran 0.68x native on an H100 with a sync per layer)."""
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_padding_lengths_need_no_value_check(monkeypatch, mode):
+    """The per-row lengths of a padding mask lie in [0, S] by construction: the adapter records them as checked, so no
+    layer runs the value check (a host sync; BERT-base ran 0.68x native on an H100 with a sync per layer). Without
+    grad they are computed once per mask; under torch.inference_mode (tensors without a version counter, where
+    session 31's H100 run raised "Inference tensors do not track version counter") once per layer."""
     from transformers import BertConfig, BertModel
 
     import elsa_surgery
@@ -550,13 +553,20 @@ def test_padding_lengths_checked_once_per_forward(monkeypatch):
     am[1, 5:] = 0
     ref = model(input_ids=ids, attention_mask=am).last_hidden_state
     elsa_surgery.convert(model, backend="reference", verify=False)
-    checks = []
+    records = []
     real = semantics._remember_valid
-    monkeypatch.setattr(semantics, "_remember_valid", lambda t, limit: (checks.append(limit), real(t, limit)))
-    out = model(input_ids=ids, attention_mask=am).last_hidden_state
-    assert len(checks) == 1, checks  # three layers, one value check
+    monkeypatch.setattr(semantics, "_remember_valid",
+                        lambda t, limit, trusted=False: (records.append(trusted), real(t, limit, trusted))[1])
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        ids_, am_ = ids.clone(), am.clone()  # inference tensors under inference_mode
+        out = model(input_ids=ids_, attention_mask=am_).last_hidden_state
+        out2 = model(input_ids=ids_, attention_mask=am_).last_hidden_state
+    assert records.count(False) == 0, records  # no value check
+    assert records.count(True) == (2 if mode == "no_grad" else 6), records  # per mask / per layer, two forwards
     valid = am.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
 def test_static_cache_decode_reads_only_the_filled_keys(monkeypatch):
