@@ -51,8 +51,9 @@ def _blocks(bd: int, wide: bool = False):
     (``wide``: 4-byte operands, fp32 in any mode): 32 under the interpreter (few programs); on a GPU, from the
     backward sweeps (bf16/fp32 precise, H=16, N=4K, causal; docs/PERF.md):
 
-    * ``bd <= 64``: 32x64, 4 warps, 2 stages (session 28, H100 bf16: 0.645 ms against 1.317 ms for the former
-      64x64/4 warps with atomic dQ);
+    * ``bd <= 64``: 64x64, 4 warps, 2 stages, bwd_kv rows-major for 2-byte operands (session 31, H100 bf16
+      causal: kernels 0.314 ms against 0.554 ms for session 28's 32x64 keys-major, cuDNN 0.280, flash 0.448);
+      32x64, 4 warps, 2 stages for fp32 (session 28);
     * ``bd <= 128``: 64x64, 4 warps, 2 stages for 2-byte operands (session 29, H200 bf16: 0.695 ms, 1.14x SDPA
       flash's backward, against 1.914 ms for the former 32x64/8 warps); 32x32, 4 warps, 2 stages for fp32 (7.13 ms
       against 10.1-13.2 ms for the rest; 64x64 needs more shared memory than an H100/H200 has);
@@ -62,7 +63,7 @@ def _blocks(bd: int, wide: bool = False):
     if occ.interpreting():
         return 32, 32, 4, None
     if bd <= 64:
-        return 32, 64, 4, 2
+        return (32, 64, 4, 2) if wide else (64, 64, 4, 2)
     if bd <= 128:
         return (32, 32, 4, 2) if wide else (64, 64, 4, 2)
     return 32, 32, 8, None
@@ -83,16 +84,16 @@ def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
 
 
 def _keys_major(bd: int, bm: int, bn: int, wide: bool = False) -> bool:
-    """``bwd_kv``'s form where the sweeps measured it faster with :func:`_blocks`'s tile: keys-major for
-    ``bd <= 64``, and for fp32 (``wide``) up to 128; rows-major elsewhere and under the interpreter; the override's
-    when one is set. Rows-major tiles with ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once): 32x128
+    """``bwd_kv``'s form where the sweeps measured it faster with :func:`_blocks`'s tile: keys-major for fp32
+    (``wide``) up to 128; rows-major elsewhere (2-byte operands: session 31 at D = 64) and under the interpreter;
+    the override's when one is set. Rows-major tiles with ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once): 32x128
     rows-major with dQ by the row pass gave bf16 gradients 1.6-3x further from float64 than every other form on an
     H100 and an H200 (Triton 3.6; sessions 28 and 29; the interpreter and every other tile agree with float64), a
     suspected miscompile that no default tile or ladder rung reaches."""
     if _OVERRIDE is not None:
         km = _KEYS_MAJOR
     else:
-        km = not occ.interpreting() and (bd <= 64 or (wide and bd <= 128))
+        km = not occ.interpreting() and wide and bd <= 128
     if not km and bn >= 4 * bm:
         if (bm, bn) not in _REROUTED:
             _REROUTED.add((bm, bn))

@@ -133,12 +133,15 @@ def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major, row_
 
 
 def test_default_backward_tiles_on_a_gpu(monkeypatch):
-    """The compiled kernels' defaults (sessions 28-29's sweeps): 32x64, 4 warps, 2 stages, keys-major up to D = 64;
-    up to 128 64x64 rows-major (2-byte) or 32x32 keys-major (fp32); the interpreter keeps 32x32 rows-major."""
+    """The compiled kernels' defaults (sessions 28, 29 and 31's sweeps): 2-byte operands 64x64, 4 warps, 2 stages,
+    rows-major up to D = 128; fp32 32x64 keys-major up to D = 64, 32x32 keys-major up to 128; the interpreter keeps
+    32x32 rows-major."""
     from elsa_surgery.kernels import backward_launch, occupancy
 
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
-    assert backward_launch._blocks(64) == (32, 64, 4, 2) and backward_launch._keys_major(64, 32, 64)
+    assert backward_launch._blocks(64) == (64, 64, 4, 2) and not backward_launch._keys_major(64, 64, 64)
+    assert backward_launch._blocks(64, wide=True) == (32, 64, 4, 2)
+    assert backward_launch._keys_major(64, 32, 64, wide=True)
     assert backward_launch._blocks(128) == (64, 64, 4, 2) and not backward_launch._keys_major(128, 64, 64)
     assert backward_launch._blocks(128, wide=True) == (32, 32, 4, 2)  # fp32 (session 29's sweep)
     assert backward_launch._keys_major(128, 32, 32, wide=True) and backward_launch._blocks(256) == (32, 32, 8, None)
