@@ -11,7 +11,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import knobs, launch
+from . import knobs, launch, replay
 from . import occupancy as occ
 
 LOG2E = launch.LOG2E
@@ -86,9 +86,9 @@ def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
 def _keys_major(bd: int, bm: int, bn: int, wide: bool = False) -> bool:
     """``bwd_kv``'s form where the sweeps measured it faster with :func:`_blocks`'s tile: keys-major for fp32
     (``wide``) up to 128; rows-major elsewhere (2-byte operands: session 31 at D = 64) and under the interpreter;
-    the override's when one is set. Rows-major tiles with ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once): 32x128
-    rows-major with dQ by the row pass gave bf16 gradients 1.6-3x further from float64 than every other form on an
-    H100 and an H200 (Triton 3.6; sessions 28 and 29; the interpreter and every other tile agree with float64), a
+    the override's when one is set. Rows-major tiles with ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once):
+    32x128 rows-major with dQ by the row pass gave bf16 gradients 1.6-3x further from float64 than every other form
+    on an H100 and an H200 (Triton 3.6; sessions 28 and 29; the interpreter and every other tile agree with float64), a
     suspected miscompile that no default tile or ladder rung reaches."""
     if _OVERRIDE is not None:
         km = _KEYS_MAJOR
@@ -198,7 +198,7 @@ class _Call:
         for i, (bm, bn, warps, stages) in enumerate(rungs):
             n = blocks_of(bm, bn)
             try:
-                kernel[(n,)](*args_of(n), **extra, **self.consts(bm, bn, warps, stages))
+                replay.launch(kernel, (n,), *args_of(n), **extra, **self.consts(bm, bn, warps, stages))
             except OutOfResources as e:
                 if "shared memory" not in str(e) or i + 1 == len(rungs):
                     raise
@@ -245,6 +245,7 @@ def dropout_keep_mask(q, k, v, lse, **call):
 def _delta(c: _Call, do, out, lse, dlse):
     """``rowsum(do * out) - dlse`` in ``lse``'s layout (a new contiguous fp32 tensor)."""
     delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    replay.allocated("delta", delta)
     if c.varlen:  # rows of head h: out[:, h], delta[h, :]
         n_rows, H = out.shape[0], out.shape[1]
         so, sd = (0, out.stride(1), out.stride(0), out.stride(2)), (0, do.stride(1), do.stride(0), do.stride(2))
@@ -258,9 +259,9 @@ def _delta(c: _Call, do, out, lse, dlse):
     if n_rows == 0 or bh == 0:
         return delta
     block_r = 32
-    _kernels().bwd_delta[(-(-n_rows // block_r), bh)](
-        do, out, dlse if dlse is not None else lse, delta, n_rows, H, n_rows, *sd, *so, *sg,
-        DV=c.Dv, BLOCK_DV=c.BDV, BLOCK_R=block_r, HAS_DLSE=dlse is not None)
+    replay.launch(_kernels().bwd_delta, (-(-n_rows // block_r), bh),
+                  do, out, dlse if dlse is not None else lse, delta, n_rows, H, n_rows, *sd, *so, *sg,
+                  DV=c.Dv, BLOCK_DV=c.BDV, BLOCK_R=block_r, HAS_DLSE=dlse is not None)
     return delta
 
 
@@ -276,24 +277,35 @@ def _reduce_mask_grad(ds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return g.to(mask.dtype)
 
 
-def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,
-                       kv_lengths=None, cu_q=None, cu_k=None, varlen_dims=None, precision=None, dropout_p=0.0,
-                       seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None):
-    """``(dq, dk, dv, dmask or None)`` of one attention call (contiguous tensors). ``out``/``lse`` are the forward's; ``do`` may have
-    any strides. dQ is computed by a separate pass over query blocks unless :func:`atomic_dq` (``ELSA_BWD_DQ=atomic``
-    and not ``deterministic``, default ``torch.are_deterministic_algorithms_enabled()``) picks atomic adds."""
-    c = _Call(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
-              cu_q=cu_q, cu_k=cu_k, varlen_dims=varlen_dims, precision=precision, dropout_p=dropout_p, seed=seed)
-    lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
-    if mask_grad and (mask is None or mask.dtype == torch.bool):
-        raise ValueError("mask_grad: only an additive float mask has a gradient")
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, as ops' fake impl says
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    atomic = atomic_dq(deterministic)
-    dq = torch.zeros(q.shape, dtype=torch.float32 if atomic else q.dtype, device=q.device)
-    ds = (torch.zeros((c.B, c.Hq, c.Nq, c.Nk), dtype=torch.float32, device=q.device) if mask_grad else None)
+def _zeros(name: str, shape, dtype, device) -> torch.Tensor:
+    """A zero-filled tensor, registered with the launch plan being recorded (a replay fills a new one)."""
+    shape = tuple(shape)
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    replay.derived(name, t, lambda slots: torch.zeros(shape, dtype=dtype, device=device))
+    return t
+
+
+def _empty(name: str, shape, dtype, device) -> torch.Tensor:
+    """An uninitialised tensor, registered with the launch plan being recorded."""
+    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    replay.allocated(name, t)
+    return t
+
+
+def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, call: dict):
+    """The backward's launches: ``(dq, dk, dv)`` and, with ``mask_grad``, ``dS`` (fp32 ``[B, Hq, Nq, Nk]``); dq
+    in fp32 when ``atomic``. Every tensor it makes is registered with the launch plan being recorded, and nothing
+    but launches touches them, so that a replay computes the same."""
+    c = _Call(q, k, v, **call)
+    has_keys = bool(c.Nk and c.B * c.Hkv)
+    # contiguous, as ops' fake impl says; zero-filled where no launch writes them (no keys: no gradient)
+    new = _empty if has_keys else _zeros
+    dk = new("dk", k.shape, k.dtype, k.device)
+    dv = new("dv", v.shape, v.dtype, v.device)
+    dq = _zeros("dq", q.shape, torch.float32 if atomic else q.dtype, q.device)
+    ds = _zeros("ds", (c.B, c.Hq, c.Nq, c.Nk), torch.float32, q.device) if mask_grad else None
     delta = _delta(c, do, out, lse, dlse)
-    if c.Nk and c.B * c.Hkv:
+    if has_keys:
         bh = c.B * c.Hkv
         c.launch("bwd_kv", lambda bm, bn: -(-c.Nk // bn) * bh,
                  lambda n: (q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
@@ -301,12 +313,52 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
                             *c.strides(do), *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
                             *(ds.stride() if ds is not None else (0, 0, 0, 0))),
                  ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=c.keys_major)
-    else:  # no keys: no gradient reaches q, k or v
-        dk.zero_()
-        dv.zero_()
+    if not atomic:
+        c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta)
+    return (dq, dk, dv) + ((ds,) if ds is not None else ())
+
+
+def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, call: dict) -> tuple:
+    """The launch plan key of a backward call (kernels/replay.py): identities, device, capture, scalars and every
+    tensor's geometry (shape, strides, dtype, 16-byte alignment)."""
+    g = launch._geometry
+    cuda = q.is_cuda
+    c = call
+    return ("backward", (q is k, k is v, q is v, c["cu_q"] is c["cu_k"], c["q_lengths"] is c["kv_lengths"]),
+            q.device, torch.cuda.current_device() if cuda else None, cuda and torch.cuda.is_current_stream_capturing(),
+            float(c["scale"]), bool(c["is_causal"]), c["precision"], c["varlen_dims"], float(c["dropout_p"]),
+            bool(atomic), bool(mask_grad), g(do), g(q), g(k), g(v), g(out), g(lse), g(dlse), g(c["mask"]),
+            g(c["q_lengths"]), g(c["kv_lengths"]), g(c["cu_q"]), g(c["cu_k"]), g(c["seed"]))
+
+
+def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,
+                       kv_lengths=None, cu_q=None, cu_k=None, varlen_dims=None, precision=None, dropout_p=0.0,
+                       seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None):
+    """``(dq, dk, dv, dmask or None)`` of one attention call (contiguous tensors). ``out``/``lse`` are the forward's;
+    ``do`` may have any strides. dQ is computed by a separate pass over query blocks unless :func:`atomic_dq`
+    (``ELSA_BWD_DQ=atomic`` and not ``deterministic``, default ``torch.are_deterministic_algorithms_enabled()``)
+    picks atomic adds. Through a launch plan (kernels/replay.py) on CUDA tensors: a call's signature is planned once
+    and its launches replayed after (session 31, H100: Triton's generic launch path was most of a small training
+    call's host time)."""
+    if mask_grad and (mask is None or mask.dtype == torch.bool):
+        raise ValueError("mask_grad: only an additive float mask has a gradient")
+    lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
+    atomic = atomic_dq(deterministic)
+    call = dict(scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths, cu_q=cu_q,
+                cu_k=cu_k, varlen_dims=varlen_dims, precision=precision, dropout_p=dropout_p, seed=seed)
+
+    def plan_and_run():
+        return None, None, _launches(do, q, k, v, out, lse, dlse, atomic=atomic, mask_grad=mask_grad, call=call)
+
+    if _OVERRIDE is not None or not replay.wanted(q):  # a forced tile (sweeps, tests) is planned on every call
+        grads = plan_and_run()[2]
+    else:  # through a launch plan: planned and recorded once per signature, replayed after (ELSA_LAUNCH_PLANS)
+        slots = dict(do=do, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, mask=mask, q_lengths=q_lengths,
+                     kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, seed=seed)
+        key = _backward_key(do, q, k, v, out, lse, dlse, atomic=atomic, mask_grad=mask_grad, call=call)
+        grads = replay.run(key, slots, plan_and_run, launch._ALIASES)[2]
+    dq, dk, dv = grads[:3]
     if atomic:
         dq = dq.to(q.dtype)
-    else:
-        c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta)
-    dmask = _reduce_mask_grad(ds, mask) if ds is not None else None
+    dmask = _reduce_mask_grad(grads[3], mask) if mask_grad else None
     return dq, dk, dv, dmask

@@ -74,8 +74,9 @@ def _ops():
 
 
 def _eager() -> bool:
-    """Outside torch.compile tracing, call the launchers directly: the custom-op dispatch costs tens of
-    microseconds per call, which is the whole kernel time at N=1K. Under tracing, the ops are used."""
+    """Outside torch.compile tracing, call the launchers directly (calls that want a gradient: through
+    ``training.EagerAttention``, the ops' autograd formula without their dispatch): the custom-op dispatch costs tens
+    of microseconds per call, which is the whole kernel time at N=1K. Under tracing, the ops are used."""
     return not torch.compiler.is_compiling()
 
 
@@ -129,6 +130,10 @@ def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_
         return tuple(launch.attention(
             q, k, v, scale=float(scale), mask=mask, is_causal=bool(is_causal), q_lengths=q_lengths,
             kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse))
+    if _eager():  # the ops' autograd formula without their dispatch
+        out, lse = training.EagerAttention.apply(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
+                                                 precision or "")
+        return out, (lse if return_lse else None)
     out, lse = _ops().attention_op(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
                                    precision or "")
     return out, (lse if return_lse else None)
@@ -156,6 +161,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return tuple(launch.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale=float(scale),
             is_causal=bool(is_causal), precision=precision or None, return_lse=return_lse))
+    if _eager():
+        out, lse = training.EagerAttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                       int(max_seqlen_k), float(scale), bool(is_causal),
+                                                       precision or "")
+        return out, (lse if return_lse else None)
     out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                           int(max_seqlen_k), float(scale), bool(is_causal), precision or "")
     return out, (lse if return_lse else None)

@@ -32,12 +32,17 @@ if __name__ != "elsa_surgery.kernels.ops":  # see kernels/__init__.py: never reg
     raise ImportError(f"the ELSA custom ops live in elsa_surgery.kernels.ops, not {__name__}")
 
 
+def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str):
+    """``(out, lse)`` of :func:`attention_op`, without the op's dispatch (its body; the eager training path,
+    ``training.EagerAttention``)."""
+    return launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=dense_out(q, v))
+
+
 @torch.library.custom_op(f"{NS}::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
                  kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str) -> Tuple[Tensor, Tensor]:
-    out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True,
-                                out=dense_out(q, v))
+    out, lse = dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
     return out, lse
 
 
@@ -70,12 +75,19 @@ def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     return q.new_empty((B, Hq, Nq), **f32), q.new_empty((B, Hq, Nq), **f32), q.new_empty((B, Hq, Nq, v.shape[3]), **f32)
 
 
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                   is_causal: bool, precision: str):
+    """``(out, lse)`` of :func:`attention_varlen_op`, without the op's dispatch (``training.EagerAttentionVarlen``)."""
+    return launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
+                                   is_causal=is_causal, precision=precision or None, return_lse=True)
+
+
 @torch.library.custom_op(f"{NS}::attention_varlen", mutates_args=())
 def attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, scale: float, is_causal: bool,
                         precision: str) -> Tuple[Tensor, Tensor]:
-    out, lse = launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                                       is_causal=is_causal, precision=precision or None, return_lse=True)
+    out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal,
+                              precision)
     return out, lse
 
 

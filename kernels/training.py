@@ -2,9 +2,11 @@
 autograd formulas of the forward ops (``ops.attention_op``, ``ops.attention_varlen_op``, and
 ``attention_dropout_op`` and ``attention_varlen_dropout_op`` here), registered with ``torch.library.register_autograd``.
 
-One autograd path serves eager calls and ``torch.compile`` (which sees each op as one node with a fake
-implementation, so a training step compiles with ``fullgraph=True``). The backward op is itself registered
-with a formula that refuses a second-order backward with a clear error.
+One autograd formula serves eager calls and ``torch.compile`` (which sees each op as one node with a fake
+implementation, so a training step compiles with ``fullgraph=True``); eager calls without dropout run it through
+:class:`EagerAttention` / :class:`EagerAttentionVarlen`, which skip the ops' dispatch (host time). The backward op is
+itself registered with a formula that refuses a second-order backward with a clear error (an eager backward that
+records a graph, ``create_graph=True``, goes through it).
 
 Dropout: :func:`draw_seed` takes an int64 seed from PyTorch's generator of the tensors' device (so
 ``torch.manual_seed`` reproduces a run; no host sync); the forward op and the backward op regenerate the same
@@ -113,16 +115,24 @@ def _save(ctx, q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed,
     ctx.scalars = scalars
 
 
-def _grads(ctx, grad_out, grad_lse):
-    """``(dq, dk, dv, dmask)`` from the saved forward (mask grad only when the mask wants one)."""
+def _grads(ctx, grad_out, grad_lse, direct: bool = False):
+    """``(dq, dk, dv, dmask)`` from the saved forward (mask grad only when the mask wants one). ``direct`` (eager
+    calls, :class:`EagerAttention`): the launcher is called without the backward op's dispatch, unless the backward
+    itself records a graph (``create_graph=True``), where the op's formula refuses a second order."""
     q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
     s = ctx.scalars
     mask_grad = bool(mask is not None and mask.dtype != torch.bool and s["mask_needs_grad"])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv, dmask = torch.ops.elsa_surgery.attention_backward(
-        grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"],
-        s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
+    if direct and not torch.is_grad_enabled():
+        dq, dk, dv, dmask = bl.attention_backward(
+            grad_out, q, k, v, out, lse, scale=s["scale"], mask=mask, is_causal=s["is_causal"],
+            precision=s["precision"] or None, dropout_p=s["dropout_p"], seed=seed, mask_grad=mask_grad, dlse=grad_lse,
+            **_call_args(q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"]))
+    else:
+        dq, dk, dv, dmask = torch.ops.elsa_surgery.attention_backward(
+            grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"],
+            s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
     return dq, dk, dv, (dmask if mask_grad else None)
 
 
@@ -134,8 +144,8 @@ def _setup_dense(ctx, inputs, output):
           mask_needs_grad=mask is not None and mask.requires_grad)
 
 
-def _backward_dense(ctx, grad_out, grad_lse):
-    dq, dk, dv, dmask = _grads(ctx, grad_out, grad_lse)
+def _backward_dense(ctx, grad_out, grad_lse, direct: bool = False):
+    dq, dk, dv, dmask = _grads(ctx, grad_out, grad_lse, direct)
     extra = (None, None) if len(ctx.needs_input_grad) > 9 else ()
     return (dq, dk, dv, dmask, None, None, None, None, None, *extra)
 
@@ -147,8 +157,8 @@ def _setup_varlen(ctx, inputs, output):
           scale=scale, is_causal=is_causal, precision=precision, dropout_p=dropout_p, mask_needs_grad=False)
 
 
-def _backward_varlen(ctx, grad_out, grad_lse):
-    dq, dk, dv, _ = _grads(ctx, grad_out, grad_lse)
+def _backward_varlen(ctx, grad_out, grad_lse, direct: bool = False):
+    dq, dk, dv, _ = _grads(ctx, grad_out, grad_lse, direct)
     return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -157,6 +167,40 @@ for _op, _setup, _bwd in ((ops.attention_op, _setup_dense, _backward_dense),
                           (ops.attention_varlen_op, _setup_varlen, _backward_varlen),
                           (attention_varlen_dropout_op, _setup_varlen, _backward_varlen)):
     torch.library.register_autograd(_op, _bwd, setup_context=_setup)
+
+
+class EagerAttention(torch.autograd.Function):
+    """Eager calls of ``ops.attention_op`` that want a gradient, without the custom ops' dispatch: the op's body
+    (``ops.dense_forward``), the same saved tensors and the same backward formula (:func:`_setup_dense`,
+    :func:`_backward_dense`), with the backward's launcher called directly. The ops' autograd wrapper and dispatch
+    cost about 0.2 ms of host time per forward + backward on a CPU host (session 31), more than the kernels of a
+    small call; ``torch.compile`` traces the ops instead (kernels/interface.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
+        out, lse = ops.dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
+        _setup_dense(ctx, (q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward_dense(ctx, grad_out, grad_lse, direct=True)
+
+
+class EagerAttentionVarlen(torch.autograd.Function):
+    """:class:`EagerAttention` for ``ops.attention_varlen_op`` (packed sequences)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision):
+        out, lse = ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision)
+        ctx.set_materialize_grads(False)
+        _setup_varlen(ctx, (q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward_varlen(ctx, grad_out, grad_lse, direct=True)
 
 
 def dropout_keep_mask(q, k, v, seed, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,

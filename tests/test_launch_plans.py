@@ -361,3 +361,72 @@ def test_encoded_descriptor_launch_expands_arguments_as_triton_does(monkeypatch)
     one({"q": q, "lse": lse})  # a hook set: Triton's launcher, its descriptor objects and metadata
     (args,) = via_triton
     assert args[5:9] == ("packed", "metadata", enter, leave) and args[9] == Desc(q, **fields) and args[10] is lse
+
+
+BWD_CASES = {
+    "fp32 causal": dict(shape=(2, 2, 70, 32), is_causal=True),
+    "bf16 gqa": dict(shape=(2, 4, 33, 24), hkv=2, dtype=torch.bfloat16),
+    "additive mask with its gradient": dict(shape=(2, 2, 40, 16), mask="grad"),
+    "atomic dq": dict(shape=(1, 2, 45, 16), atomic=True),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES))
+def test_backward_replays_match_the_oracle(monkeypatch, case):
+    """The backward's launches (delta, bwd_kv, the row pass) go through a launch plan too (session 31: Triton's
+    generic launch path was most of a training call's host time on an H100): recorded on decoys, replayed on the
+    real tensors, gradients against the float64 oracle (a replay that kept a buffer of the first call, skipped a
+    launch or an allocation's zero fill fails)."""
+    c = BWD_CASES[case]
+    if c.get("atomic"):
+        monkeypatch.setenv("ELSA_BWD_DQ", "atomic")
+    B, H, N, D = c["shape"]
+    dtype = c.get("dtype", torch.float32)
+    nk, hkv = c.get("nk", N), c.get("hkv", H)
+    q, k, v = rand(B, H, N, D, dtype=dtype), rand(B, hkv, nk, D, dtype=dtype), rand(B, hkv, nk, D, dtype=dtype)
+    mask = rand(B, 1, N, nk) if c.get("mask") else None
+    go = rand(B, H, N, D, dtype=dtype)
+
+    def call(use_decoy):
+        t = decoy if use_decoy else (lambda x: x)
+        leaves = [t(x).detach().requires_grad_() for x in (q, k, v)]
+        m = None if mask is None else t(mask).detach().requires_grad_()
+        out = elsa_surgery.attention(*leaves, m, scale=0.3, is_causal=c.get("is_causal", False), enable_gqa=True,
+                                     backend="elsa")
+        out.backward(t(go))
+        return [x.grad for x in leaves] + ([m.grad] if m is not None else [])
+
+    grads, stats = replayed(call)
+    assert stats == {"recorded": 0, "replayed": 2, "not_replayable": 0}, stats  # the forward's plan and the backward's
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    m = None if mask is None else mask.double().requires_grad_()
+    ref = elsa_surgery.attention(*leaves, m, scale=0.3, is_causal=c.get("is_causal", False), enable_gqa=True,
+                                 backend="reference")
+    ref.backward(go.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for g, r in zip(grads, [x.grad for x in leaves] + ([m.grad] if m is not None else [])):
+        assert g is not None and not g.isnan().any()
+        assert rel(g, r) <= tol, (case, rel(g, r))
+
+
+def test_eager_training_calls_skip_the_custom_ops(monkeypatch):
+    """An eager call that wants a gradient runs the ops' autograd formula without their dispatch
+    (training.EagerAttention): neither the forward op nor the backward op is called, and a second-order backward
+    (create_graph=True) still goes through the backward op, which refuses it (tests/test_backward.py)."""
+    from elsa_surgery.kernels import ops, training
+
+    called = []
+    for name in ("attention_op", "attention_varlen_op"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _n=name, **kw: (called.append(_n), _real(*a, **kw))[1])
+    real_bwd = training.bl.attention_backward
+    direct = []
+    monkeypatch.setattr(training.bl, "attention_backward",
+                        lambda *a, **kw: (direct.append(torch.is_grad_enabled()), real_bwd(*a, **kw))[1])
+    q, k, v = (rand(1, 2, 20, 16).requires_grad_() for _ in range(3))
+    elsa_surgery.attention(q, k, v, backend="elsa").sum().backward()
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEV)
+    qp, kp, vp = (rand(20, 2, 16).requires_grad_() for _ in range(3))
+    elsa_surgery.attention_varlen(qp, kp, vp, cu, cu, 13, 13, backend="elsa").sum().backward()
+    assert called == [] and direct == [False, False]
+    assert all(t.grad is not None for t in (q, k, v, qp, kp, vp))

@@ -1,0 +1,73 @@
+"""The host side of one training call (forward + backward) against SDPA's, at the small shapes of vision training
+(Swin-T window attention, ViT-B/16): session 31's H100 profile of bf16 16x64 N = 4K measured the causal forward +
+backward at 1.52 ms by CUDA events while its kernels took 0.61 ms, so the call looked host-bound.
+
+    python benchmarks/lab/bwd_host.py [--calls 200] [--profile 50]
+
+Prints for each case the host-only time per step (clock stopped before the device sync) and the eager time per step
+(host and GPU), ELSA (backend="elsa") and SDPA's default backend interleaved over 5 rounds (medians), then
+cProfile's 25 costliest functions (own time) over ``--profile`` ELSA steps of the first case. Needs a CUDA GPU.
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import elsa_surgery
+from elsa_surgery import benchmark
+
+# name: (B, H, N, D, dtype)
+CASES = {"swin_t_stage1_fp32": (512, 3, 49, 32, torch.float32),
+         "swin_t_stage1_bf16": (512, 3, 49, 32, torch.bfloat16),
+         "vit_b16_bf16": (8, 12, 197, 64, torch.bfloat16),
+         "vit_b16_fp32": (8, 12, 197, 64, torch.float32)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=50)
+    a = ap.parse_args()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    first = None
+    for name, (B, H, N, D, dt) in CASES.items():
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        go = torch.randn(B, H, N, D, device="cuda", dtype=dt)
+
+        def elsa():
+            elsa_surgery.attention(q, k, v, backend="elsa").backward(go)
+
+        def sdpa():
+            F.scaled_dot_product_attention(q, k, v).backward(go)
+
+        fns = {"elsa": elsa, "sdpa": sdpa}
+        host = {n: [] for n in fns}
+        eager = {n: [] for n in fns}
+        for fn in fns.values():
+            benchmark.per_call_ms(fn, 3)
+        for _ in range(5):
+            for n, fn in fns.items():
+                host[n].append(benchmark.per_call_ms(fn, a.calls, host_only=True, warmup=0) * 1e3)
+                eager[n].append(benchmark.per_call_ms(fn, a.calls, warmup=0) * 1e3)
+        h = {n: statistics.median(t) for n, t in host.items()}
+        e = {n: statistics.median(t) for n, t in eager.items()}
+        print(f"{name} {B}x{H}x{N}x{D}: host us/step elsa {h['elsa']:.1f} sdpa {h['sdpa']:.1f} "
+              f"({h['elsa'] / h['sdpa']:.2f}x); eager us/step elsa {e['elsa']:.1f} sdpa {e['sdpa']:.1f} "
+              f"(sdpa/elsa {e['sdpa'] / e['elsa']:.2f})", flush=True)
+        first = first or elsa
+    if a.profile and first is not None:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.profile):
+            first()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
