@@ -8,6 +8,8 @@ GPU variant runs ``backend="elsa"``. The model's first compiled call comes befor
 model, with the knobs' parse caches cleared, as in a fresh process (a cache write traced by dynamo once made the
 second call recompile)."""
 
+import types
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
@@ -158,6 +160,30 @@ def test_converted_then_compiled_equals_converted_eager(name, compiler):
 def test_converted_then_compiled_equals_converted_eager_gpu(name):
     gm = _compiled_matches_eager(name, "elsa", "cuda")
     assert "elsa_surgery.attention.default" in _targets(gm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["timm_vit", "bert"])
+def test_auto_compiles_in_one_graph_gpu(name):
+    """``auto`` under torch.compile: one graph, no graph break (session 31: reading the CUDA capture state while
+    tracing broke the graph at every attention module), whichever backend its traced race takes."""
+    gm = _compiled_matches_eager(name, "auto", "cuda")
+    assert "elsa_surgery.attention.default" in _targets(gm) or any("scaled_dot_product" in t for t in _targets(gm))
+
+
+def test_auto_reads_no_capture_state_while_tracing(monkeypatch):
+    """The race's eligibility on a CUDA call (a stand-in: only ``.device`` is read) does not ask whether the stream is
+    capturing while torch.compile traces (a bool that breaks the graph), and does outside tracing."""
+    from elsa_surgery import autoselect
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or False)
+    cuda_call = types.SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert autoselect._eager_cuda(cuda_call) and not asked
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert autoselect._eager_cuda(cuda_call) and asked == [1]
+    assert not autoselect._eager_cuda(types.SimpleNamespace(device=torch.device("cpu")))
 
 
 # the custom op ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""Where a converted model's host time goes, by cProfile, in the two cells that session 31's H100 run found
+host-bound and slower than native: ViT-B/16 bf16 batch 8 compiled (``torch.compile`` default, inference mode;
+0.45x native) and its bf16-autocast training step (eager, ``auto`` taking SDPA; 0.76x native).
+
+    python benchmarks/lab/host_profile.py [--calls 20] [--top 30] [--which compile,train]
+
+Prints, for each, the per-call time of native and converted (interleaved, medians), dynamo's graph-break and
+recompile counters (compile), and cProfile's costliest functions over ``--calls`` converted calls, by own time and by
+cumulative time. Needs a CUDA GPU and timm.
+"""
+
+import argparse
+import copy
+import cProfile
+import importlib.util
+import pathlib
+import pstats
+
+import torch
+
+import elsa_surgery
+from elsa_surgery import benchmark
+
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "bench_models.py"
+
+
+def _bench_models():
+    spec = importlib.util.spec_from_file_location("bench_models", _BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _profile(fn, calls: int, top: int) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(order).print_stats(top)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--which", default="compile,train")
+    a = ap.parse_args()
+    bm = _bench_models()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if "compile" in a.which:
+        native, call = bm.ab_build("vit_b16", torch.bfloat16, 8, "cuda")
+        converted = copy.deepcopy(native)
+        elsa_surgery.convert(converted, verify=False)
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        with torch.inference_mode():
+            cc, nc = torch.compile(converted), torch.compile(native)
+            for _ in range(3):
+                call(cc), call(nc)
+            torch.cuda.synchronize()
+            print("dynamo counters after 3 calls each:",
+                  {k: dict(v) for k, v in counters.items() if k in ("graph_break", "stats", "recompiles")}, flush=True)
+            t = benchmark.interleaved_ms({"native": lambda: call(nc), "converted": lambda: call(cc)}, rounds=5,
+                                         calls=10)
+            print(f"compiled vit_b16 bf16 b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms",
+                  flush=True)
+            host = {n: benchmark.per_call_ms(f, 20, host_only=True) for n, f in
+                    (("native", lambda: call(nc)), ("converted", lambda: call(cc)))}
+            print(f"  host only: native {host['native']:.3f} ms, converted {host['converted']:.3f} ms", flush=True)
+            _profile(lambda: call(cc), a.calls, a.top)
+        native = converted = cc = nc = None
+        torch._dynamo.reset()
+    if "train" in a.which:
+        native, call = bm.ab_build("vit_b16", torch.float32, 8, "cuda")
+        native.train()
+        converted = copy.deepcopy(native)
+        elsa_surgery.convert(converted, verify=False)
+        steps = {side: bm.train_step(m, call, torch.optim.AdamW(m.parameters(), lr=1e-6), torch.bfloat16, "cuda")
+                 for side, m in (("native", native), ("converted", converted))}
+        with elsa_surgery.dispatch.record() as log:
+            steps["converted"]()
+        print("converted step's decisions:", benchmark.dispatch_summary(log), flush=True)
+        t = benchmark.interleaved_ms(steps, rounds=5, calls=5)
+        print(f"train vit_b16 bf16-autocast b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms",
+              flush=True)
+        _profile(steps["converted"], max(2, a.calls // 4), a.top)
+
+
+if __name__ == "__main__":
+    main()
