@@ -1,8 +1,9 @@
 """Where a converted model's host time goes, by cProfile, in the two cells that session 31's H100 run found
 host-bound and slower than native: ViT-B/16 bf16 batch 8 compiled (``torch.compile`` default, inference mode;
-0.45x native) and its bf16-autocast training step (eager, ``auto`` taking SDPA; 0.76x native).
+0.45x native) and its bf16-autocast training step (eager, ``auto`` taking SDPA; 0.76x native); ``bert``: BERT-base
+with padding, 128 tokens, batch 8, fp32, eager under inference mode (0.81x native), with each side's GPU kernels.
 
-    python benchmarks/lab/host_profile.py [--calls 20] [--top 30] [--which compile,train]
+    python benchmarks/lab/host_profile.py [--calls 20] [--top 30] [--which compile,train,bert]
 
 Prints, for each, the per-call time of native and converted (interleaved, medians), dynamo's graph-break and
 recompile counters (compile), and cProfile's costliest functions over ``--calls`` converted calls, by own time and by
@@ -46,7 +47,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--which", default="compile,train")
+    ap.add_argument("--which", default="compile,train,bert")
     a = ap.parse_args()
     bm = _bench_models()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
@@ -88,6 +89,24 @@ def main():
         print(f"train vit_b16 bf16-autocast b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms",
               flush=True)
         _profile(steps["converted"], max(2, a.calls // 4), a.top)
+    if "bert" in a.which:
+        native, call = bm.ab_build("bert_base_128", torch.float32, 8, "cuda")
+        converted = copy.deepcopy(native)
+        elsa_surgery.convert(converted, verify=False)
+        with torch.inference_mode():
+            fns = {"native": lambda: call(native), "converted": lambda: call(converted)}
+            t = benchmark.interleaved_ms(fns, rounds=5, calls=10)
+            host = {n: benchmark.per_call_ms(f, 20, host_only=True) for n, f in fns.items()}
+            print(f"bert_base_128 fp32 b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms; host only "
+                  f"{host['native']:.3f} / {host['converted']:.3f} ms", flush=True)
+            for side, fn in fns.items():
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                print(f"{side} kernels over 5 calls:")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+            _profile(fns["converted"], a.calls, a.top)
 
 
 if __name__ == "__main__":
