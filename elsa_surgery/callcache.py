@@ -25,9 +25,13 @@ of routing a call before, the signature and the route's extras built and looked 
 route (the decision still announced), the cheapest eager path there is; :func:`learn` makes routes after a call
 ran. A route is dropped with its plan (``replay.clear``), when a knob the plan read changes, and with its entry.
 
-Not memoised, so validated in full on every call: calls that raise (errors are never kept), calls with
-``q_lengths`` / ``kv_lengths`` (their values are checked), a tensor ``scale``, arguments of other types than plain
-tensors, bools, numbers and strings (tensor subclasses, NumPy scalars), and calls traced by ``torch.compile``.
+Calls with ``q_lengths`` / ``kv_lengths`` tensors are memoised on the lengths' shape, dtype and device too; their
+values are checked on every call (``semantics.canonical_lengths``; a check is skipped for lengths checked before and
+unchanged, or made by an adapter that trusts them). They have no direct route.
+
+Not memoised, so validated in full on every call: calls that raise (errors are never kept), lengths given as lists,
+a tensor ``scale``, arguments of other types than plain tensors, bools, numbers and strings (tensor subclasses, NumPy
+scalars), and calls traced by ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch
 
 from . import autoselect, dispatch
 from .kernels import internals, knobs, replay
-from .semantics import AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_mask
+from .semantics import (AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_lengths,
+                        canonical_mask)
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
@@ -91,11 +96,29 @@ class _Entry:
 def signature(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
               q_lengths, kv_lengths, windowed_mask) -> Optional[tuple]:
     """The memo's key of an eager call, or None for a call validated in full every time (traced by
-    torch.compile, with lengths, or with arguments the key cannot hold: module docstring)."""
-    if q_lengths is not None or kv_lengths is not None or torch.compiler.is_compiling():
+    torch.compile, or with arguments the key cannot hold: module docstring). Lengths tensors add their shape, dtype
+    and device; their values are checked on every call (``semantics.canonical_lengths``, which skips lengths it
+    checked before while unchanged)."""
+    if torch.compiler.is_compiling():
         return None
-    return _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
-                windowed_mask)
+    key = _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
+               windowed_mask)
+    if key is None or (q_lengths is None and kv_lengths is None):
+        return key
+    lq, lk = _lengths_sig(q_lengths), _lengths_sig(kv_lengths)
+    if lq is False or lk is False:
+        return None
+    return key + (lq, lk)  # never a route's signature (signature_of): calls with lengths have no route
+
+
+def _lengths_sig(t):
+    """What the memo's key holds of a lengths argument: None, ``(shape, dtype, device)`` of a plain tensor, or False
+    for anything else (a list, a subclass: validated in full)."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor or t.is_nested:  # noqa: E721
+        return False
+    return t.shape, t.dtype, t.device
 
 
 def _key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
@@ -147,7 +170,7 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
         if hit is None:
             STATS["misses"] += 1
             p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                                        precision, return_lse, None, None, windowed_mask)
+                                        precision, return_lse, q_lengths, kv_lengths, windowed_mask)
             entry = _Entry(p, d, _direct_ok(p, d, q, k, v, attn_mask))
             if len(_entries) >= MAX_ENTRIES:
                 _entries.pop(next(iter(_entries))).routes = None  # its direct routes go with it
@@ -165,7 +188,12 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             if attn_mask is not None:
                 mask = canonical_mask(attn_mask, batch=q.shape[0], heads_q=q.shape[1], n_q=q.shape[2],
                                       n_k=k.shape[2], windowed=windowed_mask, device=q.device)
-            p = AttentionProblem(q, k, v, scale_, mask, causal, None, None, squeeze, dropout)
+            ql = kl = None
+            if q_lengths is not None:
+                ql = canonical_lengths("q_lengths", q_lengths, q.shape[0], q.shape[2], q.device)
+            if kv_lengths is not None:
+                kl = canonical_lengths("kv_lengths", kv_lengths, q.shape[0], k.shape[2], q.device)
+            p = AttentionProblem(q, k, v, scale_, mask, causal, ql, kl, squeeze, dropout)
     dispatch.announce(d)
     return p, d
 

@@ -152,17 +152,36 @@ def test_calls_it_does_not_memoise_are_validated_in_full(monkeypatch):
     _kernels_on_cpu(monkeypatch)
     q, k, v = _qkv(2, 2, 16, 16)
     before = _counts()
-    lengths = torch.tensor([16, 9], device=DEV)
     for _ in range(2):
-        out = elsa_surgery.attention(q, k, v, kv_lengths=lengths)
+        out = elsa_surgery.attention(q, k, v, kv_lengths=[16, 9])
         elsa_surgery.attention(q, k, v, scale=torch.tensor(0.25))
         elsa_surgery.attention(q, k, v, scale=np.float64(0.25))
         elsa_surgery.attention(q, k, v, is_causal=np.bool_(True))
         elsa_surgery.attention(torch.nn.Parameter(q, requires_grad=False), k, v)
     assert _delta(before) == {"hits": 0, "misses": 0, "bypassed": 10}
-    assert rel_err(out.cpu(), _oracle(q, k, v, kv_lengths=lengths.cpu())) < 2e-6
+    assert rel_err(out.cpu(), _oracle(q, k, v, kv_lengths=torch.tensor([16, 9]))) < 2e-6
     with pytest.raises(ValueError, match=r"kv_lengths values must lie in \[0, 16\]"):
+        elsa_surgery.attention(q, k, v, kv_lengths=[17, 3])
+
+
+def test_calls_with_lengths_tensors_are_memoised_and_their_values_checked(monkeypatch):
+    """A lengths tensor's geometry joins the key (BERT's padding, static-cache decode: one validation a signature,
+    not one a layer); its values are the call's own on a hit, and still checked (session 31)."""
+    _kernels_on_cpu(monkeypatch)
+    q, k, v = _qkv(2, 2, 16, 16)
+    before = _counts()
+    first = elsa_surgery.attention(q, k, v, kv_lengths=torch.tensor([16, 9], device=DEV))
+    lengths = torch.tensor([5, 12], device=DEV)
+    ql = torch.tensor([16, 3], device=DEV)
+    out = elsa_surgery.attention(q, k, v, kv_lengths=lengths)
+    assert _delta(before) == {"hits": 1, "misses": 1, "bypassed": 0}
+    assert rel_err(first.cpu(), _oracle(q, k, v, kv_lengths=torch.tensor([16, 9]))) < 2e-6
+    assert rel_err(out.cpu(), _oracle(q, k, v, kv_lengths=lengths.cpu())) < 2e-6
+    with pytest.raises(ValueError, match=r"kv_lengths values must lie in \[0, 16\], got min 3 and max 17"):
         elsa_surgery.attention(q, k, v, kv_lengths=torch.tensor([17, 3], device=DEV))
+    both = elsa_surgery.attention(q, k, v, q_lengths=ql, kv_lengths=lengths)  # another key: q_lengths too
+    assert rel_err(both.cpu(), _oracle(q, k, v, q_lengths=ql.cpu(), kv_lengths=lengths.cpu())) < 2e-6
+    assert _delta(before) == {"hits": 2, "misses": 2, "bypassed": 0}
 
 
 def test_nothing_is_memoised_under_torch_compile(monkeypatch):
