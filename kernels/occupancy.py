@@ -38,10 +38,14 @@ TARGET_PROGRAMS_PER_SM = 2
 # DECODE_MIN_KEYS_PER_PARTITION keys per partition. Tiles and programs per SM from a sweep on an H100
 # (benchmarks/lab/decode_tiles.py, bf16, D=128, graph-replayed; docs/PERF.md "Decode path"): 64-key tiles, 4 warps,
 # 2 stages, 2 programs per SM were best or within 1 % of the best at B=1 32:8 32K (63.8 us, cuDNN 62.8), 131K,
-# B=16 32:8 4K and B=1 MHA 32K; 4 programs per SM and 3 stages cost 2-8 %.
+# B=16 32:8 4K and B=1 MHA 32K; 4 programs per SM and 3 stages cost 2-8 %. Value head dims <= 64 take 3 programs
+# per SM (DECODE_PROGRAMS_PER_SM_NARROW; session 31, H100, bf16, graph-replayed: B=16 32:4 131K 761.7 -> 717.2 us,
+# B=1 32:4 131K 72.7 -> 68.8, B=16 32:8 32K 380.6 -> 365.1, B=1 32:8 4K equal; at D = 128 3 per SM cost 1-5 %).
 DECODE_MAX_ROWS = 64
 DECODE_MIN_KEYS = 512
 DECODE_PROGRAMS_PER_SM = 2
+DECODE_PROGRAMS_PER_SM_NARROW = 3
+DECODE_NARROW_DV = 64
 DECODE_MIN_KEYS_PER_PARTITION = 256
 DECODE_MAX_PARTITIONS = 128
 MERGE_PARTITIONS_PER_LOAD = 32  # scan.elsa_merge_rows: partitions read per [BLOCK_P, Dv] tile
@@ -496,7 +500,8 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
         return 1
     n_sm = sm_count(_cuda_index(device))
     if decode:
-        target, min_keys, max_parts = n_sm * DECODE_PROGRAMS_PER_SM, DECODE_MIN_KEYS_PER_PARTITION, DECODE_MAX_PARTITIONS
+        per_sm = DECODE_PROGRAMS_PER_SM_NARROW if dv <= DECODE_NARROW_DV else DECODE_PROGRAMS_PER_SM
+        target, min_keys, max_parts = n_sm * per_sm, DECODE_MIN_KEYS_PER_PARTITION, DECODE_MAX_PARTITIONS
     elif tiles >= n_sm * FILL_PROGRAMS_PER_SM:
         return 1
     else:

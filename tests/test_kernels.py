@@ -864,6 +864,22 @@ def test_lean_eta_bounds_the_partition_states(monkeypatch):
     assert occ.num_partitions(cuda, **args) == 1
 
 
+def test_decode_partitions_per_sm_by_value_head_dim(monkeypatch):
+    """The packed short-query kernel's partition rule on a (simulated) 132-SM GPU: enough partitions for 2 programs
+    per SM at Dv = 128 and for 3 at Dv <= 64 (session 31's H100 sweep), never below 256 keys a partition."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "sm_count", lambda index: 132)
+    monkeypatch.delenv(occ.ENV_LEAN_ETA, raising=False)
+    monkeypatch.delenv(occ.ENV_PARTITIONS, raising=False)
+    cuda = torch.device("cuda", 0)
+    for dv, per_sm in ((128, 2), (64, 3), (32, 3)):
+        parts = occ.num_partitions(cuda, tiles=64, n_k=131072, block_n=64, rows=4, dv=dv, out_bytes=4 * dv * 2,
+                                   decode=True)
+        assert parts == -(-132 * per_sm // 64), (dv, parts)
+    assert occ.num_partitions(cuda, tiles=1, n_k=1024, block_n=64, rows=4, dv=64, out_bytes=512, decode=True) == 4
+
+
 @pytest.mark.parametrize("env,value,match", [
     ("ELSA_LEAN_ETA", "inf", "ELSA_LEAN_ETA must be a finite number >= 0"),
     ("ELSA_LEAN_ETA", "nan", "ELSA_LEAN_ETA must be a finite number >= 0"),

@@ -49,10 +49,10 @@ def main(argv=None):
         fn = lambda: elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True, precision=a.precision)
         default = graph_ms(fn)
         results = []
-        keep = occ.DECODE_PROGRAMS_PER_SM
+        keep = occ.DECODE_PROGRAMS_PER_SM, occ.DECODE_PROGRAMS_PER_SM_NARROW
         for bn, w, s, per in itertools.product(*(map(int, x.split(",")) for x in (a.bn, a.warps, a.stages, a.per_sm))):
             occ.set_config_override(occ.TileConfig(min(occ.DECODE_MAX_ROWS, max(16, occ.next_pow2(rows))), bn, w, s))
-            occ.DECODE_PROGRAMS_PER_SM = per
+            occ.DECODE_PROGRAMS_PER_SM = occ.DECODE_PROGRAMS_PER_SM_NARROW = per
             launch.replay.clear()
             try:
                 results.append((graph_ms(fn), bn, w, s, per))
@@ -60,7 +60,7 @@ def main(argv=None):
                 print(f"  bn={bn} w={w} s={s} per_sm={per}: {str(exc).splitlines()[0][:100]}")
             finally:
                 occ.set_config_override(None)
-                occ.DECODE_PROGRAMS_PER_SM = keep
+                occ.DECODE_PROGRAMS_PER_SM, occ.DECODE_PROGRAMS_PER_SM_NARROW = keep
                 launch.replay.clear()
         results.sort()
         sdpa = {}
