@@ -117,8 +117,20 @@ class AttentionProblem:
     def output_shape(self) -> tuple:
         return (self.batch, self.heads_q, self.n_q, self.head_dim_v)
 
+    @property
+    def empty(self) -> bool:
+        """No (query, key) pair at all: every output row is zeros (a row with no key)."""
+        return self.batch == 0 or self.n_q == 0 or self.n_k == 0 or self.heads_q == 0
+
     def empty_output(self) -> torch.Tensor:
-        return self.q.new_zeros(self.output_shape(), dtype=self.q.dtype)
+        """The zeros of an :attr:`empty` call as products over its empty axis, so that autograd connects them to q,
+        k and v as it does SDPA's answer (whose backward gives zero gradients): exact whatever the values, a sum
+        over nothing being 0. GQA by grouping the query heads of a K/V head (no K/V copy)."""
+        B, Hq, Nq, D = self.q.shape
+        Hkv = self.k.shape[1]
+        q = self.q.reshape(B, Hkv, (Hq // Hkv) * Nq, D)
+        out = torch.matmul(torch.matmul(q, self.k.transpose(-1, -2)), self.v)
+        return out.reshape(self.output_shape())
 
     @property
     def has_index_mask(self) -> bool:

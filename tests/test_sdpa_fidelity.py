@@ -746,3 +746,23 @@ def test_autocast_runs_the_call_without_autocast():
     plain = elsa_surgery.attention(*cast, scale=1.0, backend="reference")
     assert torch.equal(got, plain)  # the same as the call on the cast inputs outside autocast
     assert (got.double() - want).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"] + (["elsa"] if _interpreting() else []))
+@pytest.mark.parametrize("shape", [(2, 4, 5, 0, 2), (2, 4, 0, 6, 2), (0, 4, 5, 6, 4), (1, 2, 3, 0, 2)])
+def test_found_empty_call_backward_as_sdpa(backend, shape):
+    """A call with no (query, key) pair (no keys, no queries, an empty batch): SDPA answers zeros that autograd
+    joins to q, k and v, and backward gives zero gradients; ELSA's zeros had no graph, so backward raised
+    "element 0 of tensors does not require grad" (session 31). GQA where Hkv < Hq."""
+    B, Hq, Nq, Nk, Hkv = shape
+    leaves = [torch.randn(B, h, n, 8, requires_grad=True) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
+    ref = F.scaled_dot_product_attention(*leaves, enable_gqa=Hq != Hkv)
+    ref.sum().backward()
+    want = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    out = elsa_surgery.attention(*leaves, enable_gqa=Hq != Hkv, backend=backend)
+    assert out.shape == ref.shape and torch.equal(out, ref) and out.requires_grad
+    out.sum().backward()
+    for t, w in zip(leaves, want):
+        assert t.grad is not None and torch.equal(t.grad, w), (t.grad, w)
