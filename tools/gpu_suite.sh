@@ -2,8 +2,11 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
-#   train-llama | compile | eager-host | bwd-sweep | bwd-questions | fuzz | s32m-fuzz | tests-stream | stream-ranks |
-#   stream-scaling | stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-questions | fuzz | s32m-fuzz |
+#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the
+#   package mapped).
+#   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
+#   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
 #   tests-rest (every other GPU test): each part fits one call, the whole suite does not (session 16:
 #   tests/test_kernels_gpu.py alone ran past 560 s on a cold machine). train-*: bench_models.py --train (issue 25's
@@ -118,6 +121,13 @@ case "$part" in
     timeout 200 python3 recipes/profile_host_cost.py 2>&1 | tee "$out/host_cost.log" | tail -25
     timeout 340 python3 recipes/bench_models.py --eager --workloads deit3_s,vit_b16,bert_base_128 --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --out "$out/eager_small.json" 2>&1 | tee "$out/eager_small.log" | tail -20 ;;
+  host-profiles)  # issues 24/25/33: where host time goes (session 31): one training call's forward + backward
+    # against SDPA's (benchmarks/lab/bwd_host.py), then the compiled ViT-B/16, its training step and BERT with padding
+    # under cProfile, with dynamo's graph-break counters (benchmarks/lab/host_profile.py); ~3 min, run alone on the
+    # host (host-bound timings move with other jobs)
+    timeout 150 python3 benchmarks/lab/bwd_host.py --profile 30 2>&1 | tee "$out/bwd_host.log" | grep -v "^ "
+    timeout 400 python3 benchmarks/lab/host_profile.py 2>&1 | tee "$out/host_profile.log" \
+      | grep -E "^(GPU|dynamo|compiled|  host|converted step|train|bert)" ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
