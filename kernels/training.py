@@ -177,11 +177,13 @@ class EagerAttention(torch.autograd.Function):
     small call; ``torch.compile`` traces the ops instead (kernels/interface.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
-        out, lse = ops.dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
+    def forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
+        return ops.dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
-        _setup_dense(ctx, (q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision), (out, lse))
-        return out, lse
+        _setup_dense(ctx, inputs, output)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -192,11 +194,13 @@ class EagerAttentionVarlen(torch.autograd.Function):
     """:class:`EagerAttention` for ``ops.attention_varlen_op`` (packed sequences)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision):
-        out, lse = ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision)
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision):
+        return ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
         ctx.set_materialize_grads(False)
-        _setup_varlen(ctx, (q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision), (out, lse))
-        return out, lse
+        _setup_varlen(ctx, inputs, output)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
