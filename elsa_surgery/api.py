@@ -90,8 +90,8 @@ def attention(
     pieces = [_run(piece, d, return_lse) for piece in p.row_pieces()]  # one, but for upper-left CausalBias
     out, lse = pieces[0] if len(pieces) == 1 else _cat_rows(pieces)
     out, lse = p.restore_shape(out, lse)
-    if p.empty and not out.requires_grad and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                          or v.requires_grad):
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if wants_grad and not out.requires_grad and p.empty:
         out = p.restore_shape(p.empty_output())[0]  # SDPA's zeros, joined to the autograd graph as SDPA's are
     if key is not None and rkey is not None:
         callcache.learn(key, rkey, p, d, q, k, v, attn_mask, return_lse)

@@ -42,7 +42,7 @@ import torch
 
 from . import autoselect, dispatch
 from .kernels import internals, knobs, replay
-from .semantics import (AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_lengths,
+from .semantics import (AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_dense_lengths,
                         canonical_mask)
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
@@ -189,10 +189,8 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 mask = canonical_mask(attn_mask, batch=q.shape[0], heads_q=q.shape[1], n_q=q.shape[2],
                                       n_k=k.shape[2], windowed=windowed_mask, device=q.device)
             ql = kl = None
-            if q_lengths is not None:
-                ql = canonical_lengths("q_lengths", q_lengths, q.shape[0], q.shape[2], q.device)
-            if kv_lengths is not None:
-                kl = canonical_lengths("kv_lengths", kv_lengths, q.shape[0], k.shape[2], q.device)
+            if q_lengths is not None or kv_lengths is not None:
+                ql, kl = canonical_dense_lengths(q_lengths, kv_lengths, q.shape[0], q.shape[2], k.shape[2], q.device)
             p = AttentionProblem(q, k, v, scale_, mask, causal, ql, kl, squeeze, dropout)
     dispatch.announce(d)
     return p, d

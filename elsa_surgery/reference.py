@@ -108,10 +108,6 @@ def _scan(p: AttentionProblem, seed: Optional[int]):
         yield slice(i0, i1), qc, blocks(i0, i1, qc)
 
 
-def _empty(p: AttentionProblem) -> bool:
-    return p.batch == 0 or p.n_q == 0 or p.n_k == 0 or p.heads_q == 0
-
-
 def run_state(p: AttentionProblem, seed: Optional[int] = None) -> monoid.State:
     """Fold every visible key into per-row states ``m, S [B, Hq, Nq]``, ``W [B, Hq, Nq, Dv]``.
 
@@ -121,7 +117,7 @@ def run_state(p: AttentionProblem, seed: Optional[int] = None) -> monoid.State:
     acc = _acc_dtype(p.q.dtype)
     B, Hq, Nq, _ = p.q.shape
     state = monoid.identity((B, p.heads_kv, p.groups, Nq), p.head_dim_v, dtype=acc, device=p.q.device)
-    if _empty(p):
+    if p.empty:
         return monoid.State(*(t.reshape(B, Hq, Nq, *t.shape[4:]) for t in state))
     ms, Ss, Ws = [], [], []
     for rows, qc, blocks in _scan(p, seed):
@@ -159,7 +155,7 @@ def run_state_backward(p: AttentionProblem, state: monoid.State, grads: monoid.S
     dk = torch.zeros((B, Hkv, Nk, D), dtype=acc, device=dev)
     dv = torch.zeros((B, Hkv, Nk, Dv), dtype=acc, device=dev)
     dmask5 = None if mask5 is None else torch.zeros(mask5.shape, dtype=acc, device=dev)
-    if not _empty(p):
+    if not p.empty:
         grouped = lambda t: t.reshape(B, Hkv, G, Nq, *t.shape[3:]).to(acc)
         m, S, W = (grouped(t) for t in state)
         gm, gS, gW = (grouped(t) for t in grads)

@@ -308,6 +308,12 @@ def canonical_lengths(name: str, lengths: Lengths, batch: int, limit: int, devic
     return lengths.to(device=device, dtype=torch.int32)
 
 
+def canonical_dense_lengths(q_lengths: Lengths, kv_lengths: Lengths, batch: int, n_q: int, n_k: int, device):
+    """``(q_lengths, kv_lengths)`` of a dense call (:func:`canonical_lengths`: each in ``[0, n_q]`` / ``[0, n_k]``)."""
+    return (canonical_lengths("q_lengths", q_lengths, batch, n_q, device),
+            canonical_lengths("kv_lengths", kv_lengths, batch, n_k, device))
+
+
 # Lengths tensors whose values were checked, while unchanged (same object, same in-place version): the layers of one
 # forward pass share one lengths tensor (the transformers adapter computes it once per padding mask), so the value
 # check, a host sync, runs once per forward instead of once per layer. Inference tensors (made under
@@ -425,8 +431,7 @@ def build_problem(
                                         lengths=q_lengths is not None or kv_lengths is not None)
         attn_mask, is_causal = None, True
     mask = canonical_mask(attn_mask, batch=B, heads_q=Hq, n_q=Nq, n_k=Nk, windowed=windowed_mask, device=q.device)
-    ql = canonical_lengths("q_lengths", q_lengths, B, Nq, q.device)
-    kl = canonical_lengths("kv_lengths", kv_lengths, B, Nk, q.device)
+    ql, kl = canonical_dense_lengths(q_lengths, kv_lengths, B, Nq, Nk, q.device)
     return AttentionProblem(
         q=q, k=k, v=v, scale=resolve_scale(scale, D), mask=mask, is_causal=bool(is_causal),
         q_lengths=ql, kv_lengths=kl, squeeze_head=squeeze, dropout_p=dropout_p, causal_rows=causal_rows,

@@ -322,10 +322,8 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
     """The launch plan key of a backward call (kernels/replay.py): identities, device, capture, scalars and every
     tensor's geometry (shape, strides, dtype, 16-byte alignment)."""
     g = launch._geometry
-    cuda = q.is_cuda
     c = call
-    return ("backward", (q is k, k is v, q is v, c["cu_q"] is c["cu_k"], c["q_lengths"] is c["kv_lengths"]),
-            q.device, torch.cuda.current_device() if cuda else None, cuda and torch.cuda.is_current_stream_capturing(),
+    return ("backward", *launch.plan_key_head(q, k, v, c["cu_q"], c["cu_k"], c["q_lengths"], c["kv_lengths"]),
             float(c["scale"]), bool(c["is_causal"]), c["precision"], c["varlen_dims"], float(c["dropout_p"]),
             bool(atomic), bool(mask_grad), g(do), g(q), g(k), g(v), g(out), g(lse), g(dlse), g(c["mask"]),
             g(c["q_lengths"]), g(c["kv_lengths"]), g(c["cu_q"]), g(c["cu_k"]), g(c["seed"]))

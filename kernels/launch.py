@@ -285,15 +285,21 @@ def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=Non
     return replay.run(key, slots, plan_and_run, _ALIASES)
 
 
+def plan_key_head(q, k, v, cu_q, cu_k, q_lengths, kv_lengths) -> tuple:
+    """What every launch plan's key (forward and backward) starts with: which inputs are one tensor (the pairs of
+    :data:`_ALIASES`, in order), the device, the current CUDA device and whether its stream is capturing."""
+    cuda = q.is_cuda
+    return ((q is k, k is v, q is v, cu_q is cu_k, q_lengths is kv_lengths), q.device,
+            torch.cuda.current_device() if cuda else None, cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _replay_key(q, k, v, *, scale, precision, mask, q_lengths, kv_lengths, cu_q, cu_k, is_causal, varlen_dims,
                 out, lse, state, want_lse, num_partitions, eta) -> tuple:
     """The launch plan key of a :func:`_run` call (its signature: see kernels/replay.py)."""
-    cuda = q.is_cuda
-    return ((q is k, k is v, q is v, cu_q is cu_k, q_lengths is kv_lengths), q.device,
-            torch.cuda.current_device() if cuda else None, cuda and torch.cuda.is_current_stream_capturing(),
-            float(scale), precision, bool(is_causal), varlen_dims, bool(want_lse), num_partitions, eta, _geometry(q),
-            _geometry(k), _geometry(v), _geometry(mask), _geometry(q_lengths), _geometry(kv_lengths), _geometry(cu_q),
-            _geometry(cu_k), _geometry(out), _geometry(lse), None if state is None else tuple(map(_geometry, state)))
+    return (*plan_key_head(q, k, v, cu_q, cu_k, q_lengths, kv_lengths), float(scale), precision, bool(is_causal),
+            varlen_dims, bool(want_lse), num_partitions, eta, _geometry(q), _geometry(k), _geometry(v), _geometry(mask),
+            _geometry(q_lengths), _geometry(kv_lengths), _geometry(cu_q), _geometry(cu_k), _geometry(out),
+            _geometry(lse), None if state is None else tuple(map(_geometry, state)))
 
 
 def attention_plan(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None, return_lse=True):

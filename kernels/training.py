@@ -79,6 +79,16 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision, dropout_p,
     return ops.varlen_fake(q, v)
 
 
+def backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q: int,
+                   max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool):
+    """:func:`attention_backward_op`'s body, without the op's dispatch (eager calls' backward: :func:`_grads`)."""
+    dq, dk, dv, dmask = bl.attention_backward(
+        grad_out, q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
+        dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse,
+        **_call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k))
+    return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
+
+
 @torch.library.custom_op(f"{NS}::attention_backward", mutates_args=())
 def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                           out: Tensor, lse: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
@@ -86,11 +96,8 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
                           max_q: int, max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float,
                           seed: Optional[Tensor], mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dmask)``; ``dmask`` is empty unless ``mask_grad``. Dense or packed varlen (``cu_q``)."""
-    dq, dk, dv, dmask = bl.attention_backward(
-        grad_out, q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
-        dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse,
-        **_call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k))
-    return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
+    return backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q,
+                          max_k, scale, is_causal, precision, dropout_p, seed, mask_grad)
 
 
 @attention_backward_op.register_fake
@@ -124,15 +131,9 @@ def _grads(ctx, grad_out, grad_lse, direct: bool = False):
     mask_grad = bool(mask is not None and mask.dtype != torch.bool and s["mask_needs_grad"])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    if direct and not torch.is_grad_enabled():
-        dq, dk, dv, dmask = bl.attention_backward(
-            grad_out, q, k, v, out, lse, scale=s["scale"], mask=mask, is_causal=s["is_causal"],
-            precision=s["precision"] or None, dropout_p=s["dropout_p"], seed=seed, mask_grad=mask_grad, dlse=grad_lse,
-            **_call_args(q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"]))
-    else:
-        dq, dk, dv, dmask = torch.ops.elsa_surgery.attention_backward(
-            grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"],
-            s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
+    run = backward_grads if direct and not torch.is_grad_enabled() else torch.ops.elsa_surgery.attention_backward
+    dq, dk, dv, dmask = run(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"],
+                            s["max_k"], s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
     return dq, dk, dv, (dmask if mask_grad else None)
 
 
