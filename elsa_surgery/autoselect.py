@@ -13,11 +13,12 @@ choice is made once per signature (``elsa_surgery/callcache.py`` keeps it), and 
 names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never
 races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
 
-Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the kernels against
-SDPA on fresh tensors of the call's (static) shapes, outside the graph (``torch.compiler.assume_constant_result``:
-a constant of the trace, no guard), once per signature; the graph then holds the winner (SDPA's op, which Inductor
-sees, or ours). The verdicts are logged once and kept in :data:`COMPILED` (``compiled_decisions()``). Dynamic shapes
-are not raced (the kernels are kept).
+Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the custom op an
+inference graph calls (``elsa_surgery::attention_inference``, its dispatch included) against SDPA on fresh tensors
+of the call's (static) shapes, outside the graph (``torch.compiler.assume_constant_result``: a constant of the
+trace, no guard), once per signature; the graph then holds the winner (SDPA's op, which Inductor sees, or ours).
+The verdicts are logged once and kept in :data:`COMPILED` (``compiled_decisions()``). Dynamic shapes are not raced
+(the kernels are kept).
 
 SDPA is *exact* here in the sense the design asks: fp16/bf16 flash, cuDNN and memory-efficient kernels and fp32's
 memory-efficient kernel all compute softmax attention with fp32 accumulation; fp32 races only while PyTorch's
@@ -145,10 +146,13 @@ def _trace_time_choice(sig: tuple) -> Tuple[str, str]:
         device = torch.device(dev_type, dev_index)
         dt = getattr(torch, dtype)
         q, k, v = (torch.randn(s, device=device, dtype=dt) for s in (sq, sk, sv))
-        from .kernels import launch  # the kernels ran or will: imported
+        from .kernels import ops  # the kernels ran or will: imported
 
-        elsa = lambda: launch.attention(q, k, v, scale=scale, is_causal=causal, precision=precision,  # noqa: E731
-                                        return_lse=False)
+        # the op as the compiled graph calls it (Inductor's wrapper calls the registered op): its dispatch and the
+        # lse it always writes count against ELSA, as they will in the graph (session 31: timing the launcher alone
+        # kept ELSA for ViT-B/16 bf16, 0.90x compiled native)
+        elsa = lambda: ops.attention_inference_op(q, k, v, None, None, None, scale, causal,  # noqa: E731
+                                                  precision or "", False)
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
             q, k, v, is_causal=causal, scale=scale, enable_gqa=sq[1] != sk[1])
         known = choose(Decision("elsa", precision, "auto under torch.compile: ELSA kept"), elsa, sdpa, traced=True)

@@ -8,7 +8,8 @@
 
 Files: ``scan.py`` the Triton kernels, ``launch.py`` the launchers, ``occupancy.py`` tile table and
 partition model (ELSA-Lean knob ``ELSA_LEAN_ETA``), ``replay.py`` launch plans (a call's launches recorded once per
-signature and replayed), ``ops.py`` the ``torch.library`` custom ops.
+signature and replayed), ``ops.py`` the ``torch.library`` custom ops (under torch.compile, a call that wants no
+gradient is traced to the ops without an autograd formula: ``ops.attention_inference_op``).
 """
 
 from __future__ import annotations
@@ -134,8 +135,11 @@ def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_
         out, lse = training.EagerAttention.apply(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
                                                  precision or "")
         return out, (lse if return_lse else None)
-    out, lse = _ops().attention_op(q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal),
-                                   precision or "")
+    args = (q, k, v, mask, q_lengths, kv_lengths, float(scale), bool(is_causal), precision or "")
+    if _wants_grad(q, k, v, mask):
+        out, lse = _ops().attention_op(*args)
+    else:
+        out, lse = _ops().attention_inference_op(*args, bool(return_lse))
     return out, (lse if return_lse else None)
 
 
@@ -166,6 +170,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                                        int(max_seqlen_k), float(scale), bool(is_causal),
                                                        precision or "")
         return out, (lse if return_lse else None)
-    out, lse = _ops().attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                          int(max_seqlen_k), float(scale), bool(is_causal), precision or "")
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(scale),
+            bool(is_causal), precision or "")
+    if _wants_grad(q, k, v):
+        out, lse = _ops().attention_varlen_op(*args)
+    else:
+        out, lse = _ops().attention_varlen_inference_op(*args, bool(return_lse))
     return out, (lse if return_lse else None)

@@ -4,6 +4,15 @@
 the fake implementation (no graph break, no recompilation when only sequence lengths change), and the
 launchers do no host syncs, so the calls capture in CUDA graphs. ``lse`` is always produced (it is
 ``B·H·N`` floats); callers drop it when not asked for.
+
+The ops are defined on a ``torch.library.Library`` fragment with one Python kernel each (``CompositeExplicitAutograd``,
+any device), not through ``torch.library.custom_op``: Inductor's wrapper calls the op once per attention layer of a
+compiled model, and custom_op's kernel wrapper (its output-aliasing check) cost 14 µs of the op's 40 µs host time per
+call on session 32's H100 host (``benchmarks/lab/op_host.py``: op body 26 µs), where a compiled Swin-T is host-bound.
+For the same reason the forward ops come in pairs: ``attention`` / ``attention_varlen`` carry the autograd formula
+(training.py), ``attention_inference`` / ``attention_varlen_inference`` have none, and a call that wants no gradient
+is traced to the latter; under ``no_grad`` the formula's Python autograd kernel runs on every call even when nothing
+wants a gradient (10 µs of a 17 µs dispatch, CPU).
 """
 
 from __future__ import annotations
@@ -32,18 +41,20 @@ if __name__ != "elsa_surgery.kernels.ops":  # see kernels/__init__.py: never reg
     raise ImportError(f"the ELSA custom ops live in elsa_surgery.kernels.ops, not {__name__}")
 
 
-def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str):
-    """``(out, lse)`` of :func:`attention_op`, without the op's dispatch (its body; the eager training path,
-    ``training.EagerAttention``)."""
-    return launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=dense_out(q, v))
+_LIB = torch.library.Library(NS, "FRAGMENT")  # kept for the process: the dispatcher entries live while it does
+
+DENSE_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? q_lengths, Tensor? kv_lengths, float scale, "
+                "bool is_causal, str precision)")
+VARLEN_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+                 "SymInt max_seqlen_k, float scale, bool is_causal, str precision)")
 
 
-@torch.library.custom_op(f"{NS}::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
-                 kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str) -> Tuple[Tensor, Tensor]:
-    out, lse = dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
-    return out, lse
+def define(name: str, schema: str, impl, fake):
+    """``elsa_surgery::name`` with ``impl`` as its kernel on every device and ``fake`` for tracing; its OpOverload."""
+    _LIB.define(name + schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NS}::{name}", fake, lib=_LIB)
+    return getattr(getattr(torch.ops, NS), name).default
 
 
 def dense_out(q: Tensor, v: Tensor) -> Tensor:
@@ -53,50 +64,94 @@ def dense_out(q: Tensor, v: Tensor) -> Tensor:
     return launch._new_out(q, B, Hq, Nq, Dv) if STRIDED_OUTPUT else q.new_empty((B, Hq, Nq, Dv))
 
 
-@attention_op.register_fake
-def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
+def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str):
+    """``(out, lse)`` of :data:`attention_op`: its kernel, also called without the op's dispatch (the eager training
+    path, ``training.EagerAttention``)."""
+    return launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                            kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=dense_out(q, v))
+
+
+def _dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     B, Hq, Nq, _ = q.shape
     return dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{NS}::attention_state", mutates_args=())
-def attention_state_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
-                       kv_lengths: Optional[Tensor], scale: float, is_causal: bool,
-                       precision: str) -> Tuple[Tensor, Tensor, Tensor]:
+# (out, lse); autograd formula in training.py
+attention_op = define("attention", DENSE_SCHEMA + " -> (Tensor, Tensor)", dense_forward, _dense_fake)
+
+
+def _no_lse(q: Tensor) -> Tensor:
+    return q.new_empty(0, dtype=torch.float32)
+
+
+def _dense_inference(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str,
+                     return_lse: bool):
+    out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                                kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse,
+                                out=dense_out(q, v))
+    return out, (lse if return_lse else _no_lse(q))
+
+
+def _dense_inference_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse):
+    out, lse = _dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
+    return out, (lse if return_lse else _no_lse(q))
+
+
+# the same without an autograd formula, for calls that want no gradient; lse only when asked for (an empty tensor
+# else): the kernel variant that writes none, the one eager calls compile, so auto's trace-time race reuses it
+attention_inference_op = define("attention_inference", DENSE_SCHEMA[:-1] + ", bool return_lse) -> (Tensor, Tensor)",
+                                _dense_inference, _dense_inference_fake)
+
+
+def _state(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     m, S, W = launch.attention_state(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
                                      kv_lengths=kv_lengths, precision=precision or None)
     return m, S, W
 
 
-@attention_state_op.register_fake
-def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
+def _state_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
     B, Hq, Nq, _ = q.shape
     f32 = dict(dtype=torch.float32)
     return q.new_empty((B, Hq, Nq), **f32), q.new_empty((B, Hq, Nq), **f32), q.new_empty((B, Hq, Nq, v.shape[3]), **f32)
 
 
+# (m, S, W) fp32: the scan's state, mergeable; no backward
+attention_state_op = define("attention_state", DENSE_SCHEMA + " -> (Tensor, Tensor, Tensor)", _state, _state_fake)
+
+
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                    is_causal: bool, precision: str):
-    """``(out, lse)`` of :func:`attention_varlen_op`, without the op's dispatch (``training.EagerAttentionVarlen``)."""
+    """``(out, lse)`` of :data:`attention_varlen_op`: its kernel, also called without the op's dispatch
+    (``training.EagerAttentionVarlen``)."""
     return launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                                    is_causal=is_causal, precision=precision or None, return_lse=True)
-
-
-@torch.library.custom_op(f"{NS}::attention_varlen", mutates_args=())
-def attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                        max_seqlen_q: int, max_seqlen_k: int, scale: float, is_causal: bool,
-                        precision: str) -> Tuple[Tensor, Tensor]:
-    out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal,
-                              precision)
-    return out, lse
-
-
-@attention_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, precision):
-    return varlen_fake(q, v)
 
 
 def varlen_fake(q: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
     """The fake ``(out [total_q, Hq, Dv], lse [Hq, total_q])`` of the packed varlen ops."""
     total, Hq, _ = q.shape
     return q.new_empty((total, Hq, v.shape[2])), q.new_empty((Hq, total), dtype=torch.float32)
+
+
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, precision):
+    return varlen_fake(q, v)
+
+
+attention_varlen_op = define("attention_varlen", VARLEN_SCHEMA + " -> (Tensor, Tensor)", varlen_forward,
+                              _varlen_fake)
+def _varlen_inference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                      is_causal: bool, precision: str, return_lse: bool):
+    out, lse = launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
+                                       is_causal=is_causal, precision=precision or None, return_lse=return_lse)
+    return out, (lse if return_lse else _no_lse(q))
+
+
+def _varlen_inference_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal,
+                           precision, return_lse):
+    out, lse = varlen_fake(q, v)
+    return out, (lse if return_lse else _no_lse(q))
+
+
+attention_varlen_inference_op = define("attention_varlen_inference",
+                                       VARLEN_SCHEMA[:-1] + ", bool return_lse) -> (Tensor, Tensor)",
+                                       _varlen_inference, _varlen_inference_fake)

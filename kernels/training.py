@@ -41,47 +41,48 @@ def _call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k):
     return dict(q_lengths=q_lengths, kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, varlen_dims=dims)
 
 
-@torch.library.custom_op(f"{NS}::attention_dropout", mutates_args=())
-def attention_dropout_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
-                         kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str,
-                         dropout_p: float, seed: Tensor) -> Tuple[Tensor, Tensor]:
+def _dropout_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str,
+                     dropout_p: float, seed: Tensor) -> Tuple[Tensor, Tensor]:
     """Dense attention with SDPA's attention dropout: the scan gives ``lse``, a second pass over the key blocks
     gives ``(softmax * keep / (1 - p)) @ v`` (``backward.row_pass``)."""
-    out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, precision=precision or None, return_lse=True,
-                                out=ops.dense_out(q, v))
+    out, lse = ops.dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
     bl.dropout_output(q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
                       dropout_p=dropout_p, seed=seed, **_call_args(q_lengths, kv_lengths, None, None, 0, 0))
     return out, lse
 
 
-@attention_dropout_op.register_fake
-def _(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, dropout_p, seed):
+def _dropout_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, dropout_p, seed):
     B, Hq, Nq, _ = q.shape
     return ops.dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{NS}::attention_varlen_dropout", mutates_args=())
-def attention_varlen_dropout_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                                scale: float, is_causal: bool, precision: str, dropout_p: float,
-                                seed: Tensor) -> Tuple[Tensor, Tensor]:
-    """Packed varlen attention with SDPA's attention dropout, as :func:`attention_dropout_op` (the keep mask of
+attention_dropout_op = ops.define("attention_dropout", ops.DENSE_SCHEMA[:-1] + ", float dropout_p, Tensor seed) -> "
+                                  "(Tensor, Tensor)", _dropout_forward, _dropout_fake)
+
+
+def _varlen_dropout_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, is_causal: bool,
+                            precision: str, dropout_p: float, seed: Tensor) -> Tuple[Tensor, Tensor]:
+    """Packed varlen attention with SDPA's attention dropout, as :func:`_dropout_forward` (the keep mask of
     sequence ``b`` is the one the padded dense call ``[B, Hq, max_q, max_k]`` draws for batch row ``b``)."""
-    out, lse = launch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
-                                       precision=precision or None, return_lse=True)
+    out, lse = ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision)
     bl.dropout_output(q, k, v, out, lse, scale=scale, mask=None, is_causal=is_causal, precision=precision or None,
                       dropout_p=dropout_p, seed=seed, **_call_args(None, None, cu_q, cu_k, max_q, max_k))
     return out, lse
 
 
-@attention_varlen_dropout_op.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision, dropout_p, seed):
+def _varlen_dropout_fake(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision, dropout_p, seed):
     return ops.varlen_fake(q, v)
+
+
+attention_varlen_dropout_op = ops.define(
+    "attention_varlen_dropout", ops.VARLEN_SCHEMA[:-1] + ", float dropout_p, Tensor seed) -> (Tensor, Tensor)",
+    _varlen_dropout_forward, _varlen_dropout_fake)
 
 
 def backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q: int,
                    max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool):
-    """:func:`attention_backward_op`'s body, without the op's dispatch (eager calls' backward: :func:`_grads`)."""
+    """:data:`attention_backward_op`'s kernel, also called without the op's dispatch (eager calls' backward:
+    :func:`_grads`)."""
     dq, dk, dv, dmask = bl.attention_backward(
         grad_out, q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
         dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse,
@@ -89,22 +90,18 @@ def backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_le
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
-@torch.library.custom_op(f"{NS}::attention_backward", mutates_args=())
-def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                          out: Tensor, lse: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
-                          kv_lengths: Optional[Tensor], cu_q: Optional[Tensor], cu_k: Optional[Tensor],
-                          max_q: int, max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float,
-                          seed: Optional[Tensor], mask_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmask)``; ``dmask`` is empty unless ``mask_grad``. Dense or packed varlen (``cu_q``)."""
-    return backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q,
-                          max_k, scale, is_causal, precision, dropout_p, seed, mask_grad)
-
-
-@attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k, scale, is_causal,
-      precision, dropout_p, seed, mask_grad):
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k, scale,
+                   is_causal, precision, dropout_p, seed, mask_grad):
     dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask  # contiguous, as the real ones
+
+
+# (dq, dk, dv, dmask); dmask is empty unless mask_grad. Dense or packed varlen (cu_q)
+attention_backward_op = ops.define(
+    "attention_backward", "(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor? mask, Tensor? q_lengths, Tensor? kv_lengths, Tensor? cu_q, Tensor? cu_k, SymInt max_q, SymInt max_k, "
+    "float scale, bool is_causal, str precision, float dropout_p, Tensor? seed, bool mask_grad) -> "
+    "(Tensor, Tensor, Tensor, Tensor)", backward_grads, _backward_fake)
 
 
 def _no_second_order(ctx, *grads):
@@ -131,7 +128,7 @@ def _grads(ctx, grad_out, grad_lse, direct: bool = False):
     mask_grad = bool(mask is not None and mask.dtype != torch.bool and s["mask_needs_grad"])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    run = backward_grads if direct and not torch.is_grad_enabled() else torch.ops.elsa_surgery.attention_backward
+    run = backward_grads if direct and not torch.is_grad_enabled() else attention_backward_op
     dq, dk, dv, dmask = run(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"],
                             s["max_k"], s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
     return dq, dk, dv, (dmask if mask_grad else None)

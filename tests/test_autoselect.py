@@ -190,6 +190,27 @@ def test_compiled_call_holds_the_trace_time_winner(racing, monkeypatch, times, b
     torch._dynamo.reset()
 
 
+def test_traced_race_times_the_op_the_graph_calls(racing, monkeypatch):
+    """The race of a traced call times ELSA through the registered custom op (what Inductor's wrapper calls, its
+    dispatch included), not the launcher alone, on fresh tensors of the call's shapes."""
+    seen = []
+    monkeypatch.setattr(autoselect, "COMPILED", {})
+
+    def fake_race(elsa, sdpa):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            elsa()
+        seen.extend(e.name for e in prof.events())
+        return racing[0]
+
+    monkeypatch.setattr(autoselect, "race", fake_race)
+    torch._dynamo.reset()
+    q, k, v = _qkv(n=24)
+    f = torch.compile(lambda a, b, c: elsa_surgery.attention(a, b, c), backend="eager", fullgraph=True)
+    f(q, k, v)
+    assert "elsa_surgery::attention_inference" in seen, seen[:20]
+    torch._dynamo.reset()
+
+
 def test_training_calls_race_forward_and_backward_on_their_own(racing, monkeypatch):
     """A call autograd records is its own signature, raced as forward + backward (the backward to q, k, v only: no
     parameter's ``.grad`` is written); the same shapes without grad keep their own forward-only race."""

@@ -155,11 +155,16 @@ def test_converted_then_compiled_equals_converted_eager(name, compiler):
     assert not any("scaled_dot_product" in t for t in _targets(gm))  # no attention escaped to native SDPA
 
 
+INFERENCE_OPS = {"elsa_surgery.attention_inference.default", "elsa_surgery.attention_varlen_inference.default"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_converted_then_compiled_equals_converted_eager_gpu(name):
     gm = _compiled_matches_eager(name, "elsa", "cuda")
-    assert "elsa_surgery.attention.default" in _targets(gm)
+    # inference: the ops without an autograd formula (dense, or packed varlen for padded BERT)
+    ours = {t for t in _targets(gm) if t.startswith("elsa_surgery.")}
+    assert ours and ours <= INFERENCE_OPS, ours
 
 
 @pytest.mark.gpu
@@ -168,7 +173,8 @@ def test_auto_compiles_in_one_graph_gpu(name):
     """``auto`` under torch.compile: one graph, no graph break (session 31: reading the CUDA capture state while
     tracing broke the graph at every attention module), whichever backend its traced race takes."""
     gm = _compiled_matches_eager(name, "auto", "cuda")
-    assert "elsa_surgery.attention.default" in _targets(gm) or any("scaled_dot_product" in t for t in _targets(gm))
+    ours = {t for t in _targets(gm) if t.startswith("elsa_surgery.")}
+    assert (ours and ours <= INFERENCE_OPS) or any("scaled_dot_product" in t for t in _targets(gm)), _targets(gm)
 
 
 def test_auto_reads_no_capture_state_while_tracing(monkeypatch):
@@ -262,7 +268,80 @@ def test_op_compiled_equals_eager_through_the_api(monkeypatch):
     compiled = torch.compile(call, backend=_recording("inductor", graphs), fullgraph=True)
     for a, b in zip(compiled(q, k, v, mask), call(q, k, v, mask)):
         assert _rel(a, b) <= RTOL
-    assert {t for t in _targets(graphs[0]) if t.startswith("elsa_surgery.")} == {"elsa_surgery.attention.default"}
+    # no gradient wanted: the op without an autograd formula (kernels/ops.py)
+    assert {t for t in _targets(graphs[0]) if t.startswith("elsa_surgery.")} == \
+        {"elsa_surgery.attention_inference.default"}
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compiled_call_takes_the_op_its_gradient_needs(varlen):
+    """A traced call that wants a gradient holds the op with the autograd formula and trains (gradients equal the
+    eager call's); one that wants none holds the op without a formula, whose dispatch has no Python autograd kernel
+    to run (the formula's kernel runs on every call under ``no_grad``: host time in host-bound compiled models)."""
+    dispatch.kernels_module()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = "elsa_surgery::attention_varlen" if varlen else "elsa_surgery::attention"
+    assert has(name, "Autograd") and not has(name + "_inference", "Autograd")
+    gen = torch.Generator().manual_seed(2)
+    if varlen:
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        q, k, v = (torch.randn(12, 2, 16, generator=gen) for _ in range(3))
+
+        def call(q, k, v):
+            return elsa_surgery.attention_varlen(q, k, v, cu, cu, 7, 7, backend="elsa")
+    else:
+        q, k, v = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
+
+        def call(q, k, v):
+            return elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa")
+
+    for grad in (False, True):
+        torch._dynamo.reset()
+        graphs = []
+        compiled = torch.compile(call, backend=_recording("aot_eager", graphs), fullgraph=True)
+        qs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out = compiled(*qs)
+        ops = {t for t in _targets(graphs[0]) if t.startswith("elsa_surgery.")}
+        assert ops == {name.replace("::", ".") + ("" if grad else "_inference") + ".default"}, ops
+        ref_in = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        ref = call(*ref_in)
+        assert _rel(out, ref) <= RTOL
+        if grad:
+            out.square().sum().backward()
+            ref.square().sum().backward()
+            for a, b in zip(qs, ref_in):
+                assert _rel(a.grad, b.grad) <= RTOL
+    torch._dynamo.reset()
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compiled_inference_call_returns_lse_only_when_asked(varlen):
+    """The inference op writes lse only when the call asks for it (an empty tensor otherwise, the kernel variant
+    eager calls compile); asked for, it equals the eager call's."""
+    gen = torch.Generator().manual_seed(3)
+    if varlen:
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        q, k, v = (torch.randn(12, 2, 16, generator=gen) for _ in range(3))
+
+        def call(q, k, v, lse):
+            return elsa_surgery.attention_varlen(q, k, v, cu, cu, 7, 7, backend="elsa", return_lse=lse)
+    else:
+        q, k, v = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
+
+        def call(q, k, v, lse):
+            return elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa", return_lse=lse)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out, lse = compiled(q, k, v, True)
+        ref_out, ref_lse = call(q, k, v, True)
+        assert _rel(out, ref_out) <= RTOL and _rel(lse, ref_lse) <= RTOL
+        plain = compiled(q, k, v, False)
+        assert isinstance(plain, torch.Tensor) and _rel(plain, ref_out) <= RTOL
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
