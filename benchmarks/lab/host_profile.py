@@ -3,7 +3,8 @@ host-bound and slower than native: ViT-B/16 bf16 batch 8 compiled (``torch.compi
 0.45x native) and its bf16-autocast training step (eager, ``auto`` taking SDPA; 0.76x native); ``bert``: BERT-base
 with padding, 128 tokens, batch 8, fp32, eager under inference mode (0.81x native), with each side's GPU kernels.
 
-    python benchmarks/lab/host_profile.py [--calls 20] [--top 30] [--which compile,train,bert]
+    python benchmarks/lab/host_profile.py [--calls 20] [--top 30] [--which compile,train,bert] \
+        [--compile-workload swin_t --compile-dtype fp32]
 
 Prints, for each, the per-call time of native and converted (interleaved, medians), dynamo's graph-break and
 recompile counters (compile), and cProfile's costliest functions over ``--calls`` converted calls, by own time and by
@@ -48,11 +49,14 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--which", default="compile,train,bert")
+    ap.add_argument("--compile-workload", default="vit_b16", help="compile: the bench_models.py workload")
+    ap.add_argument("--compile-dtype", default="bf16", choices=("bf16", "fp32"))
     a = ap.parse_args()
     bm = _bench_models()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     if "compile" in a.which:
-        native, call = bm.ab_build("vit_b16", torch.bfloat16, 8, "cuda")
+        dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[a.compile_dtype]
+        native, call = bm.ab_build(a.compile_workload, dtype, 8, "cuda")
         converted = copy.deepcopy(native)
         elsa_surgery.convert(converted, verify=False)
         from torch._dynamo.utils import counters
@@ -67,8 +71,8 @@ def main():
                   {k: dict(v) for k, v in counters.items() if k in ("graph_break", "stats", "recompiles")}, flush=True)
             t = benchmark.interleaved_ms({"native": lambda: call(nc), "converted": lambda: call(cc)}, rounds=5,
                                          calls=10)
-            print(f"compiled vit_b16 bf16 b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms",
-                  flush=True)
+            print(f"compiled {a.compile_workload} {a.compile_dtype} b8: native {t['native']:.3f} ms, converted "
+                  f"{t['converted']:.3f} ms", flush=True)
             host = {n: benchmark.per_call_ms(f, 20, host_only=True) for n, f in
                     (("native", lambda: call(nc)), ("converted", lambda: call(cc)))}
             print(f"  host only: native {host['native']:.3f} ms, converted {host['converted']:.3f} ms", flush=True)
