@@ -2,17 +2,19 @@
 
 ``torch.compile(fullgraph=True)`` sees each kernel call as one opaque op whose output shapes come from
 the fake implementation (no graph break, no recompilation when only sequence lengths change), and the
-launchers do no host syncs, so the calls capture in CUDA graphs. ``lse`` is always produced (it is
-``B·H·N`` floats); callers drop it when not asked for.
+launchers do no host syncs, so the calls capture in CUDA graphs. The ops with an autograd formula always produce
+``lse`` (``B·H·N`` floats, which the backward reads); the inference ops only when the call asks for it.
 
 The ops are defined on a ``torch.library.Library`` fragment with one Python kernel each (``CompositeExplicitAutograd``,
 any device), not through ``torch.library.custom_op``: Inductor's wrapper calls the op once per attention layer of a
-compiled model, and custom_op's kernel wrapper (its output-aliasing check) cost 14 µs of the op's 40 µs host time per
-call on session 32's H100 host (``benchmarks/lab/op_host.py``: op body 26 µs), where a compiled Swin-T is host-bound.
-For the same reason the forward ops come in pairs: ``attention`` / ``attention_varlen`` carry the autograd formula
-(training.py), ``attention_inference`` / ``attention_varlen_inference`` have none, and a call that wants no gradient
-is traced to the latter; under ``no_grad`` the formula's Python autograd kernel runs on every call even when nothing
-wants a gradient (10 µs of a 17 µs dispatch, CPU).
+compiled model, where a compiled Swin-T is host-bound, and custom_op's kernel wrapper (an output-aliasing check among
+others) is host time on every call. ``benchmarks/lab/op_host.py`` on H100 hosts (session 32, ViT-B/16 bf16 shapes,
+inference mode): the op's dispatch over its kernel's own time was 13.7 µs through custom_op (39.9 vs 26.2 µs) and
+7.1 µs on the fragment (37.7 vs 30.6 µs; another machine, so the absolute times differ). For the same reason the
+forward ops come in pairs: ``attention`` / ``attention_varlen`` carry the autograd formula (training.py),
+``attention_inference`` / ``attention_varlen_inference`` have none, and a call that wants no gradient is traced to the
+latter; under ``no_grad`` the formula's Python autograd kernel runs on every call even when nothing wants a gradient
+(about 10 µs of a 17 µs dispatch on a CPU host).
 """
 
 from __future__ import annotations
