@@ -411,3 +411,32 @@ def test_op_reads_the_adapters_strided_views_without_a_copy_gpu():
         pytest.skip(f"torch {torch.__version__}: the op keeps the contiguous layout (kernels/ops.py)")
     kernels, code = _block_code("cuda")
     assert kernels == 0 and "clone" not in code, code
+
+
+def test_mask_builder_takes_the_causal_skip_while_tracing(monkeypatch):
+    """Under torch.compile the adapter's mask builder returns no mask (SDPA's ``is_causal`` rule: our causal kernel
+    skips the masked blocks) where transformers would skip outside tracing and the decision reads no tensor: plain
+    causal, no padding mask, int lengths with one query or as many queries as keys, no local window reaching the
+    keys. Everything else goes to transformers' builder; outside tracing, transformers decides."""
+    pytest.importorskip("transformers")
+    from elsa_surgery.adapters import transformers_attention as ta
+
+    mu = ta._masking_utils()
+    built = []
+    monkeypatch.setattr(ta, "_sdpa_mask", lambda: (lambda *a, **kw: built.append(kw) or "mask"))
+    causal = dict(batch_size=2, mask_function=mu.causal_mask_function)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert ta.elsa_mask(q_length=8, kv_length=8, **causal) == "mask"  # eager: transformers' own rule
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for q_len, kv_len in ((8, 8), (1, 8)):
+        assert ta.elsa_mask(q_length=q_len, kv_length=kv_len, **causal) is None
+    assert ta.elsa_mask(cache_position=torch.arange(6), kv_length=6, **causal) is None  # older transformers' kwargs
+    assert ta.elsa_mask(q_length=8, kv_length=8, local_size=16, **causal) is None
+    built.clear()
+    kept = [dict(q_length=4, kv_length=8), dict(q_length=8, kv_length=8, attention_mask=torch.ones(2, 8)),
+            dict(q_length=8, kv_length=8, local_size=8), dict(q_length=8, kv_length=8, q_offset=torch.tensor(0)),
+            dict(q_length=8, kv_length=8, use_vmap=True), dict(q_length=8, kv_length=8, allow_is_causal_skip=False),
+            dict(q_length=8, kv_length=8, mask_function=mu.bidirectional_mask_function, batch_size=2)]
+    for kw in kept:
+        assert ta.elsa_mask(**{**causal, **kw}) == "mask", kw
+    assert len(built) == len(kept)
