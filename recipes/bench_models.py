@@ -24,14 +24,15 @@ native ms, converted ms, their ratio (> 1: the converted model is faster), the a
 time (``torch.profiler``), the backends the converted calls ran, and the output difference; ``--out`` writes
 JSON and ``--plot`` a PNG heat map of the ratios (matplotlib).
 
-``--compile MODES`` (``default``, ``max-autotune``, ``reduce-overhead``; a comma list) runs the same workloads
-under ``torch.compile`` (issue 33): the native model compiled against a deep copy converted with
-``convert(verify=False)`` and then compiled (the converted one compiled first, so it never reuses kernels Inductor
-built for the native one; a tiny function compiled before the first cell takes Inductor's start-up), timed in
-interleaved rounds in one process. Each row has the compile time of each side (the first call's wall time,
-synchronised), their ratio, ``auto``'s trace-time choices (``compiled_decisions``), native ms / converted ms and the
-output difference; ``--profile`` adds where one compiled call's device time goes on each side, by kind: ``elsa``
-(the package's kernels), ``inductor`` (Inductor's fused ``triton_*`` kernels), ``copy`` (copies and transposes),
+``--compile MODES`` (``default``, ``max-autotune``, ``reduce-overhead``; a comma list) runs the same workloads under
+``torch.compile`` (issue 33): the native model compiled against a deep copy converted with ``convert(verify=False)``
+and then compiled (the converted one compiled first, so it never reuses kernels Inductor built for the native one; a
+tiny function compiled before the first cell takes Inductor's start-up), timed in interleaved rounds in one process.
+Each row has the compile time of each side (the first call's wall time, synchronised), their ratio, ``auto``'s
+trace-time choices (``compiled_decisions``), native ms / converted ms and the output difference; ``--control``
+replaces the converted copy with an unconverted one (an A/A run: the ratio the method alone makes, e.g. in host-
+bound cells); ``--profile`` adds where one compiled call's device time goes on each side, by kind: ``elsa`` (the
+package's kernels), ``inductor`` (Inductor's fused ``triton_*`` kernels), ``copy`` (copies and transposes),
 ``sdpa``, ``gemm`` and ``other``, with the largest kernels of each. ``--cpu-smoke`` checks the flow on the CPU with
 one-block models.
 
@@ -378,8 +379,12 @@ def compile_cell(name, dt, batch, mode, args):
         torch._dynamo.reset()
         native, call = ab_build(name, dtype, batch, device, smoke=args.cpu_smoke)
         converted = copy.deepcopy(native)
-        report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
-        rec["converted_modules"] = report.num_converted
+        if args.control:  # the A/A control: the "converted" side is an unconverted copy (the method's noise floor)
+            rec["control"] = True
+            rec["converted_modules"] = 0
+        else:
+            report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
+            rec["converted_modules"] = report.num_converted
         with torch.inference_mode():
             with elsa_surgery.dispatch.record() as log:  # compiled code records nothing: the eager call's decisions
                 call(converted)
@@ -463,7 +468,7 @@ def compile_main(args) -> int:
           f"({args.compile_backend}), interleaved rounds ({args.rounds} x {args.calls} calls), "
           f"ratio = native ms / converted ms; Inductor warm-up {env['inductor_warmup_s']:.1f} s", flush=True)
     def describe(cell, rec):
-        head = "{} {} b{} {}: ".format(*cell)
+        head = "{} {} b{} {}: ".format(*cell) + ("[A/A control: both sides native] " if rec.get("control") else "")
         if "error" in rec:
             return [head + rec["error"][:160]]
         return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
@@ -638,6 +643,9 @@ def parse_args(argv=None):
                    help="--compile: torch.compile's backend (modes apply to inductor only)")
     p.add_argument("--profile", action="store_true",
                    help="--compile: profile one native and one converted compiled call (where device time goes)")
+    p.add_argument("--control", action="store_true",
+                   help="--compile: an A/A control: the second side is an unconverted deep copy of the native model, "
+                        "compiled and timed the same way (the ratio any difference in the method alone makes)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"--eager: comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--batches", default=None, help="--eager: comma list of batch sizes (default: each workload's)")
     p.add_argument("--rounds", type=int, default=3, help="--eager: interleaved rounds (median reported)")

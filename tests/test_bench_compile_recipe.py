@@ -53,3 +53,20 @@ def test_compile_smoke_run_writes_rows(tmp_path, load_recipe, capsys):
     printed = capsys.readouterr().out
     converted_line = next(line for line in printed.splitlines() if line.startswith("  converted: "))
     assert "deit3_s fp32 b1 default: native" in printed and "elsa_surgery::reference_attention" in converted_line
+
+
+def test_compile_control_run_converts_nothing(tmp_path, load_recipe, capsys):
+    """``--control``: the A/A run, both sides the native model (no ELSA op in either profile), marked in the row and
+    the printed line; the Inductor warm-up is recorded in the environment."""
+    m = load_recipe("bench_models")
+    out = tmp_path / "rows.json"
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--rounds", "1", "--calls", "1", "--profile", "--control",
+                   "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["records"]
+    assert "error" not in row, row.get("traceback")
+    assert row["control"] and row["converted_modules"] == 0 and row["rel_err_vs_native"] == 0
+    assert "elsa" not in row["profile"]["converted"] and "elsa" not in row["profile"]["native"]
+    assert data["env"]["inductor_warmup_s"] > 0
+    assert "[A/A control: both sides native]" in capsys.readouterr().out
