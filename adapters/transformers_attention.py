@@ -262,13 +262,15 @@ def _traced_causal_skip(kw) -> bool:
     """Whether a mask builder call that torch.compile traces is transformers' plain causal mask with no padding, where
     SDPA's ``is_causal`` rule holds (one query, or as many queries as keys), decided from static values only.
 
-    transformers makes this skip outside tracing; while tracing it skips only on torch >= 2.14 (before
-    pytorch#176499 dynamo read ``torch.compiler.is_exporting()`` as True in every trace), so on older torch a compiled
-    model materialised a ``[B, 1, N, N]`` mask at every prefill: on an H100 (session 32, torch 2.11, LLaMA-13B-shaped,
-    4K tokens, bf16) the masked kernel took 2.5 ms per layer where the causal one takes 0.35 ms, and native SDPA's
-    cuDNN 1.0 ms for 0.33. Only Python ints count (no ``SymInt``, no tensor offset: a dynamic-shape or exported graph
-    keeps the mask), with no 2-D padding mask, no local window reaching the keys and the plain causal mask function;
-    our adapter then runs causal attention (bottom-right, equal to top-left here) without a mask."""
+    transformers makes this skip outside tracing; while tracing it skips only in recent releases on torch >= 2.14
+    (5.17 never does: its ``is_tracing`` check comes first), so a compiled model with a cache materialised a
+    ``[B, 1, N, N]`` mask at every prefill step and ran the masked kernel: on an H100 (session 32, torch 2.11,
+    LLaMA-13B-shaped, 4K tokens, bf16) that kernel took 2.5 ms per layer where the causal one takes 0.35 ms (native
+    SDPA's cuDNN: 1.0 ms with the mask, 0.33 without). That measurement was a call without a cache, whose mask
+    transformers builds from the position ids (packed sequences): a mask function this skip does not cover, as it
+    would read tensor values. Only Python ints count (no ``SymInt``, no tensor offset: a dynamic-shape or exported
+    graph keeps the mask), with no 2-D padding mask, no local window reaching the keys and the plain causal mask
+    function; our adapter then runs causal attention (bottom-right, equal to top-left here) without a mask."""
     if not torch.compiler.is_compiling() or not kw.get("allow_is_causal_skip", True):
         return False
     mu = _masking_utils()
