@@ -66,11 +66,18 @@ def dense_out(q: Tensor, v: Tensor) -> Tensor:
     return launch._new_out(q, B, Hq, Nq, Dv) if STRIDED_OUTPUT else q.new_empty((B, Hq, Nq, Dv))
 
 
+def _out_arg(q: Tensor, v: Tensor) -> Optional[Tensor]:
+    """The ``out`` the dense ops hand the launcher: none where the launcher's own output has the fake's layout (it
+    allocates the strided output itself, through the launch plan's recorded geometry, and the plan is the one an
+    eager call of the signature records), else the contiguous :func:`dense_out`."""
+    return None if STRIDED_OUTPUT else dense_out(q, v)
+
+
 def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str):
     """``(out, lse)`` of :data:`attention_op`: its kernel, also called without the op's dispatch (the eager training
     path, ``training.EagerAttention``)."""
     return launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=dense_out(q, v))
+                            kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=_out_arg(q, v))
 
 
 def _dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
@@ -90,7 +97,7 @@ def _dense_inference(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_caus
                      return_lse: bool):
     out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
                                 kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse,
-                                out=dense_out(q, v))
+                                out=_out_arg(q, v))
     return out, (lse if return_lse else _no_lse(q))
 
 

@@ -127,6 +127,23 @@ def test_replay_allocates_outputs_and_partition_states():
     assert [type(one.fn).__name__ for one in plan.launches] and len(plan.launches) == 2  # phase 1 and the merge
 
 
+def test_inference_op_replays_the_eager_calls_plan():
+    """The inference op hands the launcher no output where the launcher's own has the op's layout: an eager call
+    and the op (what a compiled no-grad graph calls) share one launch plan, and the op's output has the layout its
+    fake declares."""
+    from elsa_surgery.kernels import ops
+
+    q, k, v = rand(2, 2, 24, 16), rand(2, 2, 24, 16), rand(2, 2, 24, 16)
+    eager, _ = launch.attention(decoy(q), decoy(k), decoy(v), scale=0.25, precision="strict", is_causal=True,
+                                return_lse=False)
+    before = dict(replay.STATS)
+    out, lse = ops.attention_inference_op(q, k, v, None, None, None, 0.25, True, "strict", False)
+    assert replay.STATS["replayed"] == before["replayed"] + 1 and replay.STATS["recorded"] == before["recorded"]
+    assert out.stride() == ops.dense_out(q, v).stride() == eager.stride() and lse.numel() == 0
+    ref = elsa_surgery.attention(q.double(), k.double(), v.double(), scale=0.25, is_causal=True, backend="reference")
+    assert rel(out, ref) <= 2e-6
+
+
 def test_state_and_varlen_calls_replay():
     q, k, v = rand(2, 2, 30, 16), rand(2, 2, 50, 16), rand(2, 2, 50, 16)
     launch.attention_state(decoy(q), decoy(k), decoy(v), scale=0.25)
