@@ -148,9 +148,9 @@ def _trace_time_choice(sig: tuple) -> Tuple[str, str]:
         q, k, v = (torch.randn(s, device=device, dtype=dt) for s in (sq, sk, sv))
         from .kernels import ops  # the kernels ran or will: imported
 
-        # the op as the compiled graph calls it (Inductor's wrapper calls the registered op): its dispatch and the
-        # lse it always writes count against ELSA, as they will in the graph (session 31: timing the launcher alone
-        # kept ELSA for ViT-B/16 bf16, 0.90x compiled native)
+        # the op as an inference graph calls it (Inductor's wrapper calls the registered op): its dispatch counts
+        # against ELSA, as it will in the graph (session 31: timing the launcher alone kept ELSA for ViT-B/16 bf16,
+        # 0.90x compiled native)
         elsa = lambda: ops.attention_inference_op(q, k, v, None, None, None, scale, causal,  # noqa: E731
                                                   precision or "", False)
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731

@@ -148,6 +148,8 @@ def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 attention_varlen_op = define("attention_varlen", VARLEN_SCHEMA + " -> (Tensor, Tensor)", varlen_forward,
                               _varlen_fake)
+
+
 def _varlen_inference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                       is_causal: bool, precision: str, return_lse: bool):
     out, lse = launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
