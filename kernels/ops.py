@@ -73,20 +73,23 @@ def _out_arg(q: Tensor, v: Tensor) -> Optional[Tensor]:
     return None if STRIDED_OUTPUT else dense_out(q, v)
 
 
-def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str):
+def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str,
+                  return_lse: bool = True):
     """``(out, lse)`` of :data:`attention_op`: its kernel, also called without the op's dispatch (the eager training
-    path, ``training.EagerAttention``)."""
+    path, ``training.EagerAttention``); ``return_lse=False`` (the inference op's kernel): lse is None."""
     return launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                            kv_lengths=kv_lengths, precision=precision or None, return_lse=True, out=_out_arg(q, v))
+                            kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse,
+                            out=_out_arg(q, v))
 
 
-def _dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
+def dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, *_):
+    """The fake ``(out, lse)`` of the dense ops (extra arguments, as the dropout op's, ignored)."""
     B, Hq, Nq, _ = q.shape
     return dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 # (out, lse); autograd formula in training.py
-attention_op = define("attention", DENSE_SCHEMA + " -> (Tensor, Tensor)", dense_forward, _dense_fake)
+attention_op = define("attention", DENSE_SCHEMA + " -> (Tensor, Tensor)", dense_forward, dense_fake)
 
 
 def _no_lse(q: Tensor) -> Tensor:
@@ -95,14 +98,12 @@ def _no_lse(q: Tensor) -> Tensor:
 
 def _dense_inference(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str,
                      return_lse: bool):
-    out, lse = launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
-                                kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse,
-                                out=_out_arg(q, v))
+    out, lse = dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse)
     return out, (lse if return_lse else _no_lse(q))
 
 
 def _dense_inference_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse):
-    out, lse = _dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
+    out, lse = dense_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
     return out, (lse if return_lse else _no_lse(q))
 
 
@@ -129,11 +130,11 @@ attention_state_op = define("attention_state", DENSE_SCHEMA + " -> (Tensor, Tens
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                   is_causal: bool, precision: str):
+                   is_causal: bool, precision: str, return_lse: bool = True):
     """``(out, lse)`` of :data:`attention_varlen_op`: its kernel, also called without the op's dispatch
-    (``training.EagerAttentionVarlen``)."""
+    (``training.EagerAttentionVarlen``); ``return_lse=False`` (the inference op's kernel): lse is None."""
     return launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                                   is_causal=is_causal, precision=precision or None, return_lse=True)
+                                   is_causal=is_causal, precision=precision or None, return_lse=return_lse)
 
 
 def varlen_fake(q: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
@@ -152,8 +153,8 @@ attention_varlen_op = define("attention_varlen", VARLEN_SCHEMA + " -> (Tensor, T
 
 def _varlen_inference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                       is_causal: bool, precision: str, return_lse: bool):
-    out, lse = launch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                                       is_causal=is_causal, precision=precision or None, return_lse=return_lse)
+    out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal,
+                              precision, return_lse)
     return out, (lse if return_lse else _no_lse(q))
 
 

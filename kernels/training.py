@@ -51,13 +51,8 @@ def _dropout_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_caus
     return out, lse
 
 
-def _dropout_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, dropout_p, seed):
-    B, Hq, Nq, _ = q.shape
-    return ops.dense_out(q, v), q.new_empty((B, Hq, Nq), dtype=torch.float32)
-
-
 attention_dropout_op = ops.define("attention_dropout", ops.DENSE_SCHEMA[:-1] + ", float dropout_p, Tensor seed) -> "
-                                  "(Tensor, Tensor)", _dropout_forward, _dropout_fake)
+                                  "(Tensor, Tensor)", _dropout_forward, ops.dense_fake)
 
 
 def _varlen_dropout_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, is_causal: bool,
