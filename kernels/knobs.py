@@ -38,6 +38,7 @@ NCU_CHILD = "ELSA_NCU_CHILD"
 TEST_RANDOM_CASES = "ELSA_TEST_RANDOM_CASES"
 BLOCKED_PV_KEYS = "ELSA_BLOCKED_PV_KEYS"
 BWD_DQ = "ELSA_BWD_DQ"
+MASK_TILES = "ELSA_MASK_TILES"
 
 _MAX_CACHED = 32  # parsed values kept per knob (by raw value)
 
@@ -160,6 +161,11 @@ _DECLARED = (
          "every measured tile), or atomic adds from the key-block pass (never under "
          "torch.use_deterministic_algorithms(True))", _choice("rows", "atomic"), scope="tuning",
          choices=("rows", "atomic")),
+    Knob(MASK_TILES, "choice", _choices("0", "1"), "1",
+         "masked forward calls with rows of many key blocks: 1 classifies the mask's tiles first (one pass over it) so "
+         "that the kernel skips key blocks every row of a tile masks and runs the unmasked loop where every key is "
+         "visible; 0 runs every block through the masked loop", _choice("0", "1"), scope="tuning",
+         choices=("0", "1")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

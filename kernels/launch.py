@@ -15,11 +15,12 @@ signature in :func:`cached_plan` while the ``ELSA_*`` knobs it read keep their v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import knobs
 from . import occupancy as occ
 from . import replay
 
@@ -389,6 +390,7 @@ class LaunchPlan:
     hopper: bool
     hopper_mode: str
     pack_rows: Optional[int] = None  # decode / short queries: rows per K/V head packed in a tile (scan's PACK)
+    mask_ranges: bool = False  # classify the mask's tiles first (scan.mask_tile_ranges, ELSA_MASK_TILES)
 
     @property
     def split(self) -> bool:
@@ -469,8 +471,18 @@ def _staging(sig: CallSignature, d: Dims, dot: int, cfg, n_mb: int, parts: int):
 
 
 def plan_launch(sig: CallSignature) -> LaunchPlan:
-    """The launch plan of a call: which kernel (dot kind, split or not, Hopper candidate), tiles, partitions and
-    staging. Pure: reads the signature, the device's properties and the ``ELSA_*`` knobs, touches no tensor."""
+    """The launch plan of a call: which kernel (dot kind, split or not, Hopper candidate), tiles, partitions,
+    staging and whether the mask's tiles are classified first. Pure: reads the signature, the device's properties
+    and the ``ELSA_*`` knobs, touches no tensor."""
+    plan = _kernel_plan(sig)
+    d = plan.dims
+    if (sig.has_mask and plan.pack_rows is None and not d.varlen and plan.staging[0] in ("whole", "heads")
+            and -(-d.Nk // plan.cfg.block_n) >= occ.MASK_RANGE_MIN_KEY_BLOCKS and knobs.get(knobs.MASK_TILES) == "1"):
+        plan = replace(plan, mask_ranges=True)
+    return plan
+
+
+def _kernel_plan(sig: CallSignature) -> LaunchPlan:
     from . import hopper  # Triton is imported only when kernels run
 
     hopper_mode = hopper.mode()  # read on every planning: a bad ELSA_HOPPER raises wherever the call would run
@@ -617,10 +629,12 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
 
     def fwd(q_, k_, v_, out_, lse_, mask_, koff, klim, part_len_, pm_, ps_, pw_, write_state_, chunked,
-            split_=None):
+            split_=None, ranges_=None):
         """One phase-1 launch over the heads of ``q_`` (a head slice of q, with the matching K/V/out/lse);
-        ``split_``: ``(kl, ki, vl, vi)`` when K/V are the hi parts of a ``_SplitKV``."""
+        ``split_``: ``(kl, ki, vl, vi)`` when K/V are the hi parts of a ``_SplitKV``; ``ranges_``: the mask's tile
+        ranges (:func:`_mask_ranges`, sliced as ``mask_``)."""
         mask_t, mask_kind, sm, period = _mask_arg(mask_)
+        sr = (ranges_.stride(0), ranges_.stride(1) if ranges_.shape[1] > 1 else 0) if ranges_ is not None else (0, 0)
         hq = q_.shape[1]
         kl, ki, vl, vi = split_ if split_ is not None else (dummy,) * 4
         si = (ki.stride(0), ki.stride(1), vi.stride(0), vi.stride(1)) if split_ is not None else (0,) * 4
@@ -636,24 +650,25 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
-            kl, ki, vl, vi,
+            kl, ki, vl, vi, ranges_ if ranges_ is not None else dummy,
             float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, rows_buf, bh_, period, koff, klim,
             head_group,
-            *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *si, *sm,
+            *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *si, *sm, *sr,
             *so, *sl,
             D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
             HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
             WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None, BLOCKED_PV=blocked_pv,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HAS_RANGES=ranges_ is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     lse_arg = lse if want_lse else None
     split, part_len, staging = plan.split, plan.part_len, plan.staging
+    ranges = _mask_ranges(mask, d, cfg, n_mblocks) if plan.mask_ranges and mask is not None else None
     stager = (_SplitKV(k, v, block_n=cfg.block_n, split_v=dot == occ.DOT_F16X3) if split
               else _TransposedV(k, v))
     if staging[0] == "heads":
-        _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, staging[1], groups, part_len, stager)
+        _head_group_fwd(fwd, q, k, v, out, lse_arg, mask, staging[1], groups, part_len, stager, ranges)
         return out, lse, state
     if staging[0] in ("keys", "rkeys"):
         chunks, region = ((staging[1], _Region.of_output(out)[0]) if staging[0] == "rkeys"
@@ -668,7 +683,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         if staged is not v:
             replay.derived("v_staged", staged, lambda slots: _stage_v(slots["v"], varlen))
         v = staged
-    fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args)
+    fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args, ranges)
     if parts > 1 and pack_rows is not None:  # few rows, many partitions: one program per row
         fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
         replay.launch(
@@ -691,7 +706,30 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     return out, lse, state
 
 
-def _head_group_fwd(fwd, q, k, v, out, lse, mask, kv_per_launch, groups, part_len, stager):
+def _mask_ranges(mask, d: Dims, cfg, n_mblocks: int) -> torch.Tensor:
+    """The key-block ranges of every row tile of ``mask`` (``[P, Hm, Nq | 1, Nk | 1]``): int32
+    ``[P, Hm, n_mblocks, 4]``, read by ``scan.elsa_fwd`` (``HAS_RANGES``). Two launches: the class of every tile
+    (``scan.mask_tile_classes``: one program per tile, a pass over the mask), then each row tile's ranges
+    (``scan.mask_tile_ranges``)."""
+    m, kind, (sp, sh, sm, sn), period = _mask_arg(mask)
+    heads = m.shape[1]
+    n_nb = -(-d.Nk // cfg.block_n)
+    classes = torch.empty((period, heads, n_mblocks * n_nb), device=m.device, dtype=torch.int8)
+    ranges = torch.empty((period, heads, n_mblocks, 4), device=m.device, dtype=torch.int32)
+    replay.allocated("mask_classes", classes)
+    replay.allocated("mask_ranges", ranges)
+    scan = _scan()
+    sc = (classes.stride(0), classes.stride(1) if heads > 1 else 0)
+    replay.launch(scan.mask_tile_classes, (n_mblocks * n_nb, heads, period), m, classes, d.Nq, d.Nk, n_nb,
+                  sp, sh, sm, sn, *sc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=kind, num_warps=4,
+                  num_stages=1)
+    replay.launch(scan.mask_tile_ranges, (n_mblocks, heads, period), classes, ranges, n_nb, *sc,
+                  ranges.stride(0), ranges.stride(1) if heads > 1 else 0,
+                  CHUNK=min(1024, occ.next_pow2(n_nb)), num_warps=4, num_stages=1)
+    return ranges
+
+
+def _head_group_fwd(fwd, q, k, v, out, lse, mask, kv_per_launch, groups, part_len, stager, ranges=None):
     """One launch per group of ``kv_per_launch`` K/V heads (every batch row), K/V staged for that group only
     into one reused buffer (``stager``); each launch finishes its rows, so nothing else is kept between launches."""
     Nk = v.shape[2]
@@ -702,7 +740,8 @@ def _head_group_fwd(fwd, q, k, v, out, lse, mask, kv_per_launch, groups, part_le
         k_op, v_op, split = _stage(stager, region, k[:, h0:h1], v[:, h0:h1])
         qs = slice(h0 * groups, h1 * groups)
         fwd(q[:, qs], k_op, v_op, out[:, qs], None if lse is None else lse[:, qs],
-            mask[:, qs] if headed_mask else mask, 0, Nk, part_len, q, q, q, False, 0, split)
+            mask[:, qs] if headed_mask else mask, 0, Nk, part_len, q, q, q, False, 0, split,
+            None if ranges is None else ranges[:, qs] if headed_mask else ranges)
 
 
 def _key_chunk_fwd(fwd, q, k, v, out, lse, mask, chunks, out_region, block_n, rows, stager):

@@ -69,6 +69,11 @@ MIN_ROWS_PER_KV_HEAD_TO_STAGE = 1024
 # MIN_KEYS_PER_STAGE_CHUNK.
 STAGE_MEMORY_FRACTION = 0.1
 MIN_KEYS_PER_STAGE_CHUNK = 1024
+# masked calls whose rows span at least this many key blocks classify the mask's tiles first
+# (scan.mask_tile_ranges: one more launch and one pass over the mask) so that the kernel skips the key blocks a
+# tile's rows never see and folds those they wholly see unmasked (ELSA_MASK_TILES). Below it a row has too few
+# blocks to skip for the launch to pay (Swin's 49-key windows are one block).
+MASK_RANGE_MIN_KEY_BLOCKS = 8
 # the fp16 split of ``precise`` stages twice V's bytes per key (K and V, hi and lo) and gains more per
 # launch: 512-key chunks still run at 2.66x ME-SDPA (H100, B=1, H=8, D=64, N=16K; whole: 4.14x)
 MIN_KEYS_PER_SPLIT_CHUNK = 512

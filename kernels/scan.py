@@ -8,7 +8,9 @@ stores ``m`` in natural-log units.
 Phase 1 (:func:`elsa_fwd`): one program per (query block, batch*head, K-partition). It walks the key
 blocks of its partition in two loops: blocks where every (row, key) pair is visible run without any
 masking arithmetic, the few boundary blocks (causal diagonal, ragged key tail, explicit mask) run
-masked; blocks wholly above the causal frontier or past a row's valid length are never visited. With
+masked; blocks wholly above the causal frontier or past a row's valid length are never visited. An explicit
+mask's tiles may be classified first (:func:`mask_tile_classes`, :func:`mask_tile_ranges`, ``HAS_RANGES``): blocks
+the mask hides from every row of the tile are skipped too, and those it hides nothing of run unmasked. With
 one partition the program finishes the row itself (``out = W / S``, ``lse = m + log S``); otherwise it
 writes its partial state and phase 2 (:func:`elsa_merge`) merges the partitions (⊕ is associative).
 
@@ -178,6 +180,81 @@ def _fold_block(
     return acc, l_i, m_new
 
 
+@triton.jit(do_not_specialize=["Nq", "Nk", "n_nblocks"])
+def mask_tile_classes(
+    MASK, CLS, Nq, Nk, n_nblocks,
+    stride_mp, stride_mh, stride_mm, stride_mn, stride_cp, stride_ch,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+):
+    """The class of every ``BLOCK_M x BLOCK_N`` tile of a mask (step 1 of 2, before ``elsa_fwd``; one program per
+    tile, so the pass over the mask runs at memory speed): program ``(m * n_nblocks + j, h, p)`` reads rows
+    ``[m * BLOCK_M, ...)`` and keys ``[j * BLOCK_N, ...)`` of mask plane ``(p, h)`` (``[P, H, Nq, Nk]``, any
+    strides, 0 on broadcast axes; only valid rows and keys count) and writes to
+    ``CLS + p * stride_cp + h * stride_ch + m * n_nblocks + j``: 0 when it hides every key from every row (bool
+    False, float ``-inf``: the tile's fold is the identity), 2 when it hides nothing (bool True, float 0: the
+    tile folds unmasked), 1 otherwise."""
+    pid = tl.program_id(0)
+    pid_m = pid // n_nblocks
+    j = pid % n_nblocks
+    h = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows[:, None] < Nq) & (cols[None, :] < Nk)
+    x = tl.load(MASK + p * stride_mp + h * stride_mh + rows[:, None].to(tl.int64) * stride_mm
+                + cols[None, :].to(tl.int64) * stride_mn, mask=ok, other=0)
+    if MASK_KIND == 1:
+        vis = x != 0
+        clear = vis
+    else:
+        vis = x != float("-inf")
+        clear = x == 0.0
+    seen = tl.max(tl.max(tl.where(ok & vis, 1, 0), 1), 0)
+    whole = tl.min(tl.min(tl.where(ok & (clear == 0), 0, 1), 1), 0)
+    tl.store(CLS + p * stride_cp + h * stride_ch + pid, (seen + whole).to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["n_nblocks"])
+def mask_tile_ranges(CLS, RANGES, n_nblocks, stride_cp, stride_ch, stride_rp, stride_rh, CHUNK: tl.constexpr):
+    """The key blocks each row tile of a mask needs (step 2 of 2): program ``(m, h, p)`` reads the classes of row
+    tile ``m`` of plane ``(p, h)`` (``mask_tile_classes``) and writes four block indices to
+    ``RANGES + p * stride_rp + h * stride_rh + m * 4``: ``[v_lo, f_lo, f_hi, v_hi]``. Blocks outside
+    ``[v_lo, v_hi)`` hide every key from every row of the tile: the kernel skips them. ``[f_lo, f_hi)``, inside
+    it, is the first run of blocks that hide nothing: the kernel folds them without reading the mask. Every other
+    block of ``[v_lo, v_hi)`` runs masked. A tile with no visible key gets ``[0, 0, 0, 0]``; one with no unmasked
+    block ``f_lo = f_hi = v_lo``."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(2).to(tl.int64)
+    base = CLS + p * stride_cp + h * stride_ch + pid_m.to(tl.int64) * n_nblocks
+    offs = tl.arange(0, CHUNK)
+    v_lo = n_nblocks
+    v_hi = 0
+    f_lo = n_nblocks
+    for j0 in range(0, n_nblocks, CHUNK):
+        j = j0 + offs
+        c = tl.load(base + j, mask=j < n_nblocks, other=0)
+        v_lo = tl.minimum(v_lo, tl.min(tl.where(c > 0, j, n_nblocks), 0))
+        v_hi = tl.maximum(v_hi, tl.max(tl.where(c > 0, j + 1, 0), 0))
+        f_lo = tl.minimum(f_lo, tl.min(tl.where(c == 2, j, n_nblocks), 0))
+    f_hi = n_nblocks  # the first block after f_lo that is not clear
+    for j0 in range(0, n_nblocks, CHUNK):
+        j = j0 + offs
+        c = tl.load(base + j, mask=j < n_nblocks, other=0)
+        f_hi = tl.minimum(f_hi, tl.min(tl.where((j > f_lo) & (c != 2), j, n_nblocks), 0))
+    none = v_lo >= v_hi
+    v_lo = tl.where(none, 0, v_lo)
+    v_hi = tl.where(none, 0, v_hi)
+    no_clear = f_lo >= n_nblocks
+    f_hi = tl.where(no_clear, v_lo, f_hi)
+    f_lo = tl.where(no_clear, v_lo, f_lo)
+    out = RANGES + p * stride_rp + h * stride_rh + pid_m * 4
+    tl.store(out, v_lo)
+    tl.store(out + 1, f_lo)
+    tl.store(out + 2, f_hi)
+    tl.store(out + 3, v_hi)
+
+
 @triton.jit
 def heaviest_first(pid, n_blocks, BH, head_group, LAST_IS_HEAVIEST: tl.constexpr):
     """``(block, batch x head)`` of program ``pid`` of a causal launch of ``n_blocks`` blocks for each of ``BH``
@@ -198,13 +275,13 @@ def heaviest_first(pid, n_blocks, BH, head_group, LAST_IS_HEAVIEST: tl.constexpr
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def elsa_fwd(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
-    OUT, LSE, PM, PS, PW, KL, KI, VL, VI,
+    OUT, LSE, PM, PS, PW, KL, KI, VL, VI, RANGES,
     qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period, koff, klim, head_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_kib, stride_kih, stride_vib, stride_vih,
-    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_mp, stride_mh, stride_mm, stride_mn, stride_rp, stride_rh,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -212,6 +289,7 @@ def elsa_fwd(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
     VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT: tl.constexpr,
     CHUNKED: tl.constexpr, PACK: tl.constexpr = False, BLOCKED_PV: tl.constexpr = False,
+    HAS_RANGES: tl.constexpr = False,
 ):
     """Phase 1. Keys ``[koff, koff + klim)`` of each row (``koff = 0``, ``klim = Nk`` unless chunked).
 
@@ -320,15 +398,22 @@ def elsa_fwd(
         hi = tl.where(live, hi, lo)
     hi = tl.maximum(hi, lo)
     # blocks in [lo, full_hi) need no masking: every key valid and visible from every row of the tile
-    if MASK_KIND == 0:
-        full_lim = hi
-        if IS_CAUSAL:
-            if PACK:
-                full_lim = tl.minimum(full_lim, causal_off + 1)  # query 0 may be among the rows
-            else:
-                full_lim = tl.minimum(full_lim, start_m + causal_off + 1)
-        full_hi = lo + tl.maximum(full_lim - lo, 0) // BLOCK_N * BLOCK_N
-    else:
+    full_lim = hi
+    if IS_CAUSAL:
+        if PACK:
+            full_lim = tl.minimum(full_lim, causal_off + 1)  # query 0 may be among the rows
+        else:
+            full_lim = tl.minimum(full_lim, start_m + causal_off + 1)
+    full_hi = lo + tl.maximum(full_lim - lo, 0) // BLOCK_N * BLOCK_N
+    if HAS_RANGES:  # the mask's tile ranges (mask_tile_ranges; not with PACK or CHUNKED): keys [r_lo, r_hi) are
+        # folded, blocks wholly hidden by the mask skipped, those in [f_lo, f_hi) unmasked (the mask hides
+        # nothing there and they are clear of the causal frontier and the valid length)
+        rr = RANGES + (b % mask_period).to(tl.int64) * stride_rp + h.to(tl.int64) * stride_rh + pid_m * 4
+        r_lo = tl.maximum(lo, tl.load(rr + 0) * BLOCK_N)
+        r_hi = tl.maximum(r_lo, tl.minimum(hi, tl.load(rr + 3) * BLOCK_N))
+        f_lo = tl.minimum(tl.maximum(tl.load(rr + 1) * BLOCK_N, r_lo), r_hi)
+        f_hi = tl.maximum(f_lo, tl.minimum(tl.minimum(tl.load(rr + 2) * BLOCK_N, r_hi), full_hi))
+    elif MASK_KIND != 0:
         full_hi = lo
 
     if PACK:
@@ -387,6 +472,16 @@ def elsa_fwd(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
+    if HAS_RANGES:  # masked [r_lo, f_lo), unmasked [f_lo, f_hi), masked [f_hi, r_hi)
+        for start_n in range(r_lo, f_lo, BLOCK_N):
+            acc, l_i, m_i = _fold_block(
+                acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
+                start_n, row_q, offs_n, offs_d, offs_dv,
+                kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
+                D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
+        lo = f_lo
+        full_hi = f_hi
+        hi = r_hi
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fold_block(
             acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,

@@ -1,0 +1,173 @@
+"""Masked calls with the mask's tiles classified first (``scan.mask_tile_ranges``, ``ELSA_MASK_TILES``): the ranges
+against a classification in torch, masked calls against the float64 oracle, and proof that blocks the mask hides
+are never read. Small shapes for the Triton interpreter: rows of at least 8 key blocks (the CPU tiles are 32 keys)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are decorated (kernels/scan.py is imported lazily)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import elsa_surgery
+from elsa_surgery import benchmark
+from elsa_surgery.kernels import launch, occupancy
+from kernel_env import DEV, needs_kernels
+
+pytestmark = needs_kernels
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+def rand(*shape, dtype=torch.float32, g=None):
+    return torch.randn(*shape, dtype=torch.float64, generator=g).to(dtype).to(DEV)
+
+
+def oracle(q, k, v, mask, **kw):
+    mask = mask if mask.dtype == torch.bool else mask.double()
+    return elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference", return_lse=True,
+                                  enable_gqa=True, **kw)
+
+
+def rel(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm())
+
+
+def structured(kind, nq, nk, g):
+    """A boolean ``[nq, nk]`` mask (True = attend) of the shapes models build."""
+    i, j = torch.arange(nq)[:, None] + (nk - nq), torch.arange(nk)[None, :]
+    if kind == "causal":
+        return j <= i
+    if kind == "packed":  # block-diagonal causal: three documents
+        doc = torch.arange(nk) * 3 // nk
+        return (j <= i) & (doc[None, :] == doc[i.clamp(0, nk - 1)])
+    if kind == "window":
+        return (j <= i) & (i - j < nk // 3)
+    if kind == "padding":
+        return (j < nk * 2 // 3).expand(nq, nk)
+    if kind == "hidden_rows":  # random, with row tiles that see nothing
+        m = torch.rand(nq, nk, generator=g) < 0.5
+        m[: nq // 3] = False
+        return m
+    return torch.rand(nq, nk, generator=g) < 0.5
+
+
+def plan_of(q, k, v, mask, precision="strict", **kw):
+    sig = launch.call_signature(q, k, v, None, precision=precision if q.dtype == torch.float32 else None, mask=mask,
+                                **kw)
+    return launch.plan_launch(sig)
+
+
+def torch_ranges(mask, bm, bn, nq, nk):
+    """``[v_lo, f_lo, f_hi, v_hi]`` per row tile, as ``scan.mask_tile_ranges`` documents them, in torch."""
+    P, H = mask.shape[:2]
+    m = mask.expand(P, H, nq, nk).cpu()
+    vis = m if m.dtype == torch.bool else m != float("-inf")
+    clear = m if m.dtype == torch.bool else m == 0
+    n_m, n_n = -(-nq // bm), -(-nk // bn)
+    out = torch.zeros(P, H, n_m, 4, dtype=torch.int32)
+    for p in range(P):
+        for h in range(H):
+            for t in range(n_m):
+                rows = slice(t * bm, (t + 1) * bm)
+                seen = [bool(vis[p, h, rows, j * bn:(j + 1) * bn].any()) for j in range(n_n)]
+                whole = [bool(clear[p, h, rows, j * bn:(j + 1) * bn].all()) for j in range(n_n)]
+                if not any(seen):
+                    continue
+                v_lo, v_hi = seen.index(True), n_n - seen[::-1].index(True)
+                f_lo = f_hi = v_lo
+                if any(whole):
+                    f_lo = f_hi = whole.index(True)
+                    while f_hi < n_n and whole[f_hi]:
+                        f_hi += 1
+                out[p, h, t] = torch.tensor([v_lo, f_lo, f_hi, v_hi])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["causal", "packed", "window", "padding", "hidden_rows", "random"])
+def test_tile_ranges_match_a_classification_in_torch(kind):
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    nq, nk = 150, 300  # ragged last tiles on both axes
+    q, k, v = rand(1, 2, nq, 16, g=g), rand(1, 2, nk, 16, g=g), rand(1, 2, nk, 16, g=g)
+    boolean = structured(kind, nq, nk, g)
+    additive = torch.where(boolean, torch.where(torch.rand(nq, nk, generator=g) < 0.2, 0.5, 0.0), float("-inf"))
+    headed = torch.stack([boolean, structured("random", nq, nk, g)])[None]  # [1, 2, nq, nk]
+    for mask in (boolean[None, None], additive[None, None], headed, boolean[None, None, :1].expand(1, 1, nq, nk)):
+        mask = mask.to(DEV)
+        plan = plan_of(q, k, v, mask)
+        assert plan.mask_ranges, "rows of 10 key blocks must classify the mask's tiles"
+        got = launch._mask_ranges(mask, plan.dims, plan.cfg, plan.n_mblocks).cpu()
+        want = torch_ranges(mask, plan.cfg.block_m, plan.cfg.block_n, nq, nk)
+        assert torch.equal(got, want), (kind, mask.dtype, tuple(mask.shape), got, want)
+
+
+CASES = [  # (mask kind, dtype, causal, kv_lengths, partitions, Hq:Hkv, mask heads, mask period)
+    ("causal", torch.float32, False, False, None, "2:2", 1, 1),
+    ("packed", torch.bfloat16, True, False, None, "4:2", 1, 1),
+    ("window", torch.float32, True, True, 3, "2:1", 1, 1),
+    ("padding", torch.float32, False, True, None, "2:2", 2, 2),
+    ("hidden_rows", torch.float32, False, False, 2, "2:2", 1, 2),
+    ("random", torch.bfloat16, False, False, None, "2:2", 2, 1),
+]
+
+
+@pytest.mark.parametrize("kind,dtype,causal,lengths,parts,heads,mheads,period", CASES)
+@pytest.mark.parametrize("additive", [False, True])
+def test_masked_calls_with_tile_ranges_match_the_oracle(kind, dtype, causal, lengths, parts, heads, mheads, period,
+                                                        additive):
+    g = torch.Generator().manual_seed(7)
+    hq, hkv = (int(x) for x in heads.split(":"))
+    B, nq, nk = 2, 130, 290
+    q, k, v = rand(B, hq, nq, 16, dtype=dtype, g=g), rand(B, hkv, nk, 16, dtype=dtype, g=g), rand(
+        B, hkv, nk, 24, dtype=dtype, g=g)
+    planes = torch.stack([torch.stack([structured(kind, nq, nk, g) for _ in range(mheads)]) for _ in range(period)])
+    mask = planes
+    if additive:  # -inf where hidden, 0 or a bias elsewhere (only the -inf / 0 tiles are skipped / unmasked)
+        mask = torch.where(planes, torch.where(torch.rand(planes.shape, generator=g) < 0.1, -1.5, 0.0), float("-inf"))
+        mask = mask.to(dtype)
+    mask = mask.to(DEV)
+    kv_lengths = torch.tensor([nk, nk - 45], device=DEV, dtype=torch.int32) if lengths else None
+    assert plan_of(q, k, v, mask, is_causal=causal, kv_lengths=kv_lengths, num_partitions=parts).mask_ranges
+    full = mask.expand(B, mheads, nq, nk) if period == 1 else mask  # the kernels' b % period is the identity here
+    ref_out, ref_lse = oracle(q, k, v, full, is_causal=causal, kv_lengths=kv_lengths)
+    out, lse = launch.attention(q, k, v, scale=16 ** -0.5, mask=mask, is_causal=causal, kv_lengths=kv_lengths,
+                                precision="strict" if dtype == torch.float32 else None, num_partitions=parts)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert rel(out, ref_out) <= TOL[dtype], rel(out, ref_out)
+    fin = torch.isfinite(ref_lse.cpu())
+    assert torch.equal(torch.isfinite(lse.cpu()), fin)
+    assert rel(lse.cpu()[fin], ref_lse.cpu()[fin]) <= max(TOL[dtype], 1e-6)
+
+
+def test_blocks_the_mask_hides_are_never_read():
+    """NaN in V where the mask hides every key of some blocks from every row: the masked loop would fold them
+    (0 · NaN = NaN), the tile ranges skip them. The same call with ``ELSA_MASK_TILES=0`` shows the test can fail."""
+    g = torch.Generator().manual_seed(3)
+    nq, nk = 64, 320
+    q, k, v = rand(1, 1, nq, 16, g=g), rand(1, 1, nk, 16, g=g), rand(1, 1, nk, 16, g=g)
+    mask = structured("window", nq, nk, g).to(DEV)[None, None]  # rows see keys [nk - nq - nk // 3, nk)
+    hidden = ~mask[0, 0].any(0)  # keys no row sees
+    assert hidden[:64].all()
+    ref = oracle(q, k, v, mask)[0]
+    v_bad = v.clone()
+    v_bad[..., :64, :] = float("nan")  # two whole 32-key blocks nobody sees
+    out = launch.attention(q, k, v_bad, scale=0.25, mask=mask, precision="strict")[0]
+    assert not torch.isnan(out).any() and rel(out, ref) <= TOL[torch.float32]
+    with benchmark.environ({"ELSA_MASK_TILES": "0"}):
+        assert not plan_of(q, k, v, mask).mask_ranges
+        assert torch.isnan(launch.attention(q, k, v_bad, scale=0.25, mask=mask, precision="strict")[0]).any()
+
+
+def test_short_rows_and_decode_keep_the_plain_masked_loop():
+    """Rows of fewer than MASK_RANGE_MIN_KEY_BLOCKS key blocks, and packed decode rows, classify nothing."""
+    q, k, v = rand(1, 2, 64, 16), rand(1, 2, 96, 16), rand(1, 2, 96, 16)
+    mask = torch.ones(1, 1, 64, 96, dtype=torch.bool, device=DEV)
+    plan = plan_of(q, k, v, mask)
+    assert -(-96 // plan.cfg.block_n) < occupancy.MASK_RANGE_MIN_KEY_BLOCKS and not plan.mask_ranges
+    q1 = rand(1, 4, 1, 16)
+    k1, v1 = rand(1, 1, 4096, 16), rand(1, 1, 4096, 16)
+    m1 = torch.ones(1, 1, 1, 4096, dtype=torch.bool, device=DEV)
+    plan = plan_of(q1, k1, v1, m1)
+    assert plan.pack_rows is not None and not plan.mask_ranges
