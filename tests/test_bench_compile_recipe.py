@@ -70,3 +70,32 @@ def test_compile_control_run_converts_nothing(tmp_path, load_recipe, capsys):
     assert "elsa" not in row["profile"]["converted"] and "elsa" not in row["profile"]["native"]
     assert data["env"]["inductor_warmup_s"] > 0
     assert "[A/A control: both sides native]" in capsys.readouterr().out
+
+
+def test_compile_native_first_compiles_the_native_model_first(tmp_path, load_recipe, monkeypatch):
+    """``--native-first``: the native model's compile runs before the converted one's (the order decides which side
+    finds the other's kernels in Inductor's caches), and the row says which went first."""
+    m = load_recipe("bench_models")
+    order, natives = [], []
+    real_build, real_compile = m.ab_build, m.compile_first_call
+
+    def build(*a, **kw):
+        model, call = real_build(*a, **kw)
+        natives.append(model)
+        return model, call
+
+    def compile_first_call(model, *a):
+        order.append("native" if model is natives[-1] else "converted")
+        return real_compile(model, *a)
+
+    monkeypatch.setattr(m, "ab_build", build)
+    monkeypatch.setattr(m, "compile_first_call", compile_first_call)
+    out = tmp_path / "rows.json"
+    for flag, first in ((["--native-first"], "native"), ([], "converted")):
+        order.clear()
+        assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads",
+                       "deit3_s", "--dtypes", "fp32", "--rounds", "1", "--calls", "1", "--out", str(out), *flag]) == 0
+        (row,) = json.loads(out.read_text())["records"]
+        assert "error" not in row, row.get("traceback")
+        assert row["compiled_first"] == first
+        assert order == (["native", "converted"] if first == "native" else ["converted", "native"])
