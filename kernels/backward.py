@@ -232,12 +232,12 @@ def _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M: tl.constexpr, BLOCK_
 
 @triton.jit(do_not_specialize=_SIZES)
 def bwd_kv(
-    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, DQ, DK, DV, DS,
+    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, DQ, DK, DV, DS, RANGES,
     qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc, head_group, n_bh,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_mp, stride_mh, stride_mm, stride_mn, stride_rp, stride_rh,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
@@ -248,10 +248,13 @@ def bwd_kv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, WRITE_DS: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
+    HAS_RANGES: tl.constexpr = False,
 ):
     """dK, dV of keys ``[n0, n0 + BLOCK_N)`` of one (batch, KV head); dQ by atomics (``ATOMIC_DQ``); dS (``WRITE_DS``).
     ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s. ``KEYS_MAJOR``: each query block by
-    :func:`_kv_step`'s keys-major form (no transposes of computed tiles)."""
+    :func:`_kv_step`'s keys-major form (no transposes of computed tiles). ``HAS_RANGES``: the mask's row-block ranges
+    of each key tile (``scan.mask_tile_ranges`` by keys): query blocks the mask hides the tile from are skipped (their
+    dS is zero: ``DS`` comes zero-filled), those it hides nothing of run without visibility tests."""
     pid = tl.program_id(0)
     Hkv = Hq // GROUPS
     if IS_CAUSAL:  # the key blocks that most query blocks see first (scan.heaviest_first)
@@ -294,11 +297,28 @@ def bwd_kv(
         o_base = DO + b64 * stride_ob + h64 * stride_oh
         l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
         m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
-        for phase in tl.static_range(2):  # the causal diagonal's blocks (every block when masked), then full ones
+        # query blocks [p0, p1) run masked, [p1, p2) full, [p2, p3) masked: the causal diagonal's (every block when
+        # masked), then full ones; with the mask's ranges, masked [r_lo, f_lo), full [f_lo, f_hi), masked [f_hi, r_hi)
+        if HAS_RANGES:
+            rr = RANGES + (b % mask_period).to(tl.int64) * stride_rp + h64 * stride_rh + pid_n * 4
+            p0 = tl.maximum(m_lo, tl.load(rr + 0) * BLOCK_M)
+            p3 = tl.maximum(p0, tl.minimum(m_hi, tl.load(rr + 3) * BLOCK_M))
+            p2 = tl.maximum(p0, tl.minimum(tl.load(rr + 2) * BLOCK_M, p3))
+            # clear of the causal diagonal and the valid keys too (the unmasked rule)
+            p1 = tl.minimum(tl.maximum(tl.maximum(tl.load(rr + 1) * BLOCK_M, p0),
+                                       _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL, 0)),
+                            p2)
+        else:
+            p0, p1, p2, p3 = m_lo, a_end, m_hi, m_hi
+        # (the phases' bounds are set before the loop and picked by the phase alone: Triton 3.6 failed to compile
+        # bounds assigned under `if HAS_RANGES` inside it)
+        for phase in tl.static_range(2 + HAS_RANGES):
             if phase == 0:
-                lo, hi = m_lo, a_end
+                lo, hi = p0, p1
+            elif phase == 1:
+                lo, hi = p1, p2
             else:
-                lo, hi = a_end, m_hi
+                lo, hi = p2, p3
             for m0 in range(lo, hi, BLOCK_M):
                 dk, dv = _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows,
                                   vt, v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale,
@@ -306,7 +326,7 @@ def bwd_kv(
                                   stride_od, stride_ln, stride_mm, stride_mn, stride_dqb, stride_dqh, stride_dqn,
                                   stride_dqd, stride_sb, stride_sh, stride_sm, stride_sn, offs_d, offs_dv, D, DV_,
                                   BLOCK_M, MASK_KIND, IS_CAUSAL, DOT, DROPOUT, ATOMIC_DQ, WRITE_DS, KEYS_MAJOR,
-                                  phase == 0)
+                                  phase != 1)
     c64 = k_row0 + cols[:, None].to(tl.int64)
     if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
         col_ok = cols < Nk
@@ -374,23 +394,25 @@ def _full_keys(m_start, n_hi, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit(do_not_specialize=_SIZES)
 def row_pass(
-    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, RES,
+    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, LSE, DELTA, SEED, RES, RANGES,
     qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, n_blocks, mask_period, crb, crh, Nkc, head_group, n_bh,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_mp, stride_mh, stride_mm, stride_mn, stride_gp, stride_gh,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     stride_rb, stride_rh, stride_rn, stride_rd,
     D: tl.constexpr, DV_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-    DROPOUT: tl.constexpr, WHAT: tl.constexpr,
+    DROPOUT: tl.constexpr, WHAT: tl.constexpr, HAS_RANGES: tl.constexpr = False,
 ):
     """Rows ``[m0, m0 + BLOCK_M)`` of one (batch, query head) over their visible key blocks. ``RES``: dQ
     (``WHAT = 0``, fp32 or q's dtype), the dropout output (``1``, ``[.., Dv]``), the keep mask (``2``, ``[B, Hq,
-    Nq, Nk]`` uint8, ``stride_rd`` the key stride). ``DO`` shares ``OUT``'s strides (``stride_o*``)."""
+    Nq, Nk]`` uint8, ``stride_rd`` the key stride: pairs in skipped blocks are not written). ``DO`` shares ``OUT``'s
+    strides (``stride_o*``). ``HAS_RANGES``: the mask's key-block ranges of each row tile (``scan.mask_tile_ranges``,
+    strides ``stride_gp``, ``stride_gh``), as the forward reads them."""
     pid = tl.program_id(0)
     if IS_CAUSAL:  # the row blocks that see the most keys first (scan.heaviest_first)
         pid_m, pid_bh = heaviest_first(pid, n_blocks, n_bh, head_group, True)
@@ -432,17 +454,37 @@ def row_pass(
     if IS_CAUSAL:
         n_hi = tl.minimum(n_hi, tl.maximum(tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len) + causal_off, 0))
     nf = _full_keys(pid_m * BLOCK_M, n_hi, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND)
-    for phase in tl.static_range(2):  # full key blocks (no visibility tests), then the rest
+    # key blocks [p0, p1) run full, [p1, p2) masked, [p2, p3) full: those no row of the tile has hidden (no
+    # visibility tests), then the rest; with the mask's ranges, masked [r_lo, f_lo), full [f_lo, f_hi), masked
+    # [f_hi, r_hi) (as bwd_kv, the bounds before the loop)
+    if HAS_RANGES:
+        rr = RANGES + (b % mask_period).to(tl.int64) * stride_gp + h64 * stride_gh + pid_m * 4
+        r_lo = tl.minimum(tl.load(rr + 0) * BLOCK_N, n_hi)
+        r_hi = tl.maximum(r_lo, tl.minimum(n_hi, tl.load(rr + 3) * BLOCK_N))
+        f_lo = tl.minimum(tl.maximum(tl.load(rr + 1) * BLOCK_N, r_lo), r_hi)
+        # clear of the causal diagonal too (the unmasked rule)
+        f_hi = tl.maximum(f_lo, tl.minimum(tl.minimum(tl.load(rr + 2) * BLOCK_N, r_hi),
+                                           _full_keys(pid_m * BLOCK_M, n_hi, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                      0)))
+        p0, p1, p2, p3 = r_lo, r_lo, f_lo, f_hi  # full [r_lo, r_lo) (none), masked [r_lo, f_lo), full [f_lo, f_hi)
+        p4 = r_hi  # then masked [f_hi, r_hi)
+    else:
+        p0, p1, p2, p3, p4 = 0, nf, n_hi, n_hi, n_hi
+    for phase in tl.static_range(2 + 2 * HAS_RANGES):
         if phase == 0:
-            lo, hi = 0, nf
+            lo, hi = p0, p1
+        elif phase == 1:
+            lo, hi = p1, p2
+        elif phase == 2:
+            lo, hi = p2, p3
         else:
-            lo, hi = nf, n_hi
+            lo, hi = p3, p4
         for n0 in range(lo, hi, BLOCK_N):
             acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
                             v_base, m_base, k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale, p_drop, Nkc,
                             RES, b64, h64, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                             stride_rb, stride_rh, stride_rn, stride_rd, D, DV_, MASK_KIND, IS_CAUSAL, DOT, DROPOUT,
-                            WHAT, phase == 1)
+                            WHAT, phase % 2 == 1)
     if WHAT == 0:
         tl.store(RES + b64 * stride_rb + h64 * stride_rh + r64 * stride_rn + offs_d[None, :] * stride_rd,
                  (acc * scale).to(RES.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))

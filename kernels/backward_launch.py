@@ -134,6 +134,9 @@ class _Call:
         self.scale = float(scale)
         self.dot = launch._dot_kind(q.dtype, precision, q.device)
         self.mask_t, self.mask_kind, self.sm, self.period = launch._mask_arg(mask)
+        # the mask's tile classes per tiling (launch.mask_tile_classes), when its tiles are classified
+        self.mask = mask if mask is not None and not self.varlen and knobs.get(knobs.MASK_TILES) == "all" else None
+        self._classes: Dict[tuple, torch.Tensor] = {}
         self.is_causal = bool(is_causal)
         self.dropout_p = float(dropout_p)
         dummy = q
@@ -180,13 +183,29 @@ class _Call:
         return dict(D=self.D, DV_=self.Dv, BLOCK_D=self.BD, BLOCK_DV=self.BDV, BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=warps, **st, **self.flags)
 
+    def mask_ranges(self, name: str, bm: int, bn: int):
+        """``(ranges, their plane and head strides)`` for pass ``name`` at tile ``bm x bn``: the mask's block ranges
+        of each line the pass walks (``row_pass``: a row tile's key blocks; ``bwd_kv``: a key tile's row blocks;
+        ``launch.mask_tile_ranges``), or None where the mask's tiles are not classified (no mask, packed varlen,
+        ``ELSA_MASK_TILES`` other than ``all``, or lines of fewer than ``occupancy.MASK_RANGE_MIN_KEY_BLOCKS`` blocks)."""
+        n_mb, n_nb = -(-self.Nq // bm), -(-self.Nk // bn)
+        by_keys = name == "bwd_kv"
+        if self.mask is None or (n_mb if by_keys else n_nb) < occ.MASK_RANGE_MIN_KEY_BLOCKS or not n_mb * n_nb:
+            return None
+        classes = self._classes.get((bm, bn))
+        if classes is None:
+            classes = self._classes[(bm, bn)] = launch.mask_tile_classes(self.mask, self.Nq, self.Nk, bm, bn)
+        ranges = launch.mask_tile_ranges(classes, n_mb, n_nb, by_keys=by_keys)
+        return ranges, (ranges.stride(0), ranges.stride(1) if ranges.shape[1] > 1 else 0)
+
     def launch(self, name: str, blocks_of, args_of, **extra):
         """``backward.<name>`` launched with this call's tiles, or, where Triton finds that they need more shared
         memory than the GPU has (it depends on the dot kind, the head dim, dQ's mode and the Triton version: session
         28, fp32 precise at D = 128 with atomic dQ asked 311,808 bytes of an H100's 232,448), with the first that fits
         of one stage, then halved BLOCK_N / BLOCK_M down to 16 (:func:`_ladder`), logged once and kept in
-        :data:`FITTED` for the next calls. ``blocks_of(bm, bn)``: the grid's block count; ``args_of(n_blocks)``: the
-        positional arguments. A forced tile (:func:`set_tiles_override`) is launched as it is."""
+        :data:`FITTED` for the next calls. ``blocks_of(bm, bn)``: the grid's block count; ``args_of(n_blocks,
+        ranges)``: the positional arguments, ``ranges`` being :meth:`mask_ranges`'s at the tile launched. A forced tile
+        (:func:`set_tiles_override`) is launched as it is."""
         from triton.runtime.errors import OutOfResources
 
         asked = self.tiles[name]
@@ -197,8 +216,10 @@ class _Call:
         kernel = getattr(_kernels(), name)
         for i, (bm, bn, warps, stages) in enumerate(rungs):
             n = blocks_of(bm, bn)
+            ranges = self.mask_ranges(name, bm, bn)
             try:
-                replay.launch(kernel, (n,), *args_of(n), **extra, **self.consts(bm, bn, warps, stages))
+                replay.launch(kernel, (n,), *args_of(n, ranges), **extra, HAS_RANGES=ranges is not None,
+                              **self.consts(bm, bn, warps, stages))
             except OutOfResources as e:
                 if "shared memory" not in str(e) or i + 1 == len(rungs):
                     raise
@@ -218,10 +239,11 @@ class _Call:
         bh = self.B * self.Hq
         self.launch(
             "row_pass", lambda bm, bn: -(-self.Nq // bm) * bh,
-            lambda n: (self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse, self.seed,
-                       res, *self.scalars(n // bh, bh, True), *self.strides(self.q), *self.strides(self.k),
-                       *self.strides(self.v), *self.sm, *(self.strides(do) if do is not None else (0, 0, 0, 0)),
-                       *self.lse_strides(lse), *res_strides),
+            lambda n, rg: (self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse,
+                           self.seed, res, rg[0] if rg else self.q, *self.scalars(n // bh, bh, True),
+                           *self.strides(self.q), *self.strides(self.k), *self.strides(self.v), *self.sm,
+                           *(rg[1] if rg else (0, 0)), *(self.strides(do) if do is not None else (0, 0, 0, 0)),
+                           *self.lse_strides(lse), *res_strides),
             WHAT=what)
         return res
 
@@ -308,10 +330,11 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     if has_keys:
         bh = c.B * c.Hkv
         c.launch("bwd_kv", lambda bm, bn: -(-c.Nk // bn) * bh,
-                 lambda n: (q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
-                            *c.scalars(n // bh, bh, False), *c.strides(q), *c.strides(k), *c.strides(v), *c.sm,
-                            *c.strides(do), *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
-                            *(ds.stride() if ds is not None else (0, 0, 0, 0))),
+                 lambda n, rg: (q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
+                                rg[0] if rg else q, *c.scalars(n // bh, bh, False), *c.strides(q), *c.strides(k),
+                                *c.strides(v), *c.sm, *(rg[1] if rg else (0, 0)), *c.strides(do), *c.lse_strides(lse),
+                                *c.strides(dq), *c.strides(dk), *c.strides(dv),
+                                *(ds.stride() if ds is not None else (0, 0, 0, 0))),
                  ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=c.keys_major)
     if not atomic:
         c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta)

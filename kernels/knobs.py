@@ -161,11 +161,12 @@ _DECLARED = (
          "every measured tile), or atomic adds from the key-block pass (never under "
          "torch.use_deterministic_algorithms(True))", _choice("rows", "atomic"), scope="tuning",
          choices=("rows", "atomic")),
-    Knob(MASK_TILES, "choice", _choices("0", "1"), "1",
-         "masked forward calls with rows of many key blocks: 1 classifies the mask's tiles first (one pass over it) so "
-         "that the kernel skips key blocks every row of a tile masks and runs the unmasked loop where every key is "
-         "visible; 0 runs every block through the masked loop", _choice("0", "1"), scope="tuning",
-         choices=("0", "1")),
+    Knob(MASK_TILES, "choice", _choices("0", "forward", "all"), "forward",
+         "masked calls with lines of many blocks: classify the mask's tiles first (one pass over it) so that the "
+         "kernels skip the blocks a tile's rows never see and fold those they wholly see unmasked; forward: the "
+         "forward kernels only; all: the backward's two passes too (not yet run on a GPU: session 33 ran out of "
+         "device time); 0: every block through the masked loops", _choice("0", "forward", "all"), scope="tuning",
+         choices=("0", "forward", "all")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

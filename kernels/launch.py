@@ -477,7 +477,7 @@ def plan_launch(sig: CallSignature) -> LaunchPlan:
     plan = _kernel_plan(sig)
     d = plan.dims
     if (sig.has_mask and plan.pack_rows is None and not d.varlen and plan.staging[0] in ("whole", "heads")
-            and -(-d.Nk // plan.cfg.block_n) >= occ.MASK_RANGE_MIN_KEY_BLOCKS and knobs.get(knobs.MASK_TILES) == "1"):
+            and -(-d.Nk // plan.cfg.block_n) >= occ.MASK_RANGE_MIN_KEY_BLOCKS and knobs.get(knobs.MASK_TILES) != "0"):
         plan = replace(plan, mask_ranges=True)
     return plan
 
@@ -706,27 +706,40 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     return out, lse, state
 
 
-def _mask_ranges(mask, d: Dims, cfg, n_mblocks: int) -> torch.Tensor:
-    """The key-block ranges of every row tile of ``mask`` (``[P, Hm, Nq | 1, Nk | 1]``): int32
-    ``[P, Hm, n_mblocks, 4]``, read by ``scan.elsa_fwd`` (``HAS_RANGES``). Two launches: the class of every tile
-    (``scan.mask_tile_classes``: one program per tile, a pass over the mask), then each row tile's ranges
-    (``scan.mask_tile_ranges``)."""
+def mask_tile_classes(mask, nq: int, nk: int, block_m: int, block_n: int) -> torch.Tensor:
+    """The class of every ``block_m x block_n`` tile of ``mask`` (``[P, Hm, Nq | 1, Nk | 1]``) over an
+    ``nq x nk`` call: int8 ``[P, Hm, ceil(nq / block_m) * ceil(nk / block_n)]`` (0 hides every pair, 2 none, 1 some;
+    ``scan.mask_tile_classes``: one program per tile, a pass over the mask)."""
     m, kind, (sp, sh, sm, sn), period = _mask_arg(mask)
     heads = m.shape[1]
-    n_nb = -(-d.Nk // cfg.block_n)
-    classes = torch.empty((period, heads, n_mblocks * n_nb), device=m.device, dtype=torch.int8)
-    ranges = torch.empty((period, heads, n_mblocks, 4), device=m.device, dtype=torch.int32)
-    replay.allocated("mask_classes", classes)
-    replay.allocated("mask_ranges", ranges)
-    scan = _scan()
-    sc = (classes.stride(0), classes.stride(1) if heads > 1 else 0)
-    replay.launch(scan.mask_tile_classes, (n_mblocks * n_nb, heads, period), m, classes, d.Nq, d.Nk, n_nb,
-                  sp, sh, sm, sn, *sc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_KIND=kind, num_warps=4,
+    n_mb, n_nb = -(-nq // block_m), -(-nk // block_n)
+    classes = torch.empty((period, heads, n_mb * n_nb), device=m.device, dtype=torch.int8)
+    replay.allocated(f"mask_classes_{block_m}x{block_n}", classes)
+    replay.launch(_scan().mask_tile_classes, (n_mb * n_nb, heads, period), m, classes, nq, nk, n_nb,
+                  sp, sh, sm, sn, classes.stride(0), classes.stride(1) if heads > 1 else 0,
+                  BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=kind, num_warps=4, num_stages=1)
+    return classes
+
+
+def mask_tile_ranges(classes: torch.Tensor, n_mb: int, n_nb: int, by_keys: bool = False) -> torch.Tensor:
+    """The ranges of blocks each line of tiles needs (``scan.mask_tile_ranges``), from :func:`mask_tile_classes`'s
+    ``classes`` of an ``n_mb x n_nb`` tiling: int32 ``[P, Hm, lines, 4]``, a line being a row tile (key blocks, the
+    forward and the backward's row pass) or, ``by_keys``, a key tile (row blocks, the backward's key pass)."""
+    period, heads = classes.shape[:2]
+    lines, items, item_stride, line_stride = (n_nb, n_mb, n_nb, 1) if by_keys else (n_mb, n_nb, 1, n_nb)
+    ranges = torch.empty((period, heads, lines, 4), device=classes.device, dtype=torch.int32)
+    replay.allocated(f"mask_ranges_{n_mb}x{n_nb}_{'keys' if by_keys else 'rows'}", ranges)
+    replay.launch(_scan().mask_tile_ranges, (lines, heads, period), classes, ranges, items, item_stride, line_stride,
+                  classes.stride(0), classes.stride(1) if heads > 1 else 0, ranges.stride(0),
+                  ranges.stride(1) if heads > 1 else 0, CHUNK=min(1024, occ.next_pow2(items)), num_warps=4,
                   num_stages=1)
-    replay.launch(scan.mask_tile_ranges, (n_mblocks, heads, period), classes, ranges, n_nb, *sc,
-                  ranges.stride(0), ranges.stride(1) if heads > 1 else 0,
-                  CHUNK=min(1024, occ.next_pow2(n_nb)), num_warps=4, num_stages=1)
     return ranges
+
+
+def _mask_ranges(mask, d: Dims, cfg, n_mblocks: int) -> torch.Tensor:
+    """The key-block ranges of every row tile of ``mask``, read by ``scan.elsa_fwd`` (``HAS_RANGES``)."""
+    classes = mask_tile_classes(mask, d.Nq, d.Nk, cfg.block_m, cfg.block_n)
+    return mask_tile_ranges(classes, n_mblocks, -(-d.Nk // cfg.block_n))
 
 
 def _head_group_fwd(fwd, q, k, v, out, lse, mask, kv_per_launch, groups, part_len, stager, ranges=None):

@@ -214,41 +214,43 @@ def mask_tile_classes(
     tl.store(CLS + p * stride_cp + h * stride_ch + pid, (seen + whole).to(tl.int8))
 
 
-@triton.jit(do_not_specialize=["n_nblocks"])
-def mask_tile_ranges(CLS, RANGES, n_nblocks, stride_cp, stride_ch, stride_rp, stride_rh, CHUNK: tl.constexpr):
-    """The key blocks each row tile of a mask needs (step 2 of 2): program ``(m, h, p)`` reads the classes of row
-    tile ``m`` of plane ``(p, h)`` (``mask_tile_classes``) and writes four block indices to
-    ``RANGES + p * stride_rp + h * stride_rh + m * 4``: ``[v_lo, f_lo, f_hi, v_hi]``. Blocks outside
-    ``[v_lo, v_hi)`` hide every key from every row of the tile: the kernel skips them. ``[f_lo, f_hi)``, inside
-    it, is the first run of blocks that hide nothing: the kernel folds them without reading the mask. Every other
-    block of ``[v_lo, v_hi)`` runs masked. A tile with no visible key gets ``[0, 0, 0, 0]``; one with no unmasked
-    block ``f_lo = f_hi = v_lo``."""
-    pid_m = tl.program_id(0)
+@triton.jit(do_not_specialize=["n_items", "item_stride", "line_stride"])
+def mask_tile_ranges(CLS, RANGES, n_items, item_stride, line_stride, stride_cp, stride_ch, stride_rp, stride_rh,
+                     CHUNK: tl.constexpr):
+    """The blocks each line of a mask's tiles needs (step 2 of 2): program ``(l, h, p)`` reads the classes
+    (``mask_tile_classes``) of the ``n_items`` tiles of line ``l`` of plane ``(p, h)`` (a row tile's key blocks:
+    ``item_stride = 1``, ``line_stride = n_nblocks``; a key tile's row blocks for the backward's key pass:
+    ``item_stride = n_nblocks``, ``line_stride = 1``) and writes four block indices to
+    ``RANGES + p * stride_rp + h * stride_rh + l * 4``: ``[v_lo, f_lo, f_hi, v_hi]``. Blocks outside
+    ``[v_lo, v_hi)`` hide every pair: the kernels skip them. ``[f_lo, f_hi)``, inside it, is the first run of blocks
+    that hide nothing: the kernels fold them without reading the mask. Every other block of ``[v_lo, v_hi)`` runs
+    masked. A line with nothing visible gets ``[0, 0, 0, 0]``; one with no unmasked block ``f_lo = f_hi = v_lo``."""
+    line = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2).to(tl.int64)
-    base = CLS + p * stride_cp + h * stride_ch + pid_m.to(tl.int64) * n_nblocks
+    base = CLS + p * stride_cp + h * stride_ch + line.to(tl.int64) * line_stride
     offs = tl.arange(0, CHUNK)
-    v_lo = n_nblocks
+    v_lo = n_items
     v_hi = 0
-    f_lo = n_nblocks
-    for j0 in range(0, n_nblocks, CHUNK):
+    f_lo = n_items
+    for j0 in range(0, n_items, CHUNK):
         j = j0 + offs
-        c = tl.load(base + j, mask=j < n_nblocks, other=0)
-        v_lo = tl.minimum(v_lo, tl.min(tl.where(c > 0, j, n_nblocks), 0))
+        c = tl.load(base + j.to(tl.int64) * item_stride, mask=j < n_items, other=0)
+        v_lo = tl.minimum(v_lo, tl.min(tl.where(c > 0, j, n_items), 0))
         v_hi = tl.maximum(v_hi, tl.max(tl.where(c > 0, j + 1, 0), 0))
-        f_lo = tl.minimum(f_lo, tl.min(tl.where(c == 2, j, n_nblocks), 0))
-    f_hi = n_nblocks  # the first block after f_lo that is not clear
-    for j0 in range(0, n_nblocks, CHUNK):
+        f_lo = tl.minimum(f_lo, tl.min(tl.where(c == 2, j, n_items), 0))
+    f_hi = n_items  # the first block after f_lo that is not clear
+    for j0 in range(0, n_items, CHUNK):
         j = j0 + offs
-        c = tl.load(base + j, mask=j < n_nblocks, other=0)
-        f_hi = tl.minimum(f_hi, tl.min(tl.where((j > f_lo) & (c != 2), j, n_nblocks), 0))
+        c = tl.load(base + j.to(tl.int64) * item_stride, mask=j < n_items, other=0)
+        f_hi = tl.minimum(f_hi, tl.min(tl.where((j > f_lo) & (c != 2), j, n_items), 0))
     none = v_lo >= v_hi
     v_lo = tl.where(none, 0, v_lo)
     v_hi = tl.where(none, 0, v_hi)
-    no_clear = f_lo >= n_nblocks
+    no_clear = f_lo >= n_items
     f_hi = tl.where(no_clear, v_lo, f_hi)
     f_lo = tl.where(no_clear, v_lo, f_lo)
-    out = RANGES + p * stride_rp + h * stride_rh + pid_m * 4
+    out = RANGES + p * stride_rp + h * stride_rh + line * 4
     tl.store(out, v_lo)
     tl.store(out + 1, f_lo)
     tl.store(out + 2, f_hi)

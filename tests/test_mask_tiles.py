@@ -171,3 +171,116 @@ def test_short_rows_and_decode_keep_the_plain_masked_loop():
     m1 = torch.ones(1, 1, 1, 4096, dtype=torch.bool, device=DEV)
     plan = plan_of(q1, k1, v1, m1)
     assert plan.pack_rows is not None and not plan.mask_ranges
+
+
+# --- the backward: the key pass walks each key tile's row-block ranges, the row pass (dQ) each row tile's key ranges
+
+
+def _leaf(*shape, g):
+    return torch.randn(*shape, dtype=torch.float64, generator=g).to(DEV).requires_grad_()
+
+
+def _spy_ranges(monkeypatch):
+    """Which passes ran with the mask's tile ranges: ``{pass name: [ranges given?, ...]}``; the backward's ranges on
+    (``ELSA_MASK_TILES=all``)."""
+    from elsa_surgery.kernels import backward_launch
+
+    monkeypatch.setenv("ELSA_MASK_TILES", "all")
+
+    seen, real = {}, backward_launch._Call.mask_ranges
+
+    def spy(self, name, bm, bn):
+        r = real(self, name, bm, bn)
+        seen.setdefault(name, []).append(r is not None)
+        return r
+
+    monkeypatch.setattr(backward_launch._Call, "mask_ranges", spy)
+    return seen
+
+
+def _grads_vs_oracle(q, k, v, mask, g, **kw):
+    from oracle import naive_attention, rel_err
+
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64, generator=g)
+    out = elsa_surgery.attention(q.float(), k.float(), v.float(), attn_mask=mask, backend="elsa", precision="strict",
+                                 enable_gqa=True, **kw)
+    leaves = [q, k, v] + ([mask] if mask.requires_grad else [])
+    grads = torch.autograd.grad((out.double() * go.to(DEV)).sum(), leaves)
+    ref = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    rmask = ref[3] if mask.requires_grad else mask.cpu()
+    o_kw = {a: kw[a].cpu() if isinstance(kw[a], torch.Tensor) else kw[a] for a in ("is_causal", "kv_lengths")
+            if a in kw}
+    ro, _ = naive_attention(*ref[:3], rmask, **o_kw)
+    rgrads = torch.autograd.grad((ro * go).sum(), ref)
+    for name, a, b in zip("qkvm", grads, rgrads):
+        assert torch.isfinite(a).all(), f"d{name} has NaN/inf"
+        assert rel_err(a.cpu(), b) <= 2e-5, (name, rel_err(a.cpu(), b))
+    return grads
+
+
+def test_backward_with_tile_ranges_matches_the_oracle(monkeypatch):
+    """A causal window (bool, one mask for both heads of a GQA pair), padded key lengths: dQ, dK, dV against the
+    float64 oracle's autograd, both backward passes on the mask's tile ranges."""
+    seen = _spy_ranges(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    nq, nk = 260, 270
+    q, k, v = _leaf(2, 4, nq, 16, g=g), _leaf(2, 2, nk, 16, g=g), _leaf(2, 2, nk, 8, g=g)
+    mask = structured("window", nq, nk, g).to(DEV)[None, None]
+    _grads_vs_oracle(q, k, v, mask, g, kv_lengths=torch.tensor([nk, 200], dtype=torch.int32, device=DEV))
+    assert seen == {"bwd_kv": [True], "row_pass": [True]}, seen
+
+
+def test_mask_gradient_with_tile_ranges_matches_the_oracle(monkeypatch):
+    """A learnable additive mask (-inf outside a packed-sequence pattern, a bias inside) with causal on top: its
+    gradient (dS, zero in the skipped tiles) at its broadcast shape, against the oracle."""
+    seen = _spy_ranges(monkeypatch)
+    g = torch.Generator().manual_seed(12)
+    n = 256
+    q, k, v = _leaf(1, 2, n, 16, g=g), _leaf(1, 2, n, 16, g=g), _leaf(1, 2, n, 16, g=g)
+    pattern = structured("packed", n, n, g)
+    bias = torch.where(pattern, 0.3 * torch.randn(n, n, dtype=torch.float64, generator=g), float("-inf"))
+    mask = bias.float().to(DEV)[None, None].requires_grad_()
+    dm = _grads_vs_oracle(q, k, v, mask, g, is_causal=True)[3]
+    assert dm.shape == mask.shape and (dm[0, 0][~pattern.to(DEV)] == 0).all()
+    assert seen == {"bwd_kv": [True], "row_pass": [True]}, seen
+
+
+def test_backward_never_reads_blocks_the_mask_hides(monkeypatch):
+    """NaN in K and V at keys no row sees (two whole blocks): finite gradients with the tile ranges, zero dK, dV
+    there, and the oracle's gradients elsewhere (the masked loops would fold 0 · NaN into dQ)."""
+    monkeypatch.setenv("ELSA_MASK_TILES", "all")
+    g = torch.Generator().manual_seed(13)
+    nq, nk = 256, 512  # the first row sees keys [87, 256]
+    q, k, v = _leaf(1, 1, nq, 16, g=g), _leaf(1, 1, nk, 16, g=g), _leaf(1, 1, nk, 16, g=g)
+    mask = structured("window", nq, nk, g).to(DEV)[None, None]
+    assert not mask[0, 0, :, :64].any()
+    go = torch.randn(1, 1, nq, 16, dtype=torch.float64, generator=g).to(DEV)
+    kb, vb = (t.detach().clone() for t in (k, v))
+    kb[..., :64, :], vb[..., :64, :] = float("nan"), float("nan")
+    kb.requires_grad_(), vb.requires_grad_()
+    out = elsa_surgery.attention(q.float(), kb.float(), vb.float(), attn_mask=mask, backend="elsa",
+                                 precision="strict")
+    dq, dk, dv = torch.autograd.grad((out.double() * go).sum(), [q, kb, vb])
+    assert torch.isfinite(dq).all() and (dk[..., :64, :] == 0).all() and (dv[..., :64, :] == 0).all()
+    ref = elsa_surgery.attention(q.float(), k.float(), v.float(), attn_mask=mask, backend="elsa", precision="strict")
+    rq, rk, rv = torch.autograd.grad((ref.double() * go).sum(), [q, k, v])
+    assert torch.equal(dq, rq) and torch.equal(dk[..., 64:, :], rk[..., 64:, :])
+
+
+def test_backward_ranges_stay_off_unless_asked(monkeypatch):
+    """The default (``forward``) classifies the mask for the forward only: the backward's ranges have not run on a
+    GPU yet (session 33), so they wait for ``ELSA_MASK_TILES=all``."""
+    from elsa_surgery.kernels import backward_launch
+
+    seen, real = [], backward_launch._Call.mask_ranges
+    monkeypatch.setattr(backward_launch._Call, "mask_ranges",
+                        lambda self, *a: seen.append(real(self, *a) is not None) or real(self, *a))
+    monkeypatch.delenv("ELSA_MASK_TILES", raising=False)
+    g = torch.Generator().manual_seed(14)
+    q, k, v = _leaf(1, 1, 256, 16, g=g), _leaf(1, 1, 256, 16, g=g), _leaf(1, 1, 256, 16, g=g)
+    mask = structured("causal", 256, 256, g).to(DEV)[None, None]
+    plan = plan_of(q.detach().float(), k.detach().float(), v.detach().float(), mask)
+    assert plan.mask_ranges
+    out = elsa_surgery.attention(q.float(), k.float(), v.float(), attn_mask=mask, backend="elsa", precision="strict")
+    torch.autograd.grad(out.sum(), [q, k, v])
+    assert seen and not any(seen)

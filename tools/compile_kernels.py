@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PTR_DTYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DS": "*fp32", "RES": "*fp32", "PM": "*fp32",
                "PS": "*fp32", "PW": "*fp32", "KI": "*fp32", "VI": "*fp32", "QLEN": "*i32", "KVLEN": "*i32",
-               "CUQ": "*i32", "CUK": "*i32", "SEED": "*i64"}
+               "CUQ": "*i32", "CUK": "*i32", "SEED": "*i64", "RANGES": "*i32", "CLS": "*i8"}
 _DATA = ("Q", "K", "V", "MASK", "DO", "OUT", "DK", "DV", "KL", "VL")
 _FLOATS = {"qk_scale", "scale", "p_drop", "keep_scale"}
 
@@ -49,15 +49,22 @@ def variants():
     from elsa_surgery.kernels import backward, scan
 
     fwd = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=128, BLOCK_N=64, MASK_KIND=0, HAS_QLEN=False,
-               HAS_KVLEN=False, VARLEN=False, WRITE_LSE=True, CHUNKED=0, PACK=False)
+               HAS_KVLEN=False, VARLEN=False, WRITE_LSE=True, CHUNKED=0, PACK=False, HAS_RANGES=False)
     for dot, blocked, state in itertools.product((0, 2), (False, True), (False, True)):
         dtype = "bf16" if dot == 0 else "fp32"
         yield (f"elsa_fwd dot={dot} blocked_pv={blocked} state={state}", scan.elsa_fwd, dtype,
                dict(fwd, IS_CAUSAL=True, DOT=dot, WRITE_STATE=state, BLOCKED_PV=blocked), 8)
     yield ("elsa_fwd dot=1 (strict) state=True", scan.elsa_fwd, "fp32",
            dict(fwd, IS_CAUSAL=True, DOT=1, WRITE_STATE=True, BLOCKED_PV=False), 8)
+    for kind in (1, 2):  # the mask's tile ranges (scan.mask_tile_classes, mask_tile_ranges)
+        yield (f"elsa_fwd mask={kind} ranges", scan.elsa_fwd, "bf16",
+               dict(fwd, MASK_KIND=kind, IS_CAUSAL=True, DOT=0, WRITE_STATE=False, BLOCKED_PV=False,
+                    HAS_RANGES=True), 8)
+        yield (f"mask_tile_classes mask={kind}", scan.mask_tile_classes, "bf16" if kind == 2 else "u8",
+               dict(BLOCK_M=128, BLOCK_N=64, MASK_KIND=kind), 4)
+    yield ("mask_tile_ranges", scan.mask_tile_ranges, "bf16", dict(CHUNK=64), 4)
     bwd = dict(D=64, DV_=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, HAS_QLEN=False, HAS_KVLEN=False,
-               VARLEN=False, DOT=0)
+               VARLEN=False, DOT=0, HAS_RANGES=False)
     for keys_major, causal, mask in itertools.product((False, True), (False, True), (0, 2)):
         yield (f"bwd_kv keys_major={keys_major} causal={causal} mask={mask}", backward.bwd_kv, "bf16",
                dict(bwd, MASK_KIND=mask, IS_CAUSAL=causal, DROPOUT=mask == 2, ATOMIC_DQ=True, WRITE_DS=mask == 2,
@@ -65,6 +72,12 @@ def variants():
     for what, causal in itertools.product((0, 1), (False, True)):
         yield (f"row_pass what={what} causal={causal}", backward.row_pass, "bf16",
                dict(bwd, MASK_KIND=0, IS_CAUSAL=causal, DROPOUT=what == 1, WHAT=what), 4)
+    for keys_major in (False, True):
+        yield (f"bwd_kv keys_major={keys_major} mask=1 ranges", backward.bwd_kv, "bf16",
+               dict(bwd, MASK_KIND=1, IS_CAUSAL=True, DROPOUT=False, ATOMIC_DQ=False, WRITE_DS=False,
+                    KEYS_MAJOR=keys_major, HAS_RANGES=True), 4)
+    yield ("row_pass what=0 mask=2 ranges", backward.row_pass, "bf16",
+           dict(bwd, MASK_KIND=2, IS_CAUSAL=True, DROPOUT=False, WHAT=0, HAS_RANGES=True), 4)
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,9 @@ cuDNN and memory-efficient kernels with the same mask, and, for the causal-shape
 * ``window``: causal sliding window of ``N / 4`` keys; ``padding``: every row sees the first ``3N / 4`` keys;
 * ``random``: i.i.d. keys visible with probability 1/2 (no structure: the ranges cannot help).
 
-    python benchmarks/lab/masked_tiles.py [--n 4096] [--shape 1x40x128] [--dtypes bf16,fp32]
+    python benchmarks/lab/masked_tiles.py [--n 4096] [--shape 1x40x128] [--dtypes bf16,fp32] [--backward]
+
+``--backward``: forward + backward (the gradients of q, k, v for a random output gradient) instead of the forward.
 
 Each cell: CUDA-synchronised wall time per call (median of interleaved rounds, elsa_surgery.benchmark) and the
 largest difference from SDPA's efficient kernel. Needs a CUDA GPU.
@@ -45,6 +47,13 @@ def sdpa_with(backend, q, k, v, **kw):
         return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
+def backward_of(fn, go, inputs):
+    """``fn()``'s output after the gradients of ``inputs`` for the output gradient ``go`` were computed."""
+    out = fn()
+    torch.autograd.grad(out, inputs, go)
+    return out.detach()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=4096)
@@ -53,12 +62,14 @@ def main():
     ap.add_argument("--masks", default="causal,packed,window,padding,random")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--backward", action="store_true", help="forward + backward")
     a = ap.parse_args()
     B, H, D = (int(x) for x in a.shape.split("x"))
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  N={a.n} B={B} H={H} D={D}", flush=True)
     for dname in a.dtypes.split(","):
         dt = DTYPES[dname]
-        q, k, v = (torch.randn(B, H, a.n, D, device="cuda", dtype=dt) for _ in range(3))
+        q, k, v = (torch.randn(B, H, a.n, D, device="cuda", dtype=dt, requires_grad=a.backward) for _ in range(3))
+        go = torch.randn(B, H, a.n, D, device="cuda", dtype=dt)
         for mname, m2 in masks(a.n, "cuda").items():
             if mname not in a.masks.split(","):
                 continue
@@ -66,9 +77,11 @@ def main():
             ref = sdpa_with("EFFICIENT_ATTENTION", q, k, v, attn_mask=mask)
 
             def elsa(tiles):
-                def run():
-                    with benchmark.environ({"ELSA_MASK_TILES": tiles}):
-                        return elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa")
+                def run():  # the backward reads the knob too: inside the block
+                    with benchmark.environ({"ELSA_MASK_TILES": ("all" if a.backward else "forward") if tiles == "1"
+                                            else "0"}):
+                        fn = lambda: elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa")  # noqa: E731
+                        return backward_of(fn, go, (q, k, v)) if a.backward else fn()
                 return run
 
             fns = {"elsa tiles": elsa("1"), "elsa no tiles": elsa("0"),
@@ -78,6 +91,9 @@ def main():
             if mname == "causal":
                 fns["elsa is_causal"] = lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa")
                 fns["flash/eff is_causal"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if a.backward:  # each other route: forward, then the gradients of q, k, v for the output gradient go
+                fns = {name: fn if name.startswith("elsa tiles") or name.startswith("elsa no tiles")
+                       else (lambda fn=fn: backward_of(fn, go, (q, k, v))) for name, fn in fns.items()}
             diffs = {}
             for name, fn in fns.items():
                 try:
