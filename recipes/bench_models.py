@@ -29,7 +29,9 @@ JSON and ``--plot`` a PNG heat map of the ratios (matplotlib).
 ``torch.compile`` (issue 33): the native model compiled against a deep copy converted with ``convert(verify=False)``
 and then compiled (the converted one compiled first, so it never reuses kernels Inductor built for the native one,
 ``--native-first`` the other way round; a tiny function compiled before the first cell takes Inductor's start-up),
-timed in interleaved rounds in one process.
+timed in interleaved rounds in one process. Whichever side compiles second reuses kernels the first left in
+Inductor's and Triton's caches; ``--isolated-compile`` also times each side's first compiled call in processes of its
+own with caches of its own, cold (fresh caches) and warm (a second process on them).
 Each row has the compile time of each side (the first call's wall time, synchronised), their ratio, ``auto``'s
 trace-time choices (``compiled_decisions``), native ms / converted ms and the output difference; ``--control``
 replaces the converted copy with an unconverted one (an A/A run: the ratio the method alone makes, e.g. in host-
@@ -68,7 +70,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -383,6 +390,57 @@ def compile_first_call(model, call, mode, args, device):
     return compiled, seconds
 
 
+def isolated_compile_times(name, dt, batch, mode, args) -> dict:
+    """``--isolated-compile``: each side's first compiled call (``compile_child``) in a process of its own whose
+    Inductor and Triton caches are a fresh directory of its own, twice: ``<side>_compile_cold_s`` (empty caches) and
+    ``<side>_compile_warm_s`` (a second process on the first one's caches), and the converted / native ratios."""
+    rec = {}
+    for side in ("native", "converted"):
+        cache = tempfile.mkdtemp(prefix=f"elsa_compile_{side}_")
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile", mode, "--compile-child",
+               f"{side},{name},{dt},{batch},{mode}", "--compile-backend", args.compile_backend,
+               "--backend", args.backend, *(["--precision", args.precision] if args.precision else []),
+               *(["--cpu-smoke"] if args.cpu_smoke else [])]
+        try:
+            for run in ("cold", "warm"):
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+                if done.returncode or not lines:
+                    raise RuntimeError(f"the {side} compile child failed ({done.returncode}): "
+                                       f"{(done.stderr or done.stdout).strip()[-400:]}")
+                rec[f"{side}_compile_{run}_s"] = json.loads(lines[-1])["compile_s"]
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    for run in ("cold", "warm"):
+        rec[f"compile_{run}_ratio"] = rec[f"converted_compile_{run}_s"] / rec[f"native_compile_{run}_s"]
+    return rec
+
+
+def compile_child(args) -> int:
+    """One side of ``--isolated-compile`` (``--compile-child SIDE,WORKLOAD,DTYPE,BATCH,MODE``): the model built (and
+    converted), one eager call (as the in-process cell makes: the converted side's kernels compile there), Inductor's
+    start-up taken by a tiny function, then the seconds of the first compiled call, printed as JSON."""
+    import elsa_surgery
+
+    side, name, dt, batch, mode = args.compile_child.split(",")
+    device = "cpu" if args.cpu_smoke else "cuda"
+    dtype, tf32 = AB_DTYPES[dt]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    model, call = ab_build(name, dtype, int(batch), device, smoke=args.cpu_smoke)
+    if side == "converted":
+        elsa_surgery.convert(model, backend=args.backend, precision=args.precision, verify=False)
+    with torch.inference_mode():
+        call(model)
+        benchmark.synchronize(device)
+        warm_up_compiler(args, device)
+        _, seconds = compile_first_call(model, call, mode, args, device)
+    print(json.dumps({"side": side, "compile_s": seconds}), flush=True)
+    return 0
+
+
 def compile_cell(name, dt, batch, mode, args):
     """One compiled cell: native and converted (a deep copy, ``convert(verify=False)``) each compiled, the converted
     one first (so that it never reuses kernels Inductor built for the native one), timed in interleaved rounds."""
@@ -436,6 +494,8 @@ def compile_cell(name, dt, batch, mode, args):
             if args.profile:
                 rec["profile"] = {side: compile_profile(lambda: call(m), device) for side, m in
                                   (("native", nc), ("converted", cc))}
+        if args.isolated_compile:
+            rec.update(isolated_compile_times(name, dt, batch, mode, args))
     except Exception as exc:  # one cell failing (OOM, a compile error) must not stop the sweep
         rec["error"] = benchmark.error_text(exc)
         rec["traceback"] = traceback.format_exc(limit=8)
@@ -500,11 +560,15 @@ def compile_main(args) -> int:
         head = "{} {} b{} {}: ".format(*cell) + ("[A/A control: both sides native] " if rec.get("control") else "")
         if "error" in rec:
             return [head + rec["error"][:160]]
+        isolated = [f"  isolated compile (own process and caches): cold {rec['native_compile_cold_s']:.1f} s -> "
+                    f"{rec['converted_compile_cold_s']:.1f} s ({rec['compile_cold_ratio']:.2f}x), warm "
+                    f"{rec['native_compile_warm_s']:.1f} s -> {rec['converted_compile_warm_s']:.1f} s "
+                    f"({rec['compile_warm_ratio']:.2f}x)"] if "compile_cold_ratio" in rec else []
         return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
                 f"ratio {rec['ratio']:.3f}; compile {rec['native_compile_s']:.1f} s -> "
                 f"{rec['converted_compile_s']:.1f} s ({rec['compile_time_ratio']:.2f}x), "
                 f"{','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)"
-                ] + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
+                ] + isolated + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
             + profile_lines(rec.get("profile", {}))
 
     sweep(cells, lambda w, d, b, m: compile_cell(w, d, b, m, args), describe, args.out, env)
@@ -675,6 +739,11 @@ def parse_args(argv=None):
     p.add_argument("--control", action="store_true",
                    help="--compile: an A/A control: the second side is an unconverted deep copy of the native model, "
                         "compiled and timed the same way (the ratio any difference in the method alone makes)")
+    p.add_argument("--isolated-compile", action="store_true",
+                   help="--compile: also time each side's first compiled call in processes of its own, with Inductor "
+                        "and Triton caches of its own: cold (fresh caches: a first run on a new machine), then warm "
+                        "(a second process on the same caches); neither side reuses the other's kernels")
+    p.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)  # SIDE,WORKLOAD,DTYPE,BATCH,MODE
     p.add_argument("--native-first", action="store_true",
                    help="--compile: compile the native model first (default: the converted one first). The side "
                         "compiled second reuses what the first left in Inductor's and Triton's caches (the kernels "
@@ -874,6 +943,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.eager:
         return ab_main(args)
+    if args.compile_child is not None:
+        return compile_child(args)
     if args.compile is not None:
         return compile_main(args)
     if args.train:

@@ -99,3 +99,28 @@ def test_compile_native_first_compiles_the_native_model_first(tmp_path, load_rec
         assert "error" not in row, row.get("traceback")
         assert row["compiled_first"] == first
         assert order == (["native", "converted"] if first == "native" else ["converted", "native"])
+
+
+def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load_recipe, monkeypatch):
+    """``--isolated-compile``: each side's first compiled call in child processes with caches of their own (the
+    children get the cache variables; cold, then warm on the same caches), and the ratios in the row."""
+    m = load_recipe("bench_models")
+    runs, real_run = [], m.subprocess.run
+
+    def run(cmd, env=None, **kw):
+        runs.append((cmd[cmd.index("--compile-child") + 1].split(",")[0], env["TORCHINDUCTOR_CACHE_DIR"],
+                     env["TRITON_CACHE_DIR"]))
+        return real_run(cmd, env=env, **kw)
+
+    monkeypatch.setattr(m.subprocess, "run", run)
+    out = tmp_path / "rows.json"
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--rounds", "1", "--calls", "1", "--isolated-compile", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["records"]
+    assert "error" not in row, row.get("traceback")
+    for side in ("native", "converted"):
+        for run_ in ("cold", "warm"):
+            assert row[f"{side}_compile_{run_}_s"] > 0
+    assert row["compile_cold_ratio"] > 0 and row["compile_warm_ratio"] > 0
+    assert [r[0] for r in runs] == ["native", "native", "converted", "converted"]
+    assert runs[0][1:] == runs[1][1:] and runs[2][1:] == runs[3][1:] and runs[0][1] != runs[2][1]
