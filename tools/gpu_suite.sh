@@ -3,7 +3,7 @@
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-questions | fuzz | s32m-fuzz |
-#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | exec (then: OUTDIR COMMAND..., run with the
+#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | exec (then: OUTDIR COMMAND..., run with the
 #   package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
@@ -64,6 +64,14 @@ case "$part" in
     done
     wait
     tail -n 3 "$out"/pytest_gpu_training_*.log; grep -h '^FAILED' "$out"/pytest_gpu_training_*.log ;;
+  mask-tiles)  # session 33: the mask's tile ranges on the GPU (every test of tests/test_mask_tiles.py on CUDA, the
+    # backward's included: ELSA_MASK_TILES=all waits for them), then masked calls timed forward and forward + backward
+    (cd /tmp && timeout 300 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+       "$repo/tests/test_mask_tiles.py" 2>&1 | tee "$out/pytest_mask_tiles.log" | tail -15)
+    timeout 120 python3 benchmarks/lab/masked_tiles.py --n 4096 --shape 1x16x128 --dtypes bf16,fp32 2>&1 \
+      | tee "$out/masked_tiles_fwd.log" | grep -v '^ '
+    timeout 120 python3 benchmarks/lab/masked_tiles.py --backward --n 4096 --shape 1x16x128 --dtypes bf16 \
+      --masks causal,packed,random --rounds 3 --calls 5 2>&1 | tee "$out/masked_tiles_bwd.log" | grep -v '^ ' ;;
   tests-rest) gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" \
     -k "not test_fuzz_every_backend_gpu" ;;  # (the 10,000-case fuzz is the fuzz part's)
   tests)
