@@ -415,8 +415,11 @@ def elsa_fwd(
         r_hi = tl.maximum(r_lo, tl.minimum(hi, tl.load(rr + 3) * BLOCK_N))
         f_lo = tl.minimum(tl.maximum(tl.load(rr + 1) * BLOCK_N, r_lo), r_hi)
         f_hi = tl.maximum(f_lo, tl.minimum(tl.minimum(tl.load(rr + 2) * BLOCK_N, r_hi), full_hi))
-    elif MASK_KIND != 0:
-        full_hi = lo
+        p0, p1, p2, p3 = r_lo, f_lo, f_hi, r_hi  # masked [r_lo, f_lo), unmasked [f_lo, f_hi), masked [f_hi, r_hi)
+    else:
+        if MASK_KIND != 0:
+            full_hi = lo
+        p0, p1, p2, p3 = lo, full_hi, hi, hi  # unmasked [lo, full_hi), masked [full_hi, hi)
 
     if PACK:
         q_ptrs = (Q + b64 * stride_qb + row_h[:, None].to(tl.int64) * stride_qh
@@ -474,28 +477,22 @@ def elsa_fwd(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    if HAS_RANGES:  # masked [r_lo, f_lo), unmasked [f_lo, f_hi), masked [f_hi, r_hi)
-        for start_n in range(r_lo, f_lo, BLOCK_N):
+    # the phases' key blocks [p0, p1), [p1, p2), [p2, p3) (bounds set above, picked by the phase alone, as in
+    # backward.py: Triton 3.6 fails on bounds assigned under a constexpr `if` inside a static loop); masked:
+    # phases 0 and 2 with the mask's ranges, phase 1 without
+    for phase in tl.static_range(2 + HAS_RANGES):
+        if phase == 0:
+            blk_lo, blk_hi = p0, p1
+        elif phase == 1:
+            blk_lo, blk_hi = p1, p2
+        else:
+            blk_lo, blk_hi = p2, p3
+        for start_n in range(blk_lo, blk_hi, BLOCK_N):
             acc, l_i, m_i = _fold_block(
                 acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
                 start_n, row_q, offs_n, offs_d, offs_dv,
                 kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
-                D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
-        lo = f_lo
-        full_hi = f_hi
-        hi = r_hi
-    for start_n in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fold_block(
-            acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
-            start_n, row_q, offs_n, offs_d, offs_dv,
-            kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
-            D, DV, BLOCK_D, BLOCK_DV, False, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fold_block(
-            acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
-            start_n, row_q, offs_n, offs_d, offs_dv,
-            kv_len, causal_off, mask_ptrs, mask_row_ok, stride_kn, stride_vn, stride_mn, qk_scale,
-            D, DV, BLOCK_D, BLOCK_DV, True, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
+                D, DV, BLOCK_D, BLOCK_DV, (phase != 1) == HAS_RANGES, IS_CAUSAL, MASK_KIND, DOT, BLOCKED_PV)
 
     row_store = offs_m < store_rows
     if PACK:
