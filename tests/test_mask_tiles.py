@@ -14,25 +14,14 @@ import elsa_surgery
 from elsa_surgery import benchmark
 from elsa_surgery.kernels import launch, occupancy
 from kernel_env import DEV, needs_kernels
+from test_backward import _check, _leaf
+from test_kernels import TOL, oracle, rand, rel
 
 pytestmark = needs_kernels
 
-TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
-
-def rand(*shape, dtype=torch.float32, g=None):
-    return torch.randn(*shape, dtype=torch.float64, generator=g).to(dtype).to(DEV)
-
-
-def oracle(q, k, v, mask, **kw):
-    mask = mask if mask.dtype == torch.bool else mask.double()
-    return elsa_surgery.attention(q.double(), k.double(), v.double(), mask, backend="reference", return_lse=True,
-                                  enable_gqa=True, **kw)
-
-
-def rel(x, ref):
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm())
+def tol(dtype):
+    return TOL["strict" if dtype == torch.float32 else dtype]
 
 
 def structured(kind, nq, nk, g):
@@ -90,7 +79,7 @@ def torch_ranges(mask, bm, bn, nq, nk):
 def test_tile_ranges_match_a_classification_in_torch(kind):
     g = torch.Generator().manual_seed(hash(kind) % 1000)
     nq, nk = 150, 300  # ragged last tiles on both axes
-    q, k, v = rand(1, 2, nq, 16, g=g), rand(1, 2, nk, 16, g=g), rand(1, 2, nk, 16, g=g)
+    q, k, v = rand(1, 2, nq, 16), rand(1, 2, nk, 16), rand(1, 2, nk, 16)
     boolean = structured(kind, nq, nk, g)
     additive = torch.where(boolean, torch.where(torch.rand(nq, nk, generator=g) < 0.2, 0.5, 0.0), float("-inf"))
     headed = torch.stack([boolean, structured("random", nq, nk, g)])[None]  # [1, 2, nq, nk]
@@ -120,8 +109,7 @@ def test_masked_calls_with_tile_ranges_match_the_oracle(kind, dtype, causal, len
     g = torch.Generator().manual_seed(7)
     hq, hkv = (int(x) for x in heads.split(":"))
     B, nq, nk = 2, 130, 290
-    q, k, v = rand(B, hq, nq, 16, dtype=dtype, g=g), rand(B, hkv, nk, 16, dtype=dtype, g=g), rand(
-        B, hkv, nk, 24, dtype=dtype, g=g)
+    q, k, v = rand(B, hq, nq, 16, dtype=dtype), rand(B, hkv, nk, 16, dtype=dtype), rand(B, hkv, nk, 24, dtype=dtype)
     planes = torch.stack([torch.stack([structured(kind, nq, nk, g) for _ in range(mheads)]) for _ in range(period)])
     mask = planes
     if additive:  # -inf where hidden, 0 or a bias elsewhere (only the -inf / 0 tiles are skipped / unmasked)
@@ -135,10 +123,10 @@ def test_masked_calls_with_tile_ranges_match_the_oracle(kind, dtype, causal, len
     out, lse = launch.attention(q, k, v, scale=16 ** -0.5, mask=mask, is_causal=causal, kv_lengths=kv_lengths,
                                 precision="strict" if dtype == torch.float32 else None, num_partitions=parts)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    assert rel(out, ref_out) <= TOL[dtype], rel(out, ref_out)
+    assert rel(out, ref_out) <= tol(dtype), rel(out, ref_out)
     fin = torch.isfinite(ref_lse.cpu())
     assert torch.equal(torch.isfinite(lse.cpu()), fin)
-    assert rel(lse.cpu()[fin], ref_lse.cpu()[fin]) <= max(TOL[dtype], 1e-6)
+    assert rel(lse.cpu()[fin], ref_lse.cpu()[fin]) <= max(tol(dtype), 1e-6)
 
 
 def test_blocks_the_mask_hides_are_never_read():
@@ -146,7 +134,7 @@ def test_blocks_the_mask_hides_are_never_read():
     (0 · NaN = NaN), the tile ranges skip them. The same call with ``ELSA_MASK_TILES=0`` shows the test can fail."""
     g = torch.Generator().manual_seed(3)
     nq, nk = 64, 320
-    q, k, v = rand(1, 1, nq, 16, g=g), rand(1, 1, nk, 16, g=g), rand(1, 1, nk, 16, g=g)
+    q, k, v = rand(1, 1, nq, 16), rand(1, 1, nk, 16), rand(1, 1, nk, 16)
     mask = structured("window", nq, nk, g).to(DEV)[None, None]  # rows see keys [nk - nq - nk // 3, nk)
     hidden = ~mask[0, 0].any(0)  # keys no row sees
     assert hidden[:64].all()
@@ -154,7 +142,7 @@ def test_blocks_the_mask_hides_are_never_read():
     v_bad = v.clone()
     v_bad[..., :64, :] = float("nan")  # two whole 32-key blocks nobody sees
     out = launch.attention(q, k, v_bad, scale=0.25, mask=mask, precision="strict")[0]
-    assert not torch.isnan(out).any() and rel(out, ref) <= TOL[torch.float32]
+    assert not torch.isnan(out).any() and rel(out, ref) <= tol(torch.float32)
     with benchmark.environ({"ELSA_MASK_TILES": "0"}):
         assert not plan_of(q, k, v, mask).mask_ranges
         assert torch.isnan(launch.attention(q, k, v_bad, scale=0.25, mask=mask, precision="strict")[0]).any()
@@ -176,17 +164,15 @@ def test_short_rows_and_decode_keep_the_plain_masked_loop():
 # --- the backward: the key pass walks each key tile's row-block ranges, the row pass (dQ) each row tile's key ranges
 
 
-def _leaf(*shape, g):
-    return torch.randn(*shape, dtype=torch.float64, generator=g).to(DEV).requires_grad_()
-
-
-def _spy_ranges(monkeypatch):
-    """Which passes ran with the mask's tile ranges: ``{pass name: [ranges given?, ...]}``; the backward's ranges on
-    (``ELSA_MASK_TILES=all``)."""
+def _spy_ranges(monkeypatch, tiles="all"):
+    """Which passes ran with the mask's tile ranges: ``{pass name: [ranges given?, ...]}``, with ``ELSA_MASK_TILES``
+    set to ``tiles`` (None: unset, the default)."""
     from elsa_surgery.kernels import backward_launch
 
-    monkeypatch.setenv("ELSA_MASK_TILES", "all")
-
+    if tiles is None:
+        monkeypatch.delenv("ELSA_MASK_TILES", raising=False)
+    else:
+        monkeypatch.setenv("ELSA_MASK_TILES", tiles)
     seen, real = {}, backward_launch._Call.mask_ranges
 
     def spy(self, name, bm, bn):
@@ -198,35 +184,16 @@ def _spy_ranges(monkeypatch):
     return seen
 
 
-def _grads_vs_oracle(q, k, v, mask, g, **kw):
-    from oracle import naive_attention, rel_err
-
-    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64, generator=g)
-    out = elsa_surgery.attention(q.float(), k.float(), v.float(), attn_mask=mask, backend="elsa", precision="strict",
-                                 enable_gqa=True, **kw)
-    leaves = [q, k, v] + ([mask] if mask.requires_grad else [])
-    grads = torch.autograd.grad((out.double() * go.to(DEV)).sum(), leaves)
-    ref = [t.detach().cpu().double().requires_grad_() for t in leaves]
-    rmask = ref[3] if mask.requires_grad else mask.cpu()
-    o_kw = {a: kw[a].cpu() if isinstance(kw[a], torch.Tensor) else kw[a] for a in ("is_causal", "kv_lengths")
-            if a in kw}
-    ro, _ = naive_attention(*ref[:3], rmask, **o_kw)
-    rgrads = torch.autograd.grad((ro * go).sum(), ref)
-    for name, a, b in zip("qkvm", grads, rgrads):
-        assert torch.isfinite(a).all(), f"d{name} has NaN/inf"
-        assert rel_err(a.cpu(), b) <= 2e-5, (name, rel_err(a.cpu(), b))
-    return grads
-
-
 def test_backward_with_tile_ranges_matches_the_oracle(monkeypatch):
     """A causal window (bool, one mask for both heads of a GQA pair), padded key lengths: dQ, dK, dV against the
-    float64 oracle's autograd, both backward passes on the mask's tile ranges."""
+    float64 oracle's autograd (test_backward's check, dQ by the row pass), both backward passes on the mask's tile
+    ranges."""
     seen = _spy_ranges(monkeypatch)
     g = torch.Generator().manual_seed(11)
     nq, nk = 260, 270
-    q, k, v = _leaf(2, 4, nq, 16, g=g), _leaf(2, 2, nk, 16, g=g), _leaf(2, 2, nk, 8, g=g)
+    q, k, v = _leaf(2, 4, nq, 16), _leaf(2, 2, nk, 16), _leaf(2, 2, nk, 8)
     mask = structured("window", nq, nk, g).to(DEV)[None, None]
-    _grads_vs_oracle(q, k, v, mask, g, kv_lengths=torch.tensor([nk, 200], dtype=torch.int32, device=DEV))
+    _check(q, k, v, mask, deterministic=True, kv_lengths=torch.tensor([nk, 200], dtype=torch.int32))
     assert seen == {"bwd_kv": [True], "row_pass": [True]}, seen
 
 
@@ -236,11 +203,11 @@ def test_mask_gradient_with_tile_ranges_matches_the_oracle(monkeypatch):
     seen = _spy_ranges(monkeypatch)
     g = torch.Generator().manual_seed(12)
     n = 256
-    q, k, v = _leaf(1, 2, n, 16, g=g), _leaf(1, 2, n, 16, g=g), _leaf(1, 2, n, 16, g=g)
+    q, k, v = _leaf(1, 2, n, 16), _leaf(1, 2, n, 16), _leaf(1, 2, n, 16)
     pattern = structured("packed", n, n, g)
     bias = torch.where(pattern, 0.3 * torch.randn(n, n, dtype=torch.float64, generator=g), float("-inf"))
     mask = bias.float().to(DEV)[None, None].requires_grad_()
-    dm = _grads_vs_oracle(q, k, v, mask, g, is_causal=True)[3]
+    dm = _check(q, k, v, mask, deterministic=True, is_causal=True)[3]
     assert dm.shape == mask.shape and (dm[0, 0][~pattern.to(DEV)] == 0).all()
     assert seen == {"bwd_kv": [True], "row_pass": [True]}, seen
 
@@ -251,18 +218,17 @@ def test_backward_never_reads_blocks_the_mask_hides(monkeypatch):
     monkeypatch.setenv("ELSA_MASK_TILES", "all")
     g = torch.Generator().manual_seed(13)
     nq, nk = 256, 512  # the first row sees keys [87, 256]
-    q, k, v = _leaf(1, 1, nq, 16, g=g), _leaf(1, 1, nk, 16, g=g), _leaf(1, 1, nk, 16, g=g)
+    q, k, v = _leaf(1, 1, nq, 16), _leaf(1, 1, nk, 16), _leaf(1, 1, nk, 16)
     mask = structured("window", nq, nk, g).to(DEV)[None, None]
     assert not mask[0, 0, :, :64].any()
     go = torch.randn(1, 1, nq, 16, dtype=torch.float64, generator=g).to(DEV)
     kb, vb = (t.detach().clone() for t in (k, v))
     kb[..., :64, :], vb[..., :64, :] = float("nan"), float("nan")
     kb.requires_grad_(), vb.requires_grad_()
-    out = elsa_surgery.attention(q.float(), kb.float(), vb.float(), attn_mask=mask, backend="elsa",
-                                 precision="strict")
+    out = elsa_surgery.attention(q, kb, vb, attn_mask=mask, backend="elsa", precision="strict")
     dq, dk, dv = torch.autograd.grad((out.double() * go).sum(), [q, kb, vb])
     assert torch.isfinite(dq).all() and (dk[..., :64, :] == 0).all() and (dv[..., :64, :] == 0).all()
-    ref = elsa_surgery.attention(q.float(), k.float(), v.float(), attn_mask=mask, backend="elsa", precision="strict")
+    ref = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa", precision="strict")
     rq, rk, rv = torch.autograd.grad((ref.double() * go).sum(), [q, k, v])
     assert torch.equal(dq, rq) and torch.equal(dk[..., 64:, :], rk[..., 64:, :])
 
@@ -270,20 +236,14 @@ def test_backward_never_reads_blocks_the_mask_hides(monkeypatch):
 def test_backward_ranges_stay_off_unless_asked(monkeypatch):
     """The default (``forward``) classifies the mask for the forward only: the backward's ranges have not run on a
     GPU yet (session 33), so they wait for ``ELSA_MASK_TILES=all``."""
-    from elsa_surgery.kernels import backward_launch
-
-    seen, real = [], backward_launch._Call.mask_ranges
-    monkeypatch.setattr(backward_launch._Call, "mask_ranges",
-                        lambda self, *a: seen.append(real(self, *a) is not None) or real(self, *a))
-    monkeypatch.delenv("ELSA_MASK_TILES", raising=False)
+    seen = _spy_ranges(monkeypatch, tiles=None)
     g = torch.Generator().manual_seed(14)
-    q, k, v = _leaf(1, 1, 256, 16, g=g), _leaf(1, 1, 256, 16, g=g), _leaf(1, 1, 256, 16, g=g)
+    q, k, v = _leaf(1, 1, 256, 16), _leaf(1, 1, 256, 16), _leaf(1, 1, 256, 16)
     mask = structured("causal", 256, 256, g).to(DEV)[None, None]
-    plan = plan_of(q.detach().float(), k.detach().float(), v.detach().float(), mask)
-    assert plan.mask_ranges
-    out = elsa_surgery.attention(q.float(), k.float(), v.float(), attn_mask=mask, backend="elsa", precision="strict")
+    assert plan_of(q.detach(), k.detach(), v.detach(), mask).mask_ranges
+    out = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa", precision="strict")
     torch.autograd.grad(out.sum(), [q, k, v])
-    assert seen and not any(seen)
+    assert seen and not any(ran for runs in seen.values() for ran in runs), seen
 
 
 @pytest.mark.gpu
