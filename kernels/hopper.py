@@ -456,7 +456,7 @@ def _kind(dtype: torch.dtype, precision: Optional[str]) -> Optional[str]:
 
 def _descriptor_ok(t: torch.Tensor) -> bool:
     es = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    return (t.stride(-1) == 1 and replay.aligned16(t)
             and all(s > 0 and (s * es) % 16 == 0 for s in t.stride()[:-1]))
 
 

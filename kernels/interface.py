@@ -14,11 +14,14 @@ gradient is traced to the ops without an autograd formula: ``ops.attention_infer
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
-from . import occupancy
+from . import knobs, occupancy
+
+log = logging.getLogger("elsa_surgery.kernels")
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 8, 256, 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -139,8 +142,25 @@ def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_
     if _wants_grad(q, k, v, mask):
         out, lse = _ops().attention_op(*args)
     else:
-        out, lse = _ops().attention_inference_op(*args, bool(return_lse))
+        out, lse = _inference_op()(*args, bool(return_lse))
     return out, (lse if return_lse else None)
+
+
+def _inference_op():
+    """The op a call that wants no gradient traces to under torch.compile (``ELSA_COMPILE_OP``): the inline op, or
+    the opaque one where asked or where this torch has no ``triton_op`` (logged once)."""
+    ops = _ops()
+    if knobs.get(knobs.COMPILE_OP) == "opaque" or occupancy.interpreting():
+        return ops.attention_inference_op  # (wrap_triton cannot trace the interpreter's kernels)
+    if ops.attention_inline_op is None:
+        if not _INLINE_LOGGED:
+            _INLINE_LOGGED.append(True)
+            log.warning("elsa_surgery: compiled calls use the opaque ELSA op: %s", ops.INLINE_UNAVAILABLE)
+        return ops.attention_inference_op
+    return ops.attention_inline_op
+
+
+_INLINE_LOGGED = []
 
 
 def attention_state(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, precision=None):

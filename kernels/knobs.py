@@ -39,6 +39,7 @@ TEST_RANDOM_CASES = "ELSA_TEST_RANDOM_CASES"
 BLOCKED_PV_KEYS = "ELSA_BLOCKED_PV_KEYS"
 BWD_DQ = "ELSA_BWD_DQ"
 MASK_TILES = "ELSA_MASK_TILES"
+COMPILE_OP = "ELSA_COMPILE_OP"
 
 _MAX_CACHED = 32  # parsed values kept per knob (by raw value)
 
@@ -164,9 +165,15 @@ _DECLARED = (
     Knob(MASK_TILES, "choice", _choices("0", "forward", "all"), "forward",
          "masked calls with lines of many blocks: classify the mask's tiles first (one pass over it) so that the "
          "kernels skip the blocks a tile's rows never see and fold those they wholly see unmasked; forward: the "
-         "forward kernels only; all: the backward's two passes too (not yet run on a GPU: session 33 ran out of "
-         "device time); 0: every block through the masked loops", _choice("0", "forward", "all"), scope="tuning",
+         "forward kernels only; all: the backward's two passes too (exact on an H100, session 34; not the default: an "
+         "unstructured mask's forward + backward took 1.49x as long with it); 0: every block through the masked loops",
+         _choice("0", "forward", "all"), scope="tuning",
          choices=("0", "forward", "all")),
+    Knob(COMPILE_OP, "choice", _choices("inline", "opaque"), "inline",
+         "which operator a converted model's inference calls trace to under torch.compile: inline (a triton_op whose "
+         "kernels Inductor sees and launches from its own code; calls the Hopper kernel takes stay opaque) or opaque "
+         "(one custom op whose Python launcher runs on every call)", _choice("inline", "opaque"),
+         choices=("inline", "opaque")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

@@ -53,11 +53,13 @@ def _dot_kind(dtype: torch.dtype, precision: Optional[str], device: torch.device
 
 
 def _mask_arg(mask: Optional[torch.Tensor]):
-    """(tensor for the kernel, kind, strides). Bool masks are reinterpreted as uint8 (a view, no copy)."""
+    """(tensor for the kernel, kind, strides). Bool masks are reinterpreted as uint8 (a view, no copy), but where
+    launches are wrapped for Inductor (``replay.wrapping``), whose lowering of a bool -> uint8 view fails: the
+    kernels read a bool pointer the same way (``!= 0``)."""
     if mask is None:
         return None, 0, (0, 0, 0, 0), 1
     kind = 1 if mask.dtype == torch.bool else 2
-    m = mask.view(torch.uint8) if kind == 1 else mask
+    m = mask.view(torch.uint8) if kind == 1 and not replay.wrapping() else mask
     strides = tuple(0 if size == 1 else st for size, st in zip(m.shape, m.stride()))  # broadcast axes
     return m, kind, strides, m.shape[0]
 
@@ -162,6 +164,11 @@ class _Region:
         key = (batch, tuple(specs))
         if key in self._views:
             return self._views[key]
+        if replay.wrapping():  # traced for Inductor: a kernel writing an as_strided view of a dtype view cannot be
+            # functionalized (torch.compile refuses it); pieces of their own instead, the same bytes in all
+            self._views[key] = [torch.empty((batch, heads, *inner), dtype=dt, device=self.u8.device)
+                                for dt, (heads, *inner) in specs]
+            return self._views[key]
         views, off = [], 0
         for dt, (heads, *inner) in specs:
             size = dt.itemsize
@@ -260,7 +267,7 @@ _ALIASES = (("q", "k"), ("k", "v"), ("q", "v"), ("cu_q", "cu_k"), ("q_lengths", 
 
 def _geometry(t):
     """What a launch plan's key holds of a tensor: everything the planner and Triton's specialisation read."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+    return None if t is None else (t.shape, t.stride(), t.dtype, replay.aligned16(t))
 
 
 def _run(q, k, v, *, scale, precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
@@ -704,6 +711,33 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
         )
     return out, lse, state
+
+
+def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
+               precision=None) -> Optional[str]:
+    """Why :func:`attention` on these (fake) tensors cannot be traced into ``wrap_triton`` launches (the inline op,
+    kernels/ops.py, then traces to the opaque one), or None. Planned as a call is:
+
+    * the Hopper kernel takes it (``hopper.eligible`` without its size rule for eager calls: replayed launches
+      encode the TMA maps): ``wrap_triton`` cannot launch Gluon kernels;
+    * K/V are staged by heads or key chunks (a memory budget, which the pieces :meth:`_Region.carve` allocates
+      while tracing would not keep; the reverse chunks are carved from the output itself, a mutation through
+      ``as_strided`` that torch.compile's functionalization refuses)."""
+    from . import hopper
+
+    if q.dtype == torch.float32 and precision is None:
+        precision = default_precision(q.device)
+    out = _new_out(q, *q.shape[:3], v.shape[3])
+    plan = cached_plan(call_signature(q, k, v, out, precision=precision, mask=mask, q_lengths=q_lengths,
+                                      kv_lengths=kv_lengths, is_causal=is_causal))
+    if plan.staging[0] != "whole":
+        return f"K/V staged by {plan.staging[0]}"
+    if not plan.hopper:
+        return None
+    how = "force" if plan.hopper_mode == "1" else plan.hopper_mode
+    why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, varlen=False,
+                              state=None, scale=scale, precision=precision, is_causal=is_causal, how=how)
+    return "the Hopper kernel" if why_not is None else None
 
 
 def mask_tile_classes(mask, nq: int, nk: int, block_m: int, block_n: int) -> torch.Tensor:

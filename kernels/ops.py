@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import launch
+from . import launch, replay
 
 # The dense output's layout under torch.compile: [B, Nq, Hq, Dv] in memory (STRIDED_OUTPUT, what the eager launcher
 # writes) or contiguous [B, Hq, Nq, Dv]. Inductor asserts the fake's strides on a custom op's output
@@ -111,6 +111,38 @@ def _dense_inference_fake(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal
 # else): the kernel variant that writes none, the one eager calls compile, so auto's trace-time race reuses it
 attention_inference_op = define("attention_inference", DENSE_SCHEMA[:-1] + ", bool return_lse) -> (Tensor, Tensor)",
                                 _dense_inference, _dense_inference_fake)
+
+
+def _dense_inline(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
+                  kv_lengths: Optional[Tensor], scale: float, is_causal: bool, precision: str,
+                  return_lse: bool) -> Tuple[Tensor, Tensor]:
+    """The inline op's body: :func:`_dense_inference` itself on real tensors (the op called outside Inductor); traced
+    on fake tensors, the same launcher with every kernel handed to ``wrap_triton`` (``replay.wrapped_launches``), so
+    that Inductor's code launches the kernels planned here, without the launcher's host time on each call. Calls
+    ``launch.not_inline`` names (the Hopper kernel's, K/V staged in carved buffers) and calls with symbolic sizes
+    trace to the opaque op instead."""
+    if type(q) is Tensor:
+        return _dense_inference(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse)
+    if _static(q, k, v, mask, q_lengths, kv_lengths):  # (dynamic shapes: the planner needs sizes, the opaque op not)
+        with replay.wrapped_launches():
+            if launch.not_inline(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
+                                 kv_lengths=kv_lengths, precision=precision or None) is None:
+                return _dense_inference(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse)
+    return attention_inference_op(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse)
+
+
+def _static(*tensors) -> bool:
+    """Whether every size, stride and storage offset of ``tensors`` (None skipped) is a plain int, not a SymInt."""
+    return all(type(n) is int for t in tensors if t is not None for n in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+INLINE_UNAVAILABLE = None if hasattr(torch.library, "triton_op") else (
+    f"torch {torch.__version__} has no torch.library.triton_op (torch >= 2.6)")
+# the inference op for torch.compile (knobs.COMPILE_OP): Inductor traces its body and launches its Triton kernels
+# from the generated code; its eager kernel (real tensors) is the opaque op's. None without triton_op.
+_INLINE = None if INLINE_UNAVAILABLE else torch.library.triton_op(  # schema from the annotations (torch 2.11
+    f"{NS}::attention_inline", _dense_inline, mutates_args=())     # infers it whatever it is given)
+attention_inline_op = None if _INLINE is None else _INLINE._opoverload
 
 
 def _state(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):

@@ -114,8 +114,36 @@ def reread_env(names) -> None:
             env(name)
 
 
+@contextlib.contextmanager
+def wrapped_launches():
+    """Inside the block, :func:`launch` hands every kernel to ``torch.library.wrap_triton`` (the body of a
+    ``triton_op`` traced by torch.compile on fake tensors: ``kernels/ops.py``'s inline op) and nothing is recorded
+    or replayed (:func:`wanted` is False): Inductor's generated code launches the kernels itself."""
+    prev = getattr(_local, "wrap", False)
+    _local.wrap = True
+    try:
+        yield
+    finally:
+        _local.wrap = prev
+
+
+def wrapping() -> bool:
+    """Whether launches go to ``wrap_triton`` (inside :func:`wrapped_launches`)."""
+    return getattr(_local, "wrap", False)
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data starts on a 16-byte boundary. While launches are wrapped the tensors are fake (no
+    address): their storage offset decides, as Inductor allocates (and assumes) 16-byte aligned storages."""
+    if getattr(_local, "wrap", False):
+        return (t.storage_offset() * t.element_size()) % 16 == 0
+    return t.data_ptr() % 16 == 0
+
+
 def wanted(t: torch.Tensor) -> bool:
     """Whether calls on ``t``'s device use plans (``ELSA_LAUNCH_PLANS``, see the module docstring)."""
+    if getattr(_local, "wrap", False):
+        return False
     value = knobs.get(ENV)
     return value == "1" or (value is None and t.is_cuda)
 
@@ -157,7 +185,13 @@ def derived(name: str, t: torch.Tensor, make: Callable) -> None:
 
 
 def launch(fn, grid, *args, **kwargs):
-    """``fn[grid](*args, **kwargs)``, recorded when a plan is being recorded."""
+    """``fn[grid](*args, **kwargs)``, recorded when a plan is being recorded; through ``wrap_triton`` inside
+    :func:`wrapped_launches` (returns None there)."""
+    if getattr(_local, "wrap", False):
+        from torch.library import wrap_triton
+
+        wrap_triton(fn)[grid](*args, **kwargs)
+        return None
     kernel = fn[grid](*args, **kwargs)
     rec = getattr(_local, "rec", None)
     if rec is not None:

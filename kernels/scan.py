@@ -306,6 +306,9 @@ def elsa_fwd(
     ``n_rows_buf`` is ``GROUPS · Nq``: partition states land in the same ``[P, B, Hq, Nq]`` layout as unpacked
     ones, so phase 2 merges them unchanged. Not combined with ``VARLEN`` or ``CHUNKED``.
     """
+    # fp32 whoever launches: Triton's launcher types a Python float fp32, Inductor's code for a wrap_triton launch
+    # (kernels/ops.py's inline op) fp64, which would carry the scores and the dots' accumulators to fp64
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid = tl.program_id(0)
     pid_p = tl.program_id(1)
     if IS_CAUSAL:  # the longest rows first across each group of head_group heads (occupancy.causal_head_group)

@@ -447,6 +447,7 @@ def compile_cell(name, dt, batch, mode, args):
     import copy
 
     import elsa_surgery
+    from elsa_surgery.kernels import knobs
 
     device = "cpu" if args.cpu_smoke else "cuda"
     dtype, tf32 = AB_DTYPES[dt]
@@ -454,6 +455,7 @@ def compile_cell(name, dt, batch, mode, args):
     torch.backends.cudnn.allow_tf32 = tf32
     rec = dict(workload=name, dtype=dt, batch=batch, mode=mode, backend=args.backend,
                compile_backend=args.compile_backend)
+    rec["compile_op"] = knobs.get(knobs.COMPILE_OP)  # the op ELSA's calls trace to (ELSA_COMPILE_OP)
     try:
         torch._dynamo.reset()
         native, call = ab_build(name, dtype, batch, device, smoke=args.cpu_smoke)
@@ -567,8 +569,8 @@ def compile_main(args) -> int:
         return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
                 f"ratio {rec['ratio']:.3f}; compile {rec['native_compile_s']:.1f} s -> "
                 f"{rec['converted_compile_s']:.1f} s ({rec['compile_time_ratio']:.2f}x), "
-                f"{','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)"
-                ] + isolated + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
+                f"{','.join(rec['backends_used'])} ({rec['compile_op']} op), rel {rec['rel_err_vs_native']:.1e} "
+                f"({rec['wall_s']:.0f} s)"] + isolated + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
             + profile_lines(rec.get("profile", {}))
 
     sweep(cells, lambda w, d, b, m: compile_cell(w, d, b, m, args), describe, args.out, env)

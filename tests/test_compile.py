@@ -8,6 +8,7 @@ GPU variant runs ``backend="elsa"``. The model's first compiled call comes befor
 model, with the knobs' parse caches cleared, as in a fresh process (a cache write traced by dynamo once made the
 second call recompile)."""
 
+import os
 import types
 
 import pytest
@@ -155,7 +156,8 @@ def test_converted_then_compiled_equals_converted_eager(name, compiler):
     assert not any("scaled_dot_product" in t for t in _targets(gm))  # no attention escaped to native SDPA
 
 
-INFERENCE_OPS = {"elsa_surgery.attention_inference.default", "elsa_surgery.attention_varlen_inference.default"}
+INFERENCE_OPS = {"elsa_surgery.attention_inference.default", "elsa_surgery.attention_varlen_inference.default",
+                 "elsa_surgery.attention_inline.default"}
 
 
 @pytest.mark.gpu
@@ -371,6 +373,185 @@ def test_op_output_layout_under_inductor_gpu(strided, monkeypatch):
     else:
         assert kernels >= 1, code
 
+
+
+# Traced in a process of its own without TRITON_INTERPRET (the interpreter's kernels are not traceable: the inline op
+# is not taken under it): the inline op on CPU fake tensors through AOTAutograd (whose graph is what Inductor lowers),
+# printing per call the graph's ELSA kernels, whether the opaque op is in it and whether any as_strided view is.
+_TRACE_INLINE = r"""
+import json, os, sys, torch
+from torch._dynamo.backends.common import aot_autograd
+from elsa_surgery import dispatch
+from elsa_surgery.kernels import knobs
+ops = dispatch.kernels_module().ops
+g = torch.Generator().manual_seed(0)
+def r(*shape):
+    return torch.randn(*shape, generator=g)
+def traced(fn, *args, dynamic=False):
+    graphs = []
+    def capture(gm, example):
+        graphs.append(gm)
+        return lambda *a: None
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=dynamic)(*args)
+    except Exception:  # the captured graph returns nothing (never run)
+        pass
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    kernels = sorted({kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in nodes
+                      if "triton_kernel_wrapper" in str(n.target)})
+    return dict(kernels=kernels, opaque=any("attention_inference" in str(n.target) for n in nodes),
+                as_strided=any("as_strided" in str(n.target) for n in nodes))
+def call(precision, mask=True, n=300, d=16):
+    q, k, v = r(1, 4, n, d), r(1, 2, n, d), r(1, 2, n, d)
+    m = (torch.arange(n)[:, None] >= torch.arange(n)[None])[None, None] if mask else None
+    return (lambda q, k, v, m: ops.attention_inline_op(q, k, v, m, None, None, d ** -0.5, not mask, precision,
+                                                        False)), (q, k, v, m)
+out = {}
+split = {knobs.PRECISE_SPLIT: "f16"}  # K and V split into fp16 pieces by the launcher
+# (the heads case has a shape of its own: a plan made while tracing records no knob read, so it is not replanned)
+for name, kw, env, dynamic in (("masked", {}, {}, False), ("precise", dict(mask=False, n=2048, d=64), split, False),
+                               ("heads", dict(mask=False, n=2112, d=64), {**split, knobs.STAGE_PLAN: "heads:1"}, False),
+                               ("dynamic", {}, {}, True)):
+    os.environ.update(env)
+    fn, args = call("strict" if name in ("masked", "dynamic") else "precise", **kw)
+    out[name] = traced(fn, *args, dynamic=dynamic)
+    for key in env:
+        os.environ.pop(key)
+print(json.dumps(out))
+"""
+
+
+def test_inline_op_traces_to_kernel_launches_without_a_gpu():
+    """The inline op's body traced as Inductor traces it (AOTAutograd, fake CPU tensors, Triton's compiled kernels
+    without a GPU): a masked call becomes launches of ``mask_tile_classes``, ``mask_tile_ranges`` and ``elsa_fwd``
+    with no opaque op; an fp32 ``precise`` call whose K/V are split into fp16 pieces adds ``split_f16`` and writes no
+    ``as_strided`` view (functionalization refuses such writes: the traced pieces are tensors of their own); the same
+    call with K/V staged a head at a time, and a call traced with dynamic shapes (the planner needs sizes), keep the
+    opaque op."""
+    import json
+    import subprocess
+    import sys
+
+    if ops.attention_inline_op is None:
+        pytest.skip(ops.INLINE_UNAVAILABLE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _TRACE_INLINE], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["masked"] == dict(kernels=["elsa_fwd", "mask_tile_classes", "mask_tile_ranges"], opaque=False,
+                                 as_strided=False), got
+    assert got["precise"] == dict(kernels=["elsa_fwd", "split_f16"], opaque=False, as_strided=False), got
+    for name in ("heads", "dynamic"):
+        assert got[name]["opaque"] and not got[name]["kernels"], got
+
+
+def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, caplog):
+    """Which op a compiled inference call traces to (``interface._inference_op``): the inline one by default; the
+    opaque one with ``ELSA_COMPILE_OP=opaque``, under the interpreter (whose kernels ``wrap_triton`` cannot trace),
+    and where this torch has no ``triton_op``, said once in the log; the inline op on real tensors (called outside
+    Inductor) is the opaque op's kernel, the eager launcher."""
+    from elsa_surgery.kernels import interface, occupancy
+
+    k = dispatch.kernels_module()
+    monkeypatch.setattr(occupancy, "interpreting", lambda: False)
+    monkeypatch.delenv("ELSA_COMPILE_OP", raising=False)
+    if ops.attention_inline_op is not None:
+        assert interface._inference_op() is ops.attention_inline_op
+    monkeypatch.setenv("ELSA_COMPILE_OP", "opaque")
+    assert interface._inference_op() is ops.attention_inference_op
+    monkeypatch.setenv("ELSA_COMPILE_OP", "sometimes")
+    with pytest.raises(ValueError, match="ELSA_COMPILE_OP"):
+        interface._inference_op()
+    monkeypatch.delenv("ELSA_COMPILE_OP")
+    monkeypatch.setattr(ops, "attention_inline_op", None)
+    monkeypatch.setattr(ops, "INLINE_UNAVAILABLE", "torch 2.5 has no torch.library.triton_op (torch >= 2.6)")
+    monkeypatch.setattr(interface, "_INLINE_LOGGED", [])
+    with caplog.at_level("WARNING", logger="elsa_surgery.kernels"):
+        assert interface._inference_op() is ops.attention_inference_op
+        assert interface._inference_op() is ops.attention_inference_op
+    said = [r.getMessage() for r in caplog.records if "opaque ELSA op" in r.getMessage()]
+    assert said == ["elsa_surgery: compiled calls use the opaque ELSA op: torch 2.5 has no torch.library.triton_op "
+                    "(torch >= 2.6)"], said
+    monkeypatch.undo()
+    assert k is dispatch.kernels_module() and occupancy.interpreting()
+    assert interface._inference_op() is ops.attention_inference_op  # CI runs the interpreter
+    gen = torch.Generator().manual_seed(4)
+    q, kk, v = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
+    if ops.attention_inline_op is not None:
+        a = ops.attention_inline_op(q, kk, v, None, None, None, 0.25, True, "strict", False)
+        b = ops.attention_inference_op(q, kk, v, None, None, None, 0.25, True, "strict", False)
+        assert torch.equal(a[0], b[0])
+
+
+def _inline_calls(dtype, precision):
+    """``(call, inputs)``: three ELSA calls as converted models make them (a bool window mask and GQA, causal GQA,
+    a causal-shaped bool mask over 1,100 keys whose tiles are classified first), on fresh inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    pos = torch.arange(300, device="cuda")
+    window = ((pos[:, None] - pos[None]).abs() < 40)[None, None]
+    long_pos = torch.arange(1100, device="cuda")
+    causal = (long_pos[:, None] >= long_pos[None])[None, None]
+    inputs = (r(2, 4, 300, 64), r(2, 2, 300, 64), r(2, 2, 300, 64), window, r(1, 2, 1100, 64), r(1, 2, 1100, 64),
+              r(1, 2, 1100, 64), causal)
+
+    def call(q, k, v, window, lq, lk, lv, causal):
+        kw = dict(backend="elsa", precision=precision)
+        return (elsa_surgery.attention(q, k, v, window, enable_gqa=True, **kw),
+                elsa_surgery.attention(q, k, v, is_causal=True, enable_gqa=True, **kw),
+                elsa_surgery.attention(lq, lk, lv, causal, **kw))
+
+    return call, inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "precise"), (torch.float32, "strict"),
+                                             (torch.float32, "turbo"), (torch.bfloat16, None)])
+def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision, monkeypatch):
+    """``ELSA_COMPILE_OP=inline`` (the default): Inductor's generated code launches the ELSA kernels itself (no call
+    of the op in it, ``elsa_fwd`` and the mask-tile kernels defined in it), torch's analysis of what each kernel
+    writes succeeded (where it fails it assumes every argument written and copies the inputs), and the compiled
+    calls equal the eager ones: fp32 within 1e-6 relative. Calls the Hopper kernel takes (unmasked bf16/fp16, fp32
+    strict and turbo) stay on the opaque op."""
+    from elsa_surgery.kernels import hopper
+
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    monkeypatch.delenv("ELSA_COMPILE_OP", raising=False)
+    analysed, failed, real = [], [], triton_kernel_wrap.generate_ttir
+
+    def generate_ttir(kernel, *args, **kwargs):  # what torch's write analysis compiles (a failure is swallowed)
+        try:
+            analysed.append(getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel)))
+            return real(kernel, *args, **kwargs)
+        except Exception as e:
+            failed.append(repr(e)[:500])
+            raise
+
+    monkeypatch.setattr(triton_kernel_wrap, "generate_ttir", generate_ttir)
+    call, inputs = _inline_calls(dtype, precision)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(call, fullgraph=True), *inputs)
+        want = call(*inputs)
+    assert "elsa_fwd" in analysed and not failed, (analysed, failed)
+    code = "\n".join(code)
+    for g, w in zip(got, want):
+        if dtype == torch.float32:
+            assert _rel(g, w) <= RTOL
+        else:
+            assert (g.float() - w.float()).abs().max() <= 2e-2
+    assert "ops.elsa_surgery.attention_inline" not in code, code
+    assert "def elsa_fwd" in code and "def mask_tile_ranges" in code, code
+    hopper_ok = hopper.eligible(inputs[0], inputs[1], inputs[2], inputs[0], mask=None, q_lengths=None,
+                                kv_lengths=None, varlen=False, state=None, scale=0.125, precision=precision,
+                                how="force") is None
+    assert ("ops.elsa_surgery.attention_inference" in code) == hopper_ok, code
 
 
 def _block(x, w_qkv, w_out, heads):

@@ -3,7 +3,7 @@
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-questions | fuzz | s32m-fuzz |
-#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | exec (then: OUTDIR COMMAND..., run with the
+#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline | exec (then: OUTDIR COMMAND..., run with the
 #   package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
@@ -72,6 +72,14 @@ case "$part" in
       | tee "$out/masked_tiles_fwd.log" | grep -v '^ '
     timeout 120 python3 benchmarks/lab/masked_tiles.py --backward --n 4096 --shape 1x16x128 --dtypes bf16 \
       --masks causal,packed,random --rounds 3 --calls 5 2>&1 | tee "$out/masked_tiles_bwd.log" | grep -v '^ ' ;;
+  compile-inline)  # session 34: the inline op (ELSA_COMPILE_OP=inline) on the GPU, then compiled Swin-T inline vs
+    # opaque in one call (the ops' host cost decides host-bound compiled models)
+    gpu_tests pytest_gpu_inline.log "$repo/tests/test_compile.py" -k "inline"
+    for op in inline opaque; do
+      ELSA_COMPILE_OP=$op timeout 170 python3 recipes/bench_models.py --compile default --workloads swin_t \
+        --dtypes fp32,bf16 --batches 8 --rounds 3 --calls 5 --out "$out/compile_swin_$op.json" 2>&1 \
+        | tee "$out/compile_swin_$op.log" | grep -v '^ '
+    done ;;
   tests-rest) gpu_tests pytest_gpu_rest.log "$repo/tests" --ignore "$repo/tests/test_kernels_gpu.py" \
     -k "not test_fuzz_every_backend_gpu" ;;  # (the 10,000-case fuzz is the fuzz part's)
   tests)
