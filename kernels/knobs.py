@@ -171,8 +171,9 @@ _DECLARED = (
          choices=("0", "forward", "all")),
     Knob(COMPILE_OP, "choice", _choices("inline", "opaque"), "inline",
          "which operator a converted model's inference calls trace to under torch.compile: inline (a triton_op whose "
-         "kernels Inductor sees and launches from its own code; calls the Hopper kernel takes stay opaque) or opaque "
-         "(one custom op whose Python launcher runs on every call)", _choice("inline", "opaque"),
+         "kernels Inductor sees and launches from its own code; calls the Hopper kernel takes, K/V staged by heads or "
+         "key chunks and dynamic shapes stay opaque) or opaque (one custom op whose Python launcher runs on every "
+         "call)", _choice("inline", "opaque"),
          choices=("inline", "opaque")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),

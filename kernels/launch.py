@@ -530,7 +530,10 @@ _PLANS: Dict[CallSignature, Tuple[tuple, tuple, LaunchPlan]] = {}  # sig -> (env
 
 def cached_plan(sig: CallSignature) -> LaunchPlan:
     """:func:`plan_launch`, cached by the signature and valid while every environment variable the planning read
-    keeps the value it had (``replay.reading_env``)."""
+    keeps the value it had (``replay.reading_env``). While torch.compile traces (the inline op's body) knob reads are
+    not observed, so a plan made then is not cached: nothing would invalidate it when a knob changes."""
+    if knobs.tracing():
+        return plan_launch(sig)
     hit = _PLANS.get(sig)
     if hit is not None and replay.env_unchanged(hit[1]):
         replay.reread_env(hit[0])  # a launch plan being recorded depends on what the planning read
