@@ -35,7 +35,7 @@ Head dims that are not powers of two are padded with masked loads. Dot kinds as 
 import triton
 import triton.language as tl
 
-from .scan import MASK_FLOOR, _dot, heaviest_first
+from .scan import MASK_FLOOR, _dot, heaviest_first, phase_span
 
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -310,15 +310,9 @@ def bwd_kv(
                             p2)
         else:
             p0, p1, p2, p3 = m_lo, a_end, m_hi, m_hi
-        # (the phases' bounds are set before the loop and picked by the phase alone: Triton 3.6 failed to compile
-        # bounds assigned under `if HAS_RANGES` inside it)
+        # (the phases' bounds are set before the loop: scan.phase_span)
         for phase in tl.static_range(2 + HAS_RANGES):
-            if phase == 0:
-                lo, hi = p0, p1
-            elif phase == 1:
-                lo, hi = p1, p2
-            else:
-                lo, hi = p2, p3
+            lo, hi = phase_span(phase, p0, p1, p2, p3, p3)
             for m0 in range(lo, hi, BLOCK_M):
                 dk, dv = _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows,
                                   vt, v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale,
@@ -471,14 +465,7 @@ def row_pass(
     else:
         p0, p1, p2, p3, p4 = 0, nf, n_hi, n_hi, n_hi
     for phase in tl.static_range(2 + 2 * HAS_RANGES):
-        if phase == 0:
-            lo, hi = p0, p1
-        elif phase == 1:
-            lo, hi = p1, p2
-        elif phase == 2:
-            lo, hi = p2, p3
-        else:
-            lo, hi = p3, p4
+        lo, hi = phase_span(phase, p0, p1, p2, p3, p4)
         for n0 in range(lo, hi, BLOCK_N):
             acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
                             v_base, m_base, k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale, p_drop, Nkc,

@@ -180,6 +180,22 @@ def _fold_block(
     return acc, l_i, m_new
 
 
+@triton.jit
+def phase_span(phase: tl.constexpr, p0, p1, p2, p3, p4):
+    """Blocks ``[p_phase, p_phase+1)`` of a static phase loop (``tl.static_range``) over consecutive spans (masked
+    and unmasked runs): the bounds are set before the loop and picked by the phase alone, as Triton 3.6 failed to
+    compile bounds assigned under a constexpr ``if`` inside the loop (elsa_fwd, and backward.py's two passes)."""
+    if phase == 0:
+        lo, hi = p0, p1
+    elif phase == 1:
+        lo, hi = p1, p2
+    elif phase == 2:
+        lo, hi = p2, p3
+    else:
+        lo, hi = p3, p4
+    return lo, hi
+
+
 @triton.jit(do_not_specialize=["Nq", "Nk", "n_nblocks"])
 def mask_tile_classes(
     MASK, CLS, Nq, Nk, n_nblocks,
@@ -480,16 +496,10 @@ def elsa_fwd(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # the phases' key blocks [p0, p1), [p1, p2), [p2, p3) (bounds set above, picked by the phase alone, as in
-    # backward.py: Triton 3.6 fails on bounds assigned under a constexpr `if` inside a static loop); masked:
-    # phases 0 and 2 with the mask's ranges, phase 1 without
+    # the phases' key blocks [p0, p1), [p1, p2), [p2, p3) (bounds set above: phase_span); masked: phases 0 and 2
+    # with the mask's ranges, phase 1 without
     for phase in tl.static_range(2 + HAS_RANGES):
-        if phase == 0:
-            blk_lo, blk_hi = p0, p1
-        elif phase == 1:
-            blk_lo, blk_hi = p1, p2
-        else:
-            blk_lo, blk_hi = p2, p3
+        blk_lo, blk_hi = phase_span(phase, p0, p1, p2, p3, p3)
         for start_n in range(blk_lo, blk_hi, BLOCK_N):
             acc, l_i, m_i = _fold_block(
                 acc, l_i, m_i, q, q_lo, q_rowf, k_ptrs, kl_ptrs, ki_ptrs, v_ptrs, vl_ptrs, vi_ptrs,
