@@ -35,7 +35,7 @@ Head dims that are not powers of two are padded with masked loads. Dot kinds as 
 import triton
 import triton.language as tl
 
-from .scan import MASK_FLOOR, _dot, heaviest_first, phase_span
+from .scan import MASK_FLOOR, _dot, heaviest_first
 
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -214,6 +214,33 @@ def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok
 
 
 @triton.jit
+def _two_runs(a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr):
+    """Two runs of blocks, ``[a_lo, a_hi)`` and ``[b_lo, b_hi)``, walked as one loop ``range(a_lo, end, BLOCK)``
+    whose steps from ``a_end`` on jump by ``gap`` (:func:`_skip_gap`): ``(a_end, gap, end)``. A run that does not
+    end its range ends at a block boundary (the ranges' rule), so no block is cut short."""
+    a_end = a_lo + (a_hi - a_lo + BLOCK - 1) // BLOCK * BLOCK
+    return a_end, b_lo - a_end, a_end + (b_hi - b_lo + BLOCK - 1) // BLOCK * BLOCK
+
+
+@triton.jit
+def _skip_gap(x, a_end, gap, ON: tl.constexpr):
+    """Step ``x`` of :func:`_two_runs`'s loop: the second run's block from ``a_end`` on (``ON``), else ``x``."""
+    if ON:
+        x = tl.where(x < a_end, x, x + gap)
+    return x
+
+
+@triton.jit
+def _span_of(phase: tl.constexpr, a_lo, a_hi, b_lo, b_hi):
+    """``[a_lo, a_hi)`` for phase 0, ``[b_lo, b_hi)`` for phase 1 (set before the loop, as scan.phase_span)."""
+    if phase == 0:
+        lo, hi = a_lo, a_hi
+    else:
+        lo, hi = b_lo, b_hi
+    return lo, hi
+
+
+@triton.jit
 def _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
     """The first query block of :func:`bwd_kv`'s walk ``range(m_lo, m_hi, BLOCK_M)`` from which every row sees
@@ -299,6 +326,7 @@ def bwd_kv(
         m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
         # query blocks [p0, p1) run masked, [p1, p2) full, [p2, p3) masked: the causal diagonal's (every block when
         # masked), then full ones; with the mask's ranges, masked [r_lo, f_lo), full [f_lo, f_hi), masked [f_hi, r_hi)
+        # (the masked runs first, in one loop)
         if HAS_RANGES:
             rr = RANGES + (b % mask_period).to(tl.int64) * stride_rp + h64 * stride_rh + pid_n * 4
             p0 = tl.maximum(m_lo, tl.load(rr + 0) * BLOCK_M)
@@ -308,12 +336,16 @@ def bwd_kv(
             p1 = tl.minimum(tl.maximum(tl.maximum(tl.load(rr + 1) * BLOCK_M, p0),
                                        _full_rows(m_lo, m_hi, n0, kv_len, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL, 0)),
                             p2)
+            # the two masked runs [p0, p1) and [p2, p3) in one loop: one copy of the masked step (fewer registers)
+            run_end, gap, m_end = _two_runs(p0, p1, p2, p3, BLOCK_M)
         else:
             p0, p1, p2, p3 = m_lo, a_end, m_hi, m_hi
-        # (the phases' bounds are set before the loop: scan.phase_span)
-        for phase in tl.static_range(2 + HAS_RANGES):
-            lo, hi = phase_span(phase, p0, p1, p2, p3, p3)
-            for m0 in range(lo, hi, BLOCK_M):
+            run_end, gap, m_end = p1, 0, p1
+        # masked blocks, then the full ones (the bounds set before the loop, as scan.phase_span)
+        for phase in tl.static_range(2):
+            lo, hi = _span_of(phase, p0, m_end, p1, p2)
+            for m_it in range(lo, hi, BLOCK_M):
+                m0 = _skip_gap(m_it, run_end, gap, HAS_RANGES and phase == 0)
                 dk, dv = _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt, k_rows,
                                   vt, v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed, qk_scale,
                                   scale, p_drop, keep_scale, crb, crh, Nkc, stride_qn, stride_qd, stride_on,
@@ -448,9 +480,9 @@ def row_pass(
     if IS_CAUSAL:
         n_hi = tl.minimum(n_hi, tl.maximum(tl.minimum(pid_m * BLOCK_M + BLOCK_M, q_len) + causal_off, 0))
     nf = _full_keys(pid_m * BLOCK_M, n_hi, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND)
-    # key blocks [p0, p1) run full, [p1, p2) masked, [p2, p3) full: those no row of the tile has hidden (no
-    # visibility tests), then the rest; with the mask's ranges, masked [r_lo, f_lo), full [f_lo, f_hi), masked
-    # [f_hi, r_hi) (as bwd_kv, the bounds before the loop)
+    # key blocks [p0, p1) run full (those no row of the tile has hidden: no visibility tests), then [p2, p3)
+    # masked; with the mask's ranges, full [f_lo, f_hi), then the masked [r_lo, f_lo) and [f_hi, r_hi) in one loop
+    # (as bwd_kv: one copy of the masked step; the bounds before the loop)
     if HAS_RANGES:
         rr = RANGES + (b % mask_period).to(tl.int64) * stride_gp + h64 * stride_gh + pid_m * 4
         r_lo = tl.minimum(tl.load(rr + 0) * BLOCK_N, n_hi)
@@ -460,18 +492,21 @@ def row_pass(
         f_hi = tl.maximum(f_lo, tl.minimum(tl.minimum(tl.load(rr + 2) * BLOCK_N, r_hi),
                                            _full_keys(pid_m * BLOCK_M, n_hi, causal_off, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                                       0)))
-        p0, p1, p2, p3 = r_lo, r_lo, f_lo, f_hi  # full [r_lo, r_lo) (none), masked [r_lo, f_lo), full [f_lo, f_hi)
-        p4 = r_hi  # then masked [f_hi, r_hi)
+        p0, p1 = f_lo, f_hi  # full [f_lo, f_hi), then masked [r_lo, f_lo) and [f_hi, r_hi) in one loop
+        run_end, gap, p3 = _two_runs(r_lo, f_lo, f_hi, r_hi, BLOCK_N)
+        p2 = r_lo
     else:
-        p0, p1, p2, p3, p4 = 0, nf, n_hi, n_hi, n_hi
-    for phase in tl.static_range(2 + 2 * HAS_RANGES):
-        lo, hi = phase_span(phase, p0, p1, p2, p3, p4)
-        for n0 in range(lo, hi, BLOCK_N):
+        p0, p1, p2, p3 = 0, nf, nf, n_hi
+        run_end, gap = p3, 0
+    for phase in tl.static_range(2):
+        lo, hi = _span_of(phase, p0, p1, p2, p3)
+        for n_it in range(lo, hi, BLOCK_N):
+            n0 = _skip_gap(n_it, run_end, gap, HAS_RANGES and phase == 1)
             acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
                             v_base, m_base, k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale, p_drop, Nkc,
                             RES, b64, h64, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
                             stride_rb, stride_rh, stride_rn, stride_rd, D, DV_, MASK_KIND, IS_CAUSAL, DOT, DROPOUT,
-                            WHAT, phase % 2 == 1)
+                            WHAT, phase == 1)
     if WHAT == 0:
         tl.store(RES + b64 * stride_rb + h64 * stride_rh + r64 * stride_rn + offs_d[None, :] * stride_rd,
                  (acc * scale).to(RES.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))

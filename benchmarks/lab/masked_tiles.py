@@ -78,13 +78,15 @@ def main():
 
             def elsa(tiles):
                 def run():  # the backward reads the knob too: inside the block
-                    with benchmark.environ({"ELSA_MASK_TILES": ("all" if a.backward else "forward") if tiles == "1"
-                                            else "0"}):
+                    with benchmark.environ({"ELSA_MASK_TILES": tiles}):
                         fn = lambda: elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa")  # noqa: E731
                         return backward_of(fn, go, (q, k, v)) if a.backward else fn()
                 return run
 
-            fns = {"elsa tiles": elsa("1"), "elsa no tiles": elsa("0"),
+            # with --backward, "elsa tiles" classifies the mask for both passes (ELSA_MASK_TILES=all), "elsa fwd
+            # tiles" for the forward only (the default)
+            fns = {"elsa tiles": elsa("all" if a.backward else "forward"), "elsa no tiles": elsa("0"),
+                   **({"elsa fwd tiles": elsa("forward")} if a.backward else {}),
                    "efficient": lambda: sdpa_with("EFFICIENT_ATTENTION", q, k, v, attn_mask=mask)}
             if dt != torch.float32:
                 fns["cudnn"] = lambda: sdpa_with("CUDNN_ATTENTION", q, k, v, attn_mask=mask)
@@ -92,7 +94,7 @@ def main():
                 fns["elsa is_causal"] = lambda: elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa")
                 fns["flash/eff is_causal"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
             if a.backward:  # each other route: forward, then the gradients of q, k, v for the output gradient go
-                fns = {name: fn if name.startswith("elsa tiles") or name.startswith("elsa no tiles")
+                fns = {name: fn if name in ("elsa tiles", "elsa no tiles", "elsa fwd tiles")
                        else (lambda fn=fn: backward_of(fn, go, (q, k, v))) for name, fn in fns.items()}
             diffs = {}
             for name, fn in fns.items():
