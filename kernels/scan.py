@@ -184,7 +184,7 @@ def _fold_block(
 def phase_span(phase: tl.constexpr, p0, p1, p2, p3, p4):
     """Blocks ``[p_phase, p_phase+1)`` of a static phase loop (``tl.static_range``) over consecutive spans (masked
     and unmasked runs): the bounds are set before the loop and picked by the phase alone, as Triton 3.6 failed to
-    compile bounds assigned under a constexpr ``if`` inside the loop (elsa_fwd, and backward.py's two passes)."""
+    compile bounds assigned under a constexpr ``if`` inside the loop (elsa_fwd; backward.py's ``_span_of`` likewise)."""
     if phase == 0:
         lo, hi = p0, p1
     elif phase == 1:
