@@ -54,7 +54,8 @@ def main():
             e.record()
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e))
-        print(f"causal={causal}{f' mask={a.mask} tiles={tiles}' if tiles else ''}: forward + backward {statistics.median(times):.3f} ms (median of 20)", flush=True)
+        what = f"causal={causal}" + (f" mask={a.mask} tiles={tiles}" if tiles else "")
+        print(f"{what}: forward + backward {statistics.median(times):.3f} ms (median of 20)", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 step()
