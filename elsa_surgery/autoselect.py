@@ -9,9 +9,10 @@ is the whole public call as later calls of the signature will make it (``elsa_su
 with the signature's memo entry set to each decision in turn: direct routes, validation, launch plans and all),
 so the host cost of our Python counts against ELSA, as it does for the user. A training call (autograd records it:
 q, k or v requires grad) is its own signature, raced forward + backward (the backward to q, k, v only). The
-choice is made once per signature (``elsa_surgery/callcache.py`` keeps it), and its :class:`~.dispatch.Decision`
-names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never
-races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
+choice is made once per signature (``elsa_surgery/callcache.py`` keeps it; unmasked signatures that differ only in
+their number of keys, as a growing KV cache's decode steps, share one race per quarter octave of it), and its
+:class:`~.dispatch.Decision` names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it.
+``backend="elsa"`` never races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
 
 Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the custom op an
 inference graph calls (``elsa_surgery::attention_inference``, its dispatch included) against SDPA on fresh tensors

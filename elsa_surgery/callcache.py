@@ -11,7 +11,9 @@ runs both and keeps the outcome; later calls with the key rebuild the problem ar
 views ``build_problem`` makes: 3-D inputs get their head axis, size-1 batch and head axes are broadcast, the
 mask gets its canonical 4-D view) and reuse the decision, which is still announced (recorded and logged) on every
 call. Under ``auto`` the first eager CUDA call of a signature may also race the kernels against PyTorch's SDPA
-(:mod:`elsa_surgery.autoselect`); the memo keeps the winner.
+(:mod:`elsa_surgery.autoselect`); the memo keeps the winner. Unmasked signatures that differ only in their number of
+keys share one race per quarter octave of it (:func:`key_band`): the decode steps of a growing KV cache race once
+every few hundred or thousand steps, not at every step.
 
 Direct routes: once a signature's call has run with the same inputs (the canonical problem holds the caller's own
 q, k, v and mask: no 3-D or broadcast views, no rebuilt mask view; no dropout, lengths or gradient), its entry also
@@ -36,6 +38,7 @@ scalars), and calls traced by ``torch.compile``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -73,6 +76,36 @@ _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or t
 def clear() -> None:
     _entries.clear()
     _routes.clear()
+    _families.clear()
+
+
+# auto's race verdicts shared by signatures that differ only in their number of keys (key_band): family ->
+# (decision, the number of keys it was raced at). Each decode step of a growing KV cache is a new signature: without
+# this, every step of a generation whose lengths were not seen before raced (H100, session 35: LLaMA-13B-shaped
+# decode, one race per step, ~3 rounds of ~2 ms a side, against a step of ~3 ms).
+_families: dict = {}
+BANDS_PER_OCTAVE = 4
+
+
+def key_band(n: int) -> Tuple[int, int]:
+    """The band ``(lo, hi]`` of key counts whose calls share one race: a quarter of the octave ``(2^e, 2^(e+1)]``
+    that holds ``n`` (``(4096, 5120]`` for 4,097 keys), each count alone up to 8."""
+    if n <= 8:
+        return n - 1, n
+    e = (n - 1).bit_length() - 1
+    w = (1 << e) // BANDS_PER_OCTAVE
+    lo = (1 << e) + (n - 1 - (1 << e)) // w * w
+    return lo, lo + w
+
+
+def _family(key: tuple, attn_mask) -> Optional[tuple]:
+    """The race family of memo key ``key``: the key with k's and v's number of keys (their second-to-last size)
+    replaced by its :func:`key_band`; None for a masked call (the mask's geometry holds the keys too)."""
+    if attn_mask is not None:
+        return None
+    ks, vs = key[3], key[6]
+    band = key_band(ks[-2])
+    return key[:3] + ((*ks[:-2], band, ks[-1]),) + key[4:6] + ((*vs[:-2], band, vs[-1]),) + key[7:]
 
 
 def _tensor_sig(t):
@@ -177,7 +210,16 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             _entries[key] = entry
             if call is not None and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
                                                            return_lse=return_lse) is None:
-                d = _race(entry, call, (q, k, v))
+                fam = _family(key, attn_mask)
+                shared = _families.get(fam) if fam is not None else None
+                if shared is not None:
+                    d = _share(entry, *shared, k.shape[-2])
+                else:
+                    d = _race(entry, call, (q, k, v))
+                    if fam is not None:
+                        if len(_families) >= MAX_ENTRIES:
+                            _families.pop(next(iter(_families)))
+                        _families[fam] = (d, k.shape[-2])
         else:
             STATS["hits"] += 1
             squeeze, scale_, causal, dropout, d = hit.squeeze, hit.scale, hit.causal, hit.dropout, hit.decision
@@ -360,6 +402,18 @@ def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
     # both sides made a route under the call's route key, the later side's left in _routes: direct() drops it unless
     # it is the winner's, and the call itself, run next on the full path, points the key at the winner's (learn)
     return final
+
+
+def _share(entry: _Entry, raced: dispatch.Decision, raced_keys: int, keys: int) -> dispatch.Decision:
+    """A new entry takes the verdict its family's race gave (:data:`_families`), saying so in its reason; its routes
+    as :func:`_race` leaves a winner's."""
+    lo, hi = key_band(keys)
+    d = dataclasses.replace(raced, reason=f"{raced.reason}; raced at {raced_keys} keys, shared by the calls of "
+                                          f"{lo + 1}-{hi} keys (callcache.key_band)")
+    if d.backend != "elsa":
+        entry.routes = None if entry.routes is None else {}
+    entry.decision = d
+    return d
 
 
 def _as_is(t):

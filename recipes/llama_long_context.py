@@ -244,12 +244,25 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
 
             row: Dict[str, Any] = {"seq_len": n, "cache": cache, "new_tokens": args.new_tokens}
             try:
+                # the first generation of each: the converted one's includes auto's races (a real user's first
+                # call at these lengths pays them), both include their warm-up
+                t0 = time.perf_counter()
                 with elsa_surgery.dispatch.record() as log:
                     out_c = run(converted)
+                _sync(device)
+                t1 = time.perf_counter()
                 out_n = run(native)
+                _sync(device)
+                row["converted_first_s"], row["native_first_s"] = t1 - t0, time.perf_counter() - t1
                 row["tokens_identical"] = bool(torch.equal(out_c, out_n))
                 row["tokens_agree"] = float((out_c[:, n:] == out_n[:, n:]).float().mean())
                 row["backends_used"] = sorted({d.backend + (f"/{d.precision}" if d.precision else "") for d in log})
+                # auto's reasons (its race's two timings where it raced), each distinct one with its call count
+                reasons: Dict[str, int] = {}
+                for d in log:
+                    key = f"{d.backend}: {d.reason}"
+                    reasons[key] = reasons.get(key, 0) + 1
+                row["dispatch_reasons"] = reasons
                 times: Dict[str, List[float]] = {"native": [], "converted": []}
                 for _ in range(args.iters):
                     for name, model in (("native", native), ("converted", converted)):
@@ -268,7 +281,11 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
             if row["status"] == "ok":
                 print(f"generate {n:>6} + {args.new_tokens} {cache:7}: native {row['native_s']:.3f} s, converted "
                       f"{row['converted_s']:.3f} s, ratio {row['ratio']:.3f}, tokens identical {row['tokens_identical']}"
-                      f" ({row['tokens_agree']:.0%} agree), {','.join(row['backends_used'])}", flush=True)
+                      f" ({row['tokens_agree']:.0%} agree), {','.join(row['backends_used'])}; first generation "
+                      f"(warm-up, races) native {row['native_first_s']:.3f} s, converted "
+                      f"{row['converted_first_s']:.3f} s", flush=True)
+                for reason, calls in row["dispatch_reasons"].items():
+                    print(f"#   {calls} call(s): {reason[:300]}", flush=True)
             else:
                 print(f"generate {n:>6} {cache}: {row['error']}", flush=True)
             gc.collect()

@@ -90,6 +90,30 @@ def test_elsa_kept_when_sdpa_is_not_faster_enough(racing):
 
 
 @pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
+def test_decode_steps_share_a_race_per_band_of_key_counts(racing, monkeypatch, times, winner):
+    """A growing KV cache makes each decode step a new signature: calls that differ only in their number of keys
+    share one race per quarter octave of it (callcache.key_band), the verdict and where it was raced in the reason,
+    and the shared verdict runs (the output is the winner's)."""
+    raced = []
+    monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (raced.append(1), elsa(), sdpa(), racing[0])[-1])
+    racing[0] = times
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 1, 16, generator=g).to(DEV)
+    kv = torch.randn(2, 1, 2, 130, 16, generator=g).to(DEV)
+    assert [callcache.key_band(n) for n in (100, 112, 113, 4097, 5120, 8)] == [
+        (96, 112), (96, 112), (112, 128), (4096, 5120), (4096, 5120), (7, 8)]
+    with dispatch.record() as log:
+        outs = [elsa_surgery.attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+                for n in (100, 101, 112, 113, 120)]
+    assert len(raced) == 2 and [d.backend for d in log] == [winner] * 5, (raced, log)
+    assert "raced at" not in log[0].reason and "raced at 100 keys, shared by the calls of 97-112 keys" in log[1].reason
+    assert "ELSA" in log[2].reason and "raced at 113 keys" in log[4].reason and "raced at" not in log[3].reason
+    for n, out in zip((100, 101, 112, 113, 120), outs):
+        ref = F.scaled_dot_product_attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+        assert float((out - ref).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
 def test_later_calls_take_the_winners_direct_route(racing, monkeypatch, times, winner):
     """Both sides of the race run the public call under one route key, so both make a direct route; later calls
     run through the winner's (session 30: routes found by one flat key, the loser's dropped when the race ends)."""
