@@ -24,7 +24,9 @@ The verdicts are logged once and kept in :data:`COMPILED` (``compiled_decisions(
 SDPA is *exact* here in the sense the design asks: fp16/bf16 flash, cuDNN and memory-efficient kernels and fp32's
 memory-efficient kernel all compute softmax attention with fp32 accumulation; fp32 races only while PyTorch's
 matmuls are IEEE (``torch.backends.cuda.matmul.allow_tf32`` off), since SDPA's fp32 math path would otherwise run
-TF32 products.
+TF32 products. Calls with key lengths alone (``kv_lengths``: BERT's padded batches through the transformers adapter)
+race SDPA with the key-padding mask ``[B, 1, 1, Nk]`` that the native model builds (``sdpa.run``; rows without a key
+-> zeros); the race is per signature, whatever the lengths' values.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def sdpa_reason(p, d: Decision, *, backend: str, precision: Optional[str], retur
         return "not an automatic ELSA decision"
     if not _eager_cuda(p.q):
         return "not an eager CUDA call"
-    if return_lse or p.dropout_p or p.q_lengths is not None or p.kv_lengths is not None:
-        return "lse, dropout or padded lengths: SDPA has no equivalent"
+    if return_lse or p.dropout_p or p.q_lengths is not None:
+        return "lse, dropout or padded query rows: SDPA has no equivalent"
+    if p.kv_lengths is not None and (p.is_causal or p.mask is not None):
+        return "key lengths with causal or a mask: not raced"
     if p.mask is not None:
         return "masked: SDPA differs on rows with no visible key"
     if p.is_causal and p.q.shape[2] != p.k.shape[2]:
@@ -100,12 +104,29 @@ def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float,
 SDPA_SIDE = Decision("sdpa", None, "auto's race: the PyTorch SDPA side")  # what the race's SDPA calls run under
 
 
+class _SdpaOutOfMemory(Exception):
+    """SDPA's side of a race ran out of GPU memory (:func:`choose`)."""
+
+
 def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], *, traced: bool = False,
            training: bool = False) -> Decision:
     """``d`` (naming both timings), or an SDPA decision naming them when SDPA is faster by more than
     :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way; ``traced``: the race of a call torch.compile
-    is tracing (:func:`choose_compiled`); ``training``: each side is a call and its backward."""
-    elsa_ms, sdpa_ms = race(elsa, sdpa)
+    is tracing (:func:`choose_compiled`); ``training``: each side is a call and its backward. Where SDPA's side
+    runs out of GPU memory (its math path, the only one for fp32 GQA, materialises the ``Nq x Nk`` scores: 112 GiB
+    for a Qwen2-7B-shaped 32K prefill), ``d`` is kept and says so: the race must never fail a call ELSA can run."""
+
+    def guarded():
+        try:
+            return sdpa()
+        except torch.cuda.OutOfMemoryError as e:
+            raise _SdpaOutOfMemory(str(e).splitlines()[0][:120]) from e
+
+    try:
+        elsa_ms, sdpa_ms = race(elsa, guarded)
+    except _SdpaOutOfMemory as e:
+        return Decision(d.backend, d.precision, f"{d.reason}; auto's race: PyTorch SDPA ran out of memory ({e})",
+                        d.fallback)
     what = "forward + backward of each training call" if training else "call"
     how = (f"{what} for this signature (raced once when torch.compile traced it)" if traced else
            f"eager {what} for this signature (measured once, median of {ROUNDS} interleaved rounds)")
@@ -116,7 +137,8 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
     return Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)
 
 
-COMPILED: Dict[tuple, Decision] = {}  # trace-time verdicts by signature (shapes, dtype, device, causal, scale, precision)
+# trace-time verdicts by signature (shapes, dtype, device, causal, scale, precision)
+COMPILED: Dict[tuple, Decision] = {}
 
 
 def compiled_decisions() -> Dict[tuple, Decision]:

@@ -27,6 +27,14 @@ def run(p: AttentionProblem) -> torch.Tensor:
         # SDPA's own semantics are ours here (every row sees a key; causal alignments agree): no mask to build
         return F.scaled_dot_product_attention(p.q, p.k, p.v, dropout_p=p.dropout_p, is_causal=p.is_causal,
                                               scale=p.scale, enable_gqa=p.heads_q != p.heads_kv)
+    if p.mask is None and p.q_lengths is None and p.kv_lengths is not None and not p.is_causal:
+        # key padding alone (BERT's padded batches through the adapter's kv_lengths): a [B, 1, 1, Nk] key mask, as
+        # the native model builds, rather than the [B, 1, Nq, Nk] visibility below; rows of kv_len 0 -> zeros
+        kl = p.kv_lengths
+        keep = torch.arange(p.n_k, device=kl.device) < kl[:, None]
+        out = F.scaled_dot_product_attention(p.q, p.k, p.v, attn_mask=keep[:, None, None, :], dropout_p=p.dropout_p,
+                                             scale=p.scale, enable_gqa=p.heads_q != p.heads_kv)
+        return out.masked_fill((kl == 0)[:, None, None, None], 0.0)
     mask = p.mask
     if mask is not None and mask.shape[0] not in (1, p.batch):  # per-window: row b uses b % nW
         mask = mask[torch.arange(p.batch, device=mask.device) % mask.shape[0]]

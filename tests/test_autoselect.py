@@ -141,11 +141,47 @@ def test_no_race_where_sdpa_differs_or_elsa_was_asked_for(racing, kw):
         k, v = k[:, :, :30], v[:, :, :30]
     if kw.pop("mask", None):
         kw["attn_mask"] = torch.ones(40, 40, dtype=torch.bool, device=DEV).tril()
-    if kw.pop("kv_lengths", None):
-        kw["kv_lengths"] = torch.tensor([40, 20], device=DEV)
+    if kw.pop("kv_lengths", None):  # with causal: not raced (key lengths alone are: the test below)
+        kw.update(kv_lengths=torch.tensor([40, 20], device=DEV), is_causal=True)
     with dispatch.record() as log:
         elsa_surgery.attention(q, k, v, **kw)
     assert log[0].backend == "elsa" and "PyTorch SDPA" not in log[0].reason
+
+
+@pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
+def test_key_lengths_race_sdpa_with_a_key_padding_mask(racing, times, winner):
+    """Key lengths alone (the transformers adapter's padded batches) are raced: SDPA's side takes a [B, 1, 1, Nk]
+    key-padding mask; either winner gives the oracle's answer, a row of kv_len 0 zeros (never NaN), and later
+    calls with other lengths keep the verdict."""
+    racing[0] = times
+    q, k, v = _qkv(b=3)
+    with dispatch.record() as log:
+        outs = [elsa_surgery.attention(q, k, v, kv_lengths=torch.tensor(kl, dtype=torch.int32, device=DEV))
+                for kl in ([40, 17, 0], [3, 40, 25])]
+    assert [d.backend for d in log] == [winner] * 2, log
+    assert "ELSA {:.1f} us vs PyTorch SDPA {:.1f} us".format(*(t * 1e3 for t in times)) in log[0].reason, log
+    for kl, out in zip(([40, 17, 0], [3, 40, 25]), outs):
+        ref = elsa_surgery.attention(q.double(), k.double(), v.double(), backend="reference",
+                                     kv_lengths=torch.tensor(kl, dtype=torch.int32, device=DEV))
+        assert torch.isfinite(out).all() and float((out.double() - ref).abs().max()) < 1e-5
+    assert (outs[0][2] == 0).all()
+
+
+def test_sdpa_running_out_of_memory_in_the_race_keeps_elsa(racing, monkeypatch):
+    """SDPA's side of the race out of GPU memory (its math path materialises the scores: fp32 GQA at 32K asks
+    112 GiB) leaves the call on ELSA, the reason saying why, instead of failing a call ELSA can run."""
+    def oom(*a, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 112.00 GiB.")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", oom)
+    q, k, v = _qkv()
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(q, k, v)
+        elsa_surgery.attention(q, k, v)  # decided: no second race
+    assert [d.backend for d in log] == ["elsa", "elsa"], log
+    assert "PyTorch SDPA ran out of memory (CUDA out of memory. Tried to allocate 112.00 GiB.)" in log[0].reason
+    ref = elsa_surgery.attention(q.double(), k.double(), v.double(), backend="reference")
+    assert float((out.double() - ref).abs().max()) < 1e-5
 
 
 def test_fp32_race_only_with_ieee_matmuls(racing):
