@@ -216,8 +216,9 @@ def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok
 @triton.jit
 def _two_runs(a_lo, a_hi, b_lo, b_hi, BLOCK: tl.constexpr):
     """Two runs of blocks, ``[a_lo, a_hi)`` and ``[b_lo, b_hi)``, walked as one loop ``range(a_lo, end, BLOCK)``
-    whose steps from ``a_end`` on jump by ``gap`` (:func:`_skip_gap`): ``(a_end, gap, end)``. A run that does not
-    end its range ends at a block boundary (the ranges' rule), so no block is cut short."""
+    whose steps from ``a_end`` on jump by ``gap`` (:func:`_skip_gap`): ``(a_end, gap, end)``. Where a second run
+    follows, the first ends on a block boundary (the ranges' bounds are whole blocks; only a run that ends the line
+    may end at its length), so ``a_end == a_hi`` and no step falls into the gap."""
     a_end = a_lo + (a_hi - a_lo + BLOCK - 1) // BLOCK * BLOCK
     return a_end, b_lo - a_end, a_end + (b_hi - b_lo + BLOCK - 1) // BLOCK * BLOCK
 

@@ -243,6 +243,7 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                     return model.generate(ids, **kw)
 
             row: Dict[str, Any] = {"seq_len": n, "cache": cache, "new_tokens": args.new_tokens}
+            stage = "converted"  # which model an error came from (the converted one runs first)
             try:
                 # the first generation of each: the converted one's includes auto's races (a real user's first
                 # call at these lengths pays them), both include their warm-up
@@ -251,7 +252,9 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                     out_c = run(converted)
                 _sync(device)
                 t1 = time.perf_counter()
+                stage = "native"
                 out_n = run(native)
+                stage = "timed rounds"
                 _sync(device)
                 row["converted_first_s"], row["native_first_s"] = t1 - t0, time.perf_counter() - t1
                 row["tokens_identical"] = bool(torch.equal(out_c, out_n))
@@ -276,7 +279,7 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                 row["ratio"] = row["native_s"] / row["converted_s"]
                 row["status"] = "ok"
             except Exception as exc:  # an OOM at one length must not stop the others
-                row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300])
+                row.update(status="error", error=f"{stage}: {type(exc).__name__}: {exc}"[:300])
             rows.append(row)
             if row["status"] == "ok":
                 print(f"generate {n:>6} + {args.new_tokens} {cache:7}: native {row['native_s']:.3f} s, converted "
