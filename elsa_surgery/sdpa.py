@@ -29,12 +29,15 @@ def run(p: AttentionProblem) -> torch.Tensor:
                                               scale=p.scale, enable_gqa=p.heads_q != p.heads_kv)
     if p.mask is None and p.q_lengths is None and p.kv_lengths is not None and not p.is_causal:
         # key padding alone (BERT's padded batches through the adapter's kv_lengths): a [B, 1, 1, Nk] key mask, as
-        # the native model builds, rather than the [B, 1, Nq, Nk] visibility below; rows of kv_len 0 -> zeros
+        # the native model builds, rather than the [B, 1, Nq, Nk] visibility below. A batch row of kv_len 0 sees
+        # every key, its output then zeroed: finite whatever the backend does with a fully masked row (NaN on some,
+        # and NaN gradients for k and v after it), and its zero output gradient adds nothing to theirs
         kl = p.kv_lengths
-        keep = torch.arange(p.n_k, device=kl.device) < kl[:, None]
+        empty = kl == 0
+        keep = (torch.arange(p.n_k, device=kl.device) < kl[:, None]) | empty[:, None]
         out = F.scaled_dot_product_attention(p.q, p.k, p.v, attn_mask=keep[:, None, None, :], dropout_p=p.dropout_p,
                                              scale=p.scale, enable_gqa=p.heads_q != p.heads_kv)
-        return out.masked_fill((kl == 0)[:, None, None, None], 0.0)
+        return out.masked_fill(empty[:, None, None, None], 0.0)
     mask = p.mask
     if mask is not None and mask.shape[0] not in (1, p.batch):  # per-window: row b uses b % nW
         mask = mask[torch.arange(p.batch, device=mask.device) % mask.shape[0]]

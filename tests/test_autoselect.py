@@ -165,6 +165,21 @@ def test_key_lengths_race_sdpa_with_a_key_padding_mask(racing, times, winner):
                                      kv_lengths=torch.tensor(kl, dtype=torch.int32, device=DEV))
         assert torch.isfinite(out).all() and float((out.double() - ref).abs().max()) < 1e-5
     assert (outs[0][2] == 0).all()
+    # a training call (raced forward + backward): finite gradients, the empty row's zero, as the oracle's (this
+    # CPU's SDPA gives a fully masked row zeros itself; sdpa.run lets such a row see every key before zeroing it,
+    # for backends that give NaN)
+    lengths = torch.tensor([40, 17, 0], dtype=torch.int32, device=DEV)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(*leaves, kv_lengths=lengths)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = elsa_surgery.attention(*ref_leaves, backend="reference", kv_lengths=lengths)
+    ref_grads = torch.autograd.grad(ref.sum(), ref_leaves)
+    assert log[0].backend == winner and "forward + backward" in log[0].reason, log
+    for g, rg in zip(grads, ref_grads):
+        assert torch.isfinite(g).all() and float((g.double() - rg).abs().max()) < 1e-4
+    assert (grads[0][2] == 0).all()
 
 
 def test_sdpa_running_out_of_memory_in_the_race_keeps_elsa(racing, monkeypatch):
