@@ -3,8 +3,8 @@
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-questions | fuzz | s32m-fuzz |
-#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline | exec (then: OUTDIR COMMAND..., run with the
-#   package mapped).
+#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline | races |
+#   exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -72,6 +72,16 @@ case "$part" in
       | tee "$out/masked_tiles_fwd.log" | grep -v '^ '
     timeout 120 python3 benchmarks/lab/masked_tiles.py --backward --n 4096 --shape 1x16x128 --dtypes bf16 \
       --masks causal,packed,random --rounds 3 --calls 5 2>&1 | tee "$out/masked_tiles_bwd.log" | grep -v '^ ' ;;
+  races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
+    # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
+    # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
+    (cd /tmp && timeout 200 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+       "$repo/tests/test_autoselect.py" 2>&1 | tee "$out/pytest_autoselect.log" | tail -5)
+    timeout 120 python3 recipes/bench_models.py --eager --workloads bert_base_128,bert_base_512 --dtypes fp32,bf16 \
+      --batches 32 --rounds 3 --calls 5 2>&1 | tee "$out/bert_b32.log" | grep -v '^ '
+    timeout 150 python3 recipes/llama_long_context.py --generate --shape qwen2-7b --layers 2 --dtype fp32 \
+      --seq-lens 32768 --cache dynamic --iters 2 2>&1 | tee "$out/generate_qwen2_fp32_32k.log" | grep -v '^ ' \
+      | cut -c1-300 ;;
   compile-inline)  # session 34: the inline op (ELSA_COMPILE_OP=inline) on the GPU, then compiled Swin-T inline vs
     # opaque in one call (the ops' host cost decides host-bound compiled models)
     gpu_tests pytest_gpu_inline.log "$repo/tests/test_compile.py" -k "inline"
