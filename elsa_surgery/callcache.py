@@ -98,11 +98,9 @@ def key_band(n: int) -> Tuple[int, int]:
     return lo, lo + w
 
 
-def _family(key: tuple, attn_mask) -> Optional[tuple]:
+def _family(key: tuple) -> tuple:
     """The race family of memo key ``key``: the key with k's and v's number of keys (their second-to-last size)
-    replaced by its :func:`key_band`; None for a masked call (the mask's geometry holds the keys too)."""
-    if attn_mask is not None:
-        return None
+    replaced by its :func:`key_band`. (Masked calls are not raced: ``autoselect.sdpa_reason``.)"""
     ks, vs = key[3], key[6]
     band = key_band(ks[-2])
     return key[:3] + ((*ks[:-2], band, ks[-1]),) + key[4:6] + ((*vs[:-2], band, vs[-1]),) + key[7:]
@@ -210,16 +208,15 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             _entries[key] = entry
             if call is not None and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
                                                            return_lse=return_lse) is None:
-                fam = _family(key, attn_mask)
-                shared = _families.get(fam) if fam is not None else None
+                fam = _family(key)
+                shared = _families.get(fam)
                 if shared is not None:
                     d = _share(entry, *shared, k.shape[-2])
                 else:
                     d = _race(entry, call, (q, k, v))
-                    if fam is not None:
-                        if len(_families) >= MAX_ENTRIES:
-                            _families.pop(next(iter(_families)))
-                        _families[fam] = (d, k.shape[-2])
+                    if len(_families) >= MAX_ENTRIES:
+                        _families.pop(next(iter(_families)))
+                    _families[fam] = (d, k.shape[-2])
         else:
             STATS["hits"] += 1
             squeeze, scale_, causal, dropout, d = hit.squeeze, hit.scale, hit.causal, hit.dropout, hit.decision
