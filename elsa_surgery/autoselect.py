@@ -67,8 +67,9 @@ def sdpa_reason(p, d: Decision, *, backend: str, precision: Optional[str], retur
         return "not an eager CUDA call"
     if return_lse or p.dropout_p or p.q_lengths is not None:
         return "lse, dropout or padded query rows: SDPA has no equivalent"
-    if p.kv_lengths is not None and p.is_causal:
-        return "key lengths with causal: not raced"
+    if p.kv_lengths is not None and (p.is_causal or torch.compiler.is_compiling()):
+        # (the traced race, _trace_time_choice, times fresh tensors without lengths)
+        return "key lengths with causal, or traced by torch.compile: not raced"
     if p.mask is not None:
         return "masked: SDPA differs on rows with no visible key"
     if p.is_causal and p.q.shape[2] != p.k.shape[2]:

@@ -182,6 +182,20 @@ def test_key_lengths_race_sdpa_with_a_key_padding_mask(racing, times, winner):
     assert (grads[0][2] == 0).all()
 
 
+def test_key_lengths_are_not_raced_when_traced(racing, monkeypatch):
+    """A call with key lengths traced by torch.compile is not raced: the traced race times fresh tensors without
+    lengths, which would not be the call the graph makes."""
+    from elsa_surgery.semantics import build_problem
+
+    q, k, v = _qkv()
+    p = build_problem(q, k, v, None, 0.0, False, None, False, kv_lengths=torch.tensor([40, 20], device=DEV))
+    d = dispatch.decide(p.q, p.k, p.v, p.mask, backend="auto", precision=None, need_lse=False)
+    assert autoselect.sdpa_reason(p, d, backend="auto", precision=None, return_lse=False) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "traced by torch.compile" in autoselect.sdpa_reason(p, d, backend="auto", precision=None,
+                                                               return_lse=False)
+
+
 def test_sdpa_running_out_of_memory_in_the_race_keeps_elsa(racing, monkeypatch):
     """SDPA's side of the race out of GPU memory (its math path materialises the scores: fp32 GQA at 32K asks
     112 GiB) leaves the call on ELSA, the reason saying why, instead of failing a call ELSA can run."""
