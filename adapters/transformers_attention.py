@@ -200,8 +200,15 @@ def _per_mask(memo: list, mask: torch.Tensor, compute):
 
 
 def _lengths_of(mask2d: torch.Tensor) -> torch.Tensor:
-    """Per-row key lengths of a right-padded 2-D padding mask (once per mask)."""
+    """Per-row key lengths of a right-padded 2-D padding mask: those that :func:`elsa_varlen_mask` computed for the
+    mask object it made for this forward pass, else once per mask (:func:`_per_mask`)."""
+    lengths = getattr(mask2d, _LENGTHS_ATTR, None)
+    if lengths is not None and not torch.compiler.is_compiling():
+        return lengths
     return _per_mask(_LAST_LENGTHS, mask2d, lambda m: m.sum(dim=-1, dtype=torch.int32))
+
+
+_LENGTHS_ATTR = "_elsa_kv_lengths"  # the per-row lengths that elsa_varlen_mask attaches to the mask object it returns
 
 
 def _last_visible(mask4d: torch.Tensor) -> torch.Tensor:
@@ -286,12 +293,6 @@ def _traced_causal_skip(kw) -> bool:
             and (local is None or (type(local) is int and kv_len < local)))
 
 
-def _right_padded(mask2d: torch.Tensor) -> bool:
-    lengths = mask2d.sum(dim=-1, keepdim=True)
-    ar = torch.arange(mask2d.shape[-1], device=mask2d.device)
-    return bool(torch.equal(mask2d, ar.unsqueeze(0) < lengths))
-
-
 def elsa_varlen_mask(*args, **kwargs):
     """Mask builder of ``"elsa_varlen"``: the 2-D padding mask itself for right-padded bidirectional masks.
 
@@ -317,12 +318,24 @@ def elsa_varlen_mask(*args, **kwargs):
     if torch.compiler.is_compiling():  # keep the graph free of data-dependent branches
         return elsa_mask(*args, **kwargs)
     mask2d = attention_mask.to(torch.bool)
-    if bool(mask2d.all()):
+    n = mask2d.shape[-1]
+    lengths = mask2d.sum(dim=-1, dtype=torch.int32)
+    right = mask2d == (torch.arange(n, device=mask2d.device) < lengths[:, None])
+    # one host sync for the three facts
+    full, right_padded, empty = torch.stack([(lengths == n).all(), right.all(), (lengths == 0).any()]).tolist()
+    if full:
         return None  # no padding: dense bidirectional attention
-    if not _right_padded(mask2d):
+    if not right_padded:
         _log_once("elsa_varlen: the padding mask is not right-aligned (left or interior padding); "
                   "using the boolean-mask path for such calls")
         return elsa_mask(*args, **kwargs)
+    # Every layer of this forward pass gets the object returned here: it carries the lengths, computed once (also
+    # under torch.inference_mode, whose tensors have no version counter for _per_mask). A view when the caller's
+    # mask was bool already: an object of our own, which no other forward pass receives, so its lengths stay its own.
+    if mask2d is attention_mask:
+        mask2d = mask2d.view(mask2d.shape)
+    semantics.trust_lengths(lengths, n, positive=not empty)
+    setattr(mask2d, _LENGTHS_ATTR, lengths)
     return mask2d
 
 

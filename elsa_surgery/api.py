@@ -70,9 +70,9 @@ def attention(
     # the direct route of a call seen before; else build_problem + dispatch.decide (+ announce), memoised per
     # signature: see callcache.py
     rkey = None
-    if q_lengths is None and kv_lengths is None:
+    if q_lengths is None:
         res = callcache.direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
-                               return_lse, windowed_mask)
+                               return_lse, windowed_mask, kv_lengths)
         if type(res) is not callcache.Miss:
             return res
         rkey = res.key

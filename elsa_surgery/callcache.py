@@ -29,7 +29,8 @@ ran. A route is dropped with its plan (``replay.clear``), when a knob the plan r
 
 Calls with ``q_lengths`` / ``kv_lengths`` tensors are memoised on the lengths' shape, dtype and device too; their
 values are checked on every call (``semantics.canonical_lengths``; a check is skipped for lengths checked before and
-unchanged, or made by an adapter that trusts them). They have no direct route.
+unchanged, or made by an adapter that trusts them). Calls with ``kv_lengths`` alone have direct routes, taken while
+their lengths need no check (session 36: BERT-base with padding, host-bound, paid ~45 µs a layer for the full path).
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), lengths given as lists,
 a tensor ``scale``, arguments of other types than plain tensors, bools, numbers and strings (tensor subclasses, NumPy
@@ -43,10 +44,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import autoselect, dispatch
+from . import autoselect, dispatch, sdpa
 from .kernels import internals, knobs, replay
 from .semantics import (AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_dense_lengths,
-                        canonical_mask)
+                        canonical_mask, lengths_checked)
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
@@ -77,6 +78,7 @@ def clear() -> None:
     _entries.clear()
     _routes.clear()
     _families.clear()
+    _family_routes.clear()
 
 
 # auto's race verdicts shared by signatures that differ only in their number of keys (key_band): family ->
@@ -85,6 +87,10 @@ def clear() -> None:
 # decode, one race per step, ~3 rounds of ~2 ms a side, against a step of ~3 ms).
 _families: dict = {}
 BANDS_PER_OCTAVE = 4
+# SDPA's direct route shared by a family's calls (the decode steps of a growing cache, each a new signature, which
+# would each take the full path once: ~45 µs of host time per layer and step): family route key (_family_key) ->
+# (the family's raced decision, the decision to announce, enable_gqa, scale); valid while _families holds that race
+_family_routes: dict = {}
 
 
 def key_band(n: int) -> Tuple[int, int]:
@@ -104,6 +110,14 @@ def _family(key: tuple) -> tuple:
     ks, vs = key[3], key[6]
     band = key_band(ks[-2])
     return key[:3] + ((*ks[:-2], band, ks[-1]),) + key[4:6] + ((*vs[:-2], band, vs[-1]),) + key[7:]
+
+
+def _family_key(rkey: tuple, k, v) -> tuple:
+    """A route key (:func:`direct`) with k's and v's number of keys replaced by its :func:`key_band`, and their strides
+    and alignment left out (SDPA's route reads neither): the key of an SDPA route shared by a race family."""
+    band = key_band(k.shape[-2])
+    return (rkey[:5], k.shape[:-2], band, k.shape[-1], rkey[7], rkey[8], v.shape[:-2], v.shape[-1], rkey[12],
+            rkey[13], rkey[15:])
 
 
 def _tensor_sig(t):
@@ -202,7 +216,7 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             STATS["misses"] += 1
             p, d = _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                                         precision, return_lse, q_lengths, kv_lengths, windowed_mask)
-            entry = _Entry(p, d, _direct_ok(p, d, q, k, v, attn_mask))
+            entry = _Entry(p, d, _direct_ok(p, d, q, k, v, attn_mask, kv_lengths))
             if len(_entries) >= MAX_ENTRIES:
                 _entries.pop(next(iter(_entries))).routes = None  # its direct routes go with it
             _entries[key] = entry
@@ -235,12 +249,14 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     return p, d
 
 
-def _direct_ok(p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask) -> bool:
+def _direct_ok(p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask, kv_lengths) -> bool:
     """Whether calls of this signature can have direct routes: the problem is the caller's tensors as they are."""
     return (d.backend in ("elsa", "sdpa") and p.q is q and p.k is k and p.v is v
             and (attn_mask is None or attn_mask.dim() == 4)  # the canonical view: attn_mask.expand(mask_shape)
-            and p.causal_rows is None and p.dropout_p == 0 and p.q_lengths is None and p.kv_lengths is None
-            and (d.backend == "elsa" or (attn_mask is None and (not p.is_causal or p.n_q == p.n_k))))
+            and p.causal_rows is None and p.dropout_p == 0 and p.q_lengths is None
+            and (p.kv_lengths is None or p.kv_lengths is kv_lengths)  # the caller's lengths as they are
+            and (d.backend == "elsa" or (attn_mask is None and (not p.is_causal or p.n_q == p.n_k)
+                                         and (p.kv_lengths is None or not p.is_causal))))
 
 
 class Miss:
@@ -256,7 +272,7 @@ _NO_ROUTE = Miss(None)
 
 
 def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
-           windowed_mask):
+           windowed_mask, kv_lengths=None):
     """The call's result (as :func:`elsa_surgery.attention` returns it) through its direct route, the decision
     announced; a :class:`Miss` when it has none (the caller takes the full path).
 
@@ -266,7 +282,12 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
     call traced by torch.compile, with arguments other than plain tensors, or that autograd records (a training
     call: its own memo entry, raced forward + backward) has no route and no key. A route is ``enable_gqa`` for
     SDPA, ``(launch plan, replay.GENERATION when it was recorded, the mask's canonical shape when the caller's mask
-    must be expanded to it, else None)`` for the kernels."""
+    must be expanded to it, else None)`` for the kernels.
+
+    ``kv_lengths`` (a call without ``q_lengths``): its geometry joins the key, and the route is taken only while the
+    values are known to be valid for the call (``semantics.lengths_checked``: checked before and unchanged, or made
+    by an adapter that trusts them); SDPA's route takes the key-padding mask ``sdpa.key_padded`` builds (once for
+    trusted lengths)."""
     T = torch.Tensor
     if (type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling() or q.is_nested
             or k.is_nested or v.is_nested):
@@ -290,11 +311,26 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
             type(return_lse), type(windowed_mask),
             _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3),
             _cuda_device() if cuda else None, cuda and _cuda_capturing())
+    if kv_lengths is not None:
+        if type(kv_lengths) is not T or kv_lengths.is_nested:
+            return _NO_ROUTE
+        rkey += ((kv_lengths.shape, kv_lengths.stride(), kv_lengths.dtype, kv_lengths.device,
+                  kv_lengths.data_ptr() % 16 == 0),)
     try:
         got = _routes.get(rkey)
     except TypeError:  # an unhashable scalar: no route (the full path validates it)
         return _NO_ROUTE
     if got is None:
+        if _family_routes and m is None and kv_lengths is None:
+            shared = _family_routes.get(_family_key(rkey, k, v))
+            if shared is not None:
+                fam, raced, d, gqa, scale_ = shared
+                if _families.get(fam, (None,))[0] is raced:
+                    STATS["hits"] += 1
+                    DIRECT["runs"] += 1
+                    dispatch.announce_eager(d)
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale_,
+                                                                            enable_gqa=gqa)
         return Miss(rkey)
     entry, routes, route = got
     if entry.routes is not routes:  # the entry was dropped, or the route was made on the losing side of a race
@@ -306,13 +342,17 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         if replay.GENERATION[0] != generation or not plan.env_unchanged():
             del routes[rkey], _routes[rkey]
             return Miss(rkey)
+    if kv_lengths is not None and not lengths_checked(kv_lengths, k.shape[-2]):
+        return Miss(rkey)  # the full path checks the values (and records them)
     STATS["hits"] += 1
     DIRECT["runs"] += 1
     dispatch.announce_eager(d)
     if d.backend == "sdpa":
+        if kv_lengths is not None:
+            return sdpa.key_padded(q, k, v, kv_lengths, entry.scale, route)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, entry.causal, scale=entry.scale,
                                                                 enable_gqa=route)
-    out, lse, _ = plan.replay({"q": q, "k": k, "v": v,
+    out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths,
                                "mask": attn_mask if expand is None else attn_mask.expand(expand)})
     return (out, lse) if return_lse else out
 
@@ -325,9 +365,17 @@ def signature_of(rkey: tuple) -> Optional[tuple]:
     if not _PLAIN.issuperset(types):
         return None
     m = rkey[15]
-    return (rkey[0], rkey[2], rkey[3], rkey[5], rkey[7], rkey[8], rkey[10], rkey[12], rkey[13],
-            None if m is None else (m[0], m[2], m[3]), rkey[19:27], types, rkey[35], rkey[36], rkey[37], rkey[38],
-            False)  # (a call autograd records has no route key)
+    key = (rkey[0], rkey[2], rkey[3], rkey[5], rkey[7], rkey[8], rkey[10], rkey[12], rkey[13],
+           None if m is None else (m[0], m[2], m[3]), rkey[19:27], types, rkey[35], rkey[36], rkey[37], rkey[38],
+           False)  # (a call autograd records has no route key)
+    if len(rkey) > _ROUTE_KEY_LEN:  # kv_lengths (direct): signature's (q_lengths, kv_lengths) parts
+        lk = rkey[_ROUTE_KEY_LEN]
+        key += (None, (lk[0], lk[2], lk[3]))
+    return key
+
+
+_ROUTE_KEY_LEN = 41  # a route key's items without kv_lengths (direct)
+_GRAD = 16  # the index of _key's flag "autograd records the call" (lengths calls' signatures have items after it)
 
 
 def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask,
@@ -337,7 +385,7 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
     entry = _entries.get(key)
     if entry is None or entry.routes is None or entry.decision is not d:
         return
-    if key[-1]:  # autograd records the call (_key): no route (nor a route key: direct)
+    if key[_GRAD]:  # autograd records the call (_key): no route (nor a route key: direct)
         return
     route = entry.routes.get(rkey)
     if route is None:
@@ -347,7 +395,8 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
             from .kernels import launch  # the kernels ran: imported
 
             plan = launch.attention_plan(q, k, v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
-                                         precision=d.precision or None, return_lse=return_lse)
+                                         precision=d.precision or None, return_lse=return_lse,
+                                         kv_lengths=p.kv_lengths)
             if plan is None:
                 return
             expand = None if attn_mask is None or tuple(attn_mask.shape) == entry.mask_shape else entry.mask_shape
@@ -357,6 +406,14 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
     if len(_routes) >= MAX_ROUTES and rkey not in _routes:
         del _routes[next(iter(_routes))]
     _routes[rkey] = (entry, entry.routes, route)
+    if d.backend == "sdpa" and attn_mask is None and p.kv_lengths is None and not entry.causal:
+        fam = _family(key)
+        raced = _families.get(fam)
+        if raced is not None and raced[0].backend == "sdpa":
+            shown = d if d is not raced[0] else _band_decision(raced[0], raced[1], k.shape[-2])
+            if len(_family_routes) >= MAX_ROUTES:
+                del _family_routes[next(iter(_family_routes))]
+            _family_routes[_family_key(rkey, k, v)] = (fam, raced[0], shown, route, entry.scale)
 
 
 def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
@@ -404,13 +461,18 @@ def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
 def _share(entry: _Entry, raced: dispatch.Decision, raced_keys: int, keys: int) -> dispatch.Decision:
     """A new entry takes the verdict its family's race gave (:data:`_families`), saying so in its reason; its routes
     as :func:`_race` leaves a winner's."""
-    lo, hi = key_band(keys)
-    d = dataclasses.replace(raced, reason=f"{raced.reason}; raced at {raced_keys} keys, shared by the calls of "
-                                          f"{lo + 1}-{hi} keys (callcache.key_band)")
+    d = _band_decision(raced, raced_keys, keys)
     if d.backend != "elsa":
         entry.routes = None if entry.routes is None else {}
     entry.decision = d
     return d
+
+
+def _band_decision(raced: dispatch.Decision, raced_keys: int, keys: int) -> dispatch.Decision:
+    """The family's verdict as a call of ``keys`` keys announces it: where it was raced, which calls share it."""
+    lo, hi = key_band(keys)
+    return dataclasses.replace(raced, reason=f"{raced.reason}; raced at {raced_keys} keys, shared by the calls of "
+                                             f"{lo + 1}-{hi} keys (callcache.key_band)")
 
 
 def _as_is(t):

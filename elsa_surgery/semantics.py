@@ -320,27 +320,46 @@ def canonical_dense_lengths(q_lengths: Lengths, kv_lengths: Lengths, batch: int,
 # torch.inference_mode) have no version counter: a caller's is checked on every call, as an in-place change could
 # not be seen; lengths a caller made itself and never hands out (:func:`trust_lengths`) are kept as they are.
 _VALID_MAX = 8
-_valid: list = []  # [(weakref to the tensor, its _version or None for an inference tensor, the checked limit)]
+_valid: list = []  # [(weakref to the tensor, its _version or None for an inference tensor, the checked limit,
+#                      trusted (trust_lengths), every length >= 1)]
+
+
+def lengths_checked(t: torch.Tensor, limit: int) -> bool:
+    """Whether lengths ``t`` are known to lie in ``[0, limit]``: checked by :func:`canonical_lengths` before and
+    unchanged since, or recorded by :func:`trust_lengths`."""
+    return _validated(t, limit)
 
 
 def _validated(t: torch.Tensor, limit: int) -> bool:
     return any(ref() is t and checked <= limit and (version is None or version == t._version)
-               for ref, version, checked in _valid)
+               for ref, version, checked, _, _ in _valid)
 
 
-def _remember_valid(t: torch.Tensor, limit: int, trusted: bool = False) -> None:
+def _remember_valid(t: torch.Tensor, limit: int, trusted: bool = False, positive: bool = False) -> None:
     if t.is_inference() and not trusted:
         return  # no version counter: an in-place change could not be seen, so the next call checks again
-    _valid.append((weakref.ref(t), None if t.is_inference() else t._version, limit))
+    _valid.append((weakref.ref(t), None if t.is_inference() else t._version, limit, trusted, positive))
     del _valid[:-_VALID_MAX]
 
 
-def trust_lengths(t: torch.Tensor, limit: int) -> None:
+def trust_lengths(t: torch.Tensor, limit: int, *, positive: bool = False) -> None:
     """Records lengths that lie in ``[0, limit]`` by construction (e.g. the row sums of a padding mask ``limit``
     keys wide) as checked, so their calls skip the value check and its host sync. Only for a tensor its caller
-    made and does not hand out: nothing else can change it in place. A no-op while tracing or capturing."""
+    made and does not hand out: nothing else can change it in place. ``positive``: the caller knows that every
+    length is at least 1 (:func:`trusted_lengths`). A no-op while tracing or capturing."""
     if _data_checks_allowed(t):
-        _remember_valid(t, limit, trusted=True)
+        _remember_valid(t, limit, trusted=True, positive=positive)
+
+
+def trusted_lengths(t: torch.Tensor) -> Optional[bool]:
+    """For lengths recorded by :func:`trust_lengths` and unchanged since, whether every one is at least 1; None for
+    any other tensor (whose values may change between calls: nothing derived from them may be kept)."""
+    if torch.compiler.is_compiling():
+        return None
+    for ref, version, _, trusted, positive in _valid:
+        if trusted and ref() is t and (version is None or version == t._version):
+            return positive
+    return None
 
 
 def canonical_mask(attn_mask, *, batch: int, heads_q: int, n_q: int, n_k: int, windowed: bool, device):

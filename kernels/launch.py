@@ -310,15 +310,17 @@ def _replay_key(q, k, v, *, scale, precision, mask, q_lengths, kv_lengths, cu_q,
             _geometry(lse), None if state is None else tuple(map(_geometry, state)))
 
 
-def attention_plan(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None, return_lse=True):
-    """The replayable launch plan that :func:`attention` with these arguments (no lengths, no provided outputs)
+def attention_plan(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None, return_lse=True,
+                   kv_lengths=None):
+    """The replayable launch plan that :func:`attention` with these arguments (no query lengths, no provided outputs)
     replays now, or None: what ``elsa_surgery.callcache`` keeps as a call's direct route. ``plan.replay(slots)``
-    with ``slots = {"q": q, "k": k, "v": v, "mask": mask}`` of a call with the same key runs that call."""
+    with ``slots = {"q": q, "k": k, "v": v, "mask": mask, "kv_lengths": kv_lengths}`` of a call with the same key
+    runs that call."""
     if not replay.wanted(q):
         return None
     return replay.replayable(_replay_key(
-        q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
-        is_causal=is_causal, varlen_dims=None, out=None, lse=None, state=None, want_lse=return_lse,
+        q, k, v, scale=scale, precision=precision, mask=mask, q_lengths=None, kv_lengths=kv_lengths, cu_q=None,
+        cu_k=None, is_causal=is_causal, varlen_dims=None, out=None, lse=None, state=None, want_lse=return_lse,
         num_partitions=None, eta=None))
 
 

@@ -113,6 +113,35 @@ def test_decode_steps_share_a_race_per_band_of_key_counts(racing, monkeypatch, t
         assert float((out - ref).abs().max()) < 1e-5
 
 
+def test_decode_steps_of_a_family_won_by_sdpa_run_sdpa_directly(racing, monkeypatch):
+    """Once a band's race went to SDPA, the band's later calls (each a new signature: the next decode step) run
+    plain SDPA through the family's route instead of the full path (session 36: ~45 µs of host
+    time a layer and step); their reason still says where the race ran. Another band, or a masked call, does not."""
+    raced = []
+    monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (raced.append(1), elsa(), sdpa(), racing[0])[-1])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 1, 16, generator=g).to(DEV)
+    kv = torch.randn(2, 1, 2, 130, 16, generator=g).to(DEV)
+    before = dict(callcache.DIRECT)
+    lengths = (100, 101, 102, 107, 112, 113)
+    with dispatch.record() as log:
+        outs = [elsa_surgery.attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True) for n in lengths]
+        # 100 raced (the race's routes uncounted: its own and its family's made then), 101-112 through the family's
+        # route, no route of their own made; 113: another band, a new race
+        assert {n: callcache.DIRECT[n] - before[n] for n in before} == {"runs": 4, "routes": 0}
+        mask = torch.ones(1, 1, 1, 105, dtype=torch.bool, device=DEV)
+        masked = elsa_surgery.attention(q, kv[0, :, :, :105], kv[1, :, :, :105], mask, enable_gqa=True)
+    assert len(raced) == 2 and [d.backend for d in log[:-1]] == ["sdpa"] * len(lengths), (raced, log)
+    assert all("raced at 100 keys, shared by the calls of 97-112 keys" in d.reason for d in log[1:5]), log
+    assert "raced at" not in log[5].reason
+    for n, out in zip(lengths, outs):
+        ref = F.scaled_dot_product_attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+        assert torch.equal(out, ref)
+    assert log[-1].backend != "sdpa" or "PyTorch SDPA" not in log[-1].reason  # masked calls are not raced
+    ref = F.scaled_dot_product_attention(q, kv[0, :, :, :105], kv[1, :, :, :105], enable_gqa=True)
+    assert float((masked - ref).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
 def test_later_calls_take_the_winners_direct_route(racing, monkeypatch, times, winner):
     """Both sides of the race run the public call under one route key, so both make a direct route; later calls
@@ -347,3 +376,42 @@ def test_race_inside_activation_checkpointing(racing, reentrant):
     w.grad = None
     block(q).square().sum().backward()
     torch.testing.assert_close(got, w.grad)
+
+
+def test_sdpa_key_padding_mask_built_once_for_lengths_of_our_own(monkeypatch):
+    """SDPA with key lengths builds its [B, 1, 1, Nk] key-padding mask once for lengths that their maker recorded as
+    its own (semantics.trust_lengths: the transformers adapter's, one tensor per forward pass), as the native model
+    builds one mask for all its layers; lengths a caller may change in place get a fresh mask on every call. The
+    answers equal the oracle's either way, rows of length 0 zeros."""
+    from elsa_surgery import semantics
+
+    masks = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: (masks.append(kw.get("attn_mask")), real(*a, **kw))[1])
+    q, k, v = _qkv(b=3)
+
+    def check(kl, calls=2):
+        masks.clear()
+        outs = [elsa_surgery.attention(q, k, v, backend="sdpa", kv_lengths=kl) for _ in range(calls)]
+        ref = elsa_surgery.attention(q.double(), k.double(), v.double(), backend="reference", kv_lengths=kl)
+        for out in outs:
+            assert torch.isfinite(out).all() and float((out.double() - ref).abs().max()) < 1e-5
+            assert (out[kl == 0] == 0).all()
+        return masks[:calls]
+
+    users = torch.tensor([40, 17, 0], dtype=torch.int32, device=DEV)
+    a, b = check(users)
+    assert a is not b  # the caller's tensor: built for each call
+    for values, positive in (([40, 17, 0], False), ([40, 17, 3], True)):
+        ours = torch.tensor(values, dtype=torch.int32, device=DEV)
+        semantics.trust_lengths(ours, 40, positive=positive)
+        a, b = check(ours)
+        assert a is b, values  # built once
+        with torch.inference_mode():
+            c, = check(ours, calls=1)
+        assert c is not a  # another mode, another mask (an inference tensor cannot be saved for backward)
+    ours.fill_(0)  # an in-place change: no longer the recorded lengths
+    assert semantics.trusted_lengths(ours) is None
+    a, b = check(ours)
+    assert a is not b

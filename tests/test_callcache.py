@@ -344,6 +344,40 @@ def test_sdpa_chosen_runs_plain_sdpa_directly():
     assert rel_err(out.cpu(), _oracle(q, *kv, is_causal=True)) < 2e-6
 
 
+@pytest.mark.parametrize("backend", ["elsa", "sdpa"])
+def test_key_lengths_calls_take_direct_routes_while_their_values_need_no_check(monkeypatch, backend):
+    """Calls with kv_lengths (BERT's padded batches, a static cache's decode) have direct routes, taken only while the
+    lengths are known valid: checked before and unchanged, or trusted by their maker. A lengths tensor changed in
+    place after its check takes the full path, which checks it again (an invalid value raises, never runs)."""
+    from elsa_surgery import semantics
+
+    _plans_on_cpu(monkeypatch)
+    q, k, v = _qkv(3, 2, 16, 8)
+    before = dict(callcache.DIRECT)
+    decoys = [decoy(t) for t in (q, k, v)]
+    elsa_surgery.attention(*decoys, backend=backend, kv_lengths=torch.tensor([4, 16, 9], dtype=torch.int32,
+                                                                       device=DEV))  # the route
+    assert _direct_delta(before) == {"runs": 0, "routes": 1}
+    ours = torch.tensor([16, 0, 5], dtype=torch.int32, device=DEV)
+    semantics.trust_lengths(ours, 16)
+    with dispatch.record() as log:
+        out = elsa_surgery.attention(q, k, v, backend=backend, kv_lengths=ours)
+    assert _direct_delta(before) == {"runs": 1, "routes": 1} and [d.backend for d in log] == [backend]
+    assert rel_err(out.cpu(), _oracle(q, k, v, kv_lengths=ours.cpu())) < 2e-6 and (out[1] == 0).all()
+    users = torch.tensor([7, 16, 1], dtype=torch.int32, device=DEV)
+    for _ in range(2):  # unseen: the full path checks it; then checked and unchanged: the route
+        out = elsa_surgery.attention(q, k, v, backend=backend, kv_lengths=users)
+        assert rel_err(out.cpu(), _oracle(q, k, v, kv_lengths=users.cpu())) < 2e-6
+    assert _direct_delta(before) == {"runs": 2, "routes": 1}
+    users[0] = 17  # changed in place: checked again on the full path
+    with pytest.raises(ValueError, match=r"kv_lengths values must lie in \[0, 16\]"):
+        elsa_surgery.attention(q, k, v, backend=backend, kv_lengths=users)
+    assert _direct_delta(before) == {"runs": 2, "routes": 1}
+    grad_key = callcache.signature(q.clone().requires_grad_(), k, v, None, 0.0, False, None, False, backend, None,
+                                   False, None, ours, False)
+    assert grad_key[callcache._GRAD] is True  # (learn reads the flag there: items follow it for lengths calls)
+
+
 @pytest.mark.gpu
 def test_route_keys_read_the_current_device_and_capture_as_pytorch_does():
     """A route's key reads the current CUDA device and stream capture through PyTorch's C functions where it has
@@ -358,7 +392,8 @@ def test_route_keys_read_the_current_device_and_capture_as_pytorch_does():
     assert capturing == (True, True)
 
 
-@pytest.mark.parametrize("form", ["plain", "mask", "bool mask", "scalars", "int scale", "numpy scale", "aliased"])
+@pytest.mark.parametrize("form", ["plain", "mask", "bool mask", "scalars", "int scale", "numpy scale", "aliased",
+                                  "kv_lengths"])
 def test_a_route_key_holds_the_signature(form):
     """A call that misses its direct route takes its memo signature from the route key (one pass over the tensors):
     ``signature_of(route key)`` must be exactly ``signature(...)`` of the call, or the memo and the routes would
@@ -379,9 +414,10 @@ def test_a_route_key_holds_the_signature(form):
         args["scale"] = np.float32(0.5)  # not a plain scalar: no memo signature
     elif form == "aliased":
         k = v = q
+    lengths = torch.tensor([12, 3], dtype=torch.int32, device=DEV) if form == "kv_lengths" else None
     order = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "backend", "precision", "return_lse")
-    miss = callcache.direct(q, k, v, *(args[n] for n in order), args["windowed_mask"])
+    miss = callcache.direct(q, k, v, *(args[n] for n in order), args["windowed_mask"], lengths)
     assert type(miss) is callcache.Miss and miss.key is not None
-    expected = callcache.signature(q, k, v, *(args[n] for n in order), None, None, args["windowed_mask"])
+    expected = callcache.signature(q, k, v, *(args[n] for n in order), None, lengths, args["windowed_mask"])
     assert callcache.signature_of(miss.key) == expected
     assert (expected is None) == (form == "numpy scale")

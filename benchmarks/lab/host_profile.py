@@ -1,7 +1,8 @@
 """Where a converted model's host time goes, by cProfile, in the two cells that session 31's H100 run found
 host-bound and slower than native: ViT-B/16 bf16 batch 8 compiled (``torch.compile`` default, inference mode;
 0.45x native) and its bf16-autocast training step (eager, ``auto`` taking SDPA; 0.76x native); ``bert``: BERT-base
-with padding, 128 tokens, batch 8, fp32, eager under inference mode (0.81x native), with each side's GPU kernels.
+with padding, 128 tokens, batch 8, fp32, eager under inference mode (0.81x native), with each side's GPU kernels
+(``--bert-workload``/``--bert-dtype``/``--bert-batch``: session 36's bf16 batch 32 cells, 0.94x).
 
     python benchmarks/lab/host_profile.py [--calls 20] [--top 30] [--which compile,train,bert] \
         [--compile-workload swin_t --compile-dtype fp32]
@@ -51,6 +52,10 @@ def main():
     ap.add_argument("--which", default="compile,train,bert")
     ap.add_argument("--compile-workload", default="vit_b16", help="compile: the bench_models.py workload")
     ap.add_argument("--compile-dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--bert-workload", default="bert_base_128", choices=("bert_base_128", "bert_base_512"))
+    ap.add_argument("--bert-dtype", default="fp32", choices=("bf16", "fp32"))
+    ap.add_argument("--bert-batch", type=int, default=8)
+    ap.add_argument("--bert-native-profile", action="store_true", help="bert: cProfile the native model too")
     a = ap.parse_args()
     bm = _bench_models()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
@@ -94,14 +99,15 @@ def main():
               flush=True)
         _profile(steps["converted"], max(2, a.calls // 4), a.top)
     if "bert" in a.which:
-        native, call = bm.ab_build("bert_base_128", torch.float32, 8, "cuda")
+        dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[a.bert_dtype]
+        native, call = bm.ab_build(a.bert_workload, dtype, a.bert_batch, "cuda")
         converted = copy.deepcopy(native)
         elsa_surgery.convert(converted, verify=False)
         with torch.inference_mode():
             fns = {"native": lambda: call(native), "converted": lambda: call(converted)}
             t = benchmark.interleaved_ms(fns, rounds=5, calls=10)
             host = {n: benchmark.per_call_ms(f, 20, host_only=True) for n, f in fns.items()}
-            print(f"bert_base_128 fp32 b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms; host only "
+            print(f"{a.bert_workload} {a.bert_dtype} b{a.bert_batch}: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms; host only "
                   f"{host['native']:.3f} / {host['converted']:.3f} ms", flush=True)
             for side, fn in fns.items():
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -110,7 +116,13 @@ def main():
                     torch.cuda.synchronize()
                 print(f"{side} kernels over 5 calls:")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-            _profile(fns["converted"], a.calls, a.top)
+            with elsa_surgery.dispatch.record() as log:
+                fns["converted"]()
+            print("converted call's decisions:", benchmark.dispatch_summary(log), sorted({d.reason for d in log}),
+                  flush=True)
+            for side in (("native", "converted") if a.bert_native_profile else ("converted",)):
+                print(f"===== cProfile, {side}", flush=True)
+                _profile(fns[side], a.calls, a.top)
 
 
 if __name__ == "__main__":
