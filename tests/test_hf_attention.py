@@ -565,6 +565,12 @@ def test_padding_lengths_need_no_value_check(monkeypatch, mode):
         out = model(input_ids=ids_, attention_mask=am_).last_hidden_state
         out2 = model(input_ids=ids_, attention_mask=am_).last_hidden_state
     assert records == [(True, True)] * 2, records  # no value check; once per forward, every row of length >= 1
+    # a caller's bool mask is not the object that carries the lengths (a view of it is): the caller's tensor may
+    # change in place before the next forward pass, whose lengths are computed again
+    am_bool = am.bool()
+    with ctx:
+        model(input_ids=ids, attention_mask=am_bool)
+    assert not hasattr(am_bool, ta._LENGTHS_ATTR)
     valid = am.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
