@@ -25,22 +25,14 @@ with plain tensors cross the boundary; the traced race of unmasked calls would r
 """
 
 import argparse
-import importlib.util
+import importlib
 import inspect
 import json
 import pathlib
 import time
 
 import torch
-
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "bench_models.py"
-
-
-def _bench_models():
-    spec = importlib.util.spec_from_file_location("bench_models", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from host_profile import _bench_models  # (this directory: the script's own)
 
 
 def install_boundary() -> dict:
