@@ -89,7 +89,7 @@ _families: dict = {}
 BANDS_PER_OCTAVE = 4
 # SDPA's direct route shared by a family's calls (the decode steps of a growing cache, each a new signature, which
 # would each take the full path once: ~45 µs of host time per layer and step): family route key (_family_key) ->
-# (the family's raced decision, the decision to announce, enable_gqa, scale); valid while _families holds that race
+# (family, its raced decision, the decision to announce, enable_gqa, scale); valid while _families holds that race
 _family_routes: dict = {}
 
 
