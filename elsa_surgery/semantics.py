@@ -300,7 +300,7 @@ def canonical_lengths(name: str, lengths: Lengths, batch: int, limit: int, devic
         raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
     if lengths.dim() != 1 or lengths.shape[0] != batch:
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {_shape(lengths)}")
-    if _data_checks_allowed(lengths) and batch > 0 and not _validated(lengths, limit):
+    if _data_checks_allowed(lengths) and batch > 0 and not lengths_checked(lengths, limit):
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < 0 or hi > limit:
             raise ValueError(f"{name} values must lie in [0, {limit}], got min {lo} and max {hi}")
@@ -327,10 +327,6 @@ _valid: list = []  # [(weakref to the tensor, its _version or None for an infere
 def lengths_checked(t: torch.Tensor, limit: int) -> bool:
     """Whether lengths ``t`` are known to lie in ``[0, limit]``: checked by :func:`canonical_lengths` before and
     unchanged since, or recorded by :func:`trust_lengths`."""
-    return _validated(t, limit)
-
-
-def _validated(t: torch.Tensor, limit: int) -> bool:
     return any(ref() is t and checked <= limit and (version is None or version == t._version)
                for ref, version, checked, _, _ in _valid)
 
