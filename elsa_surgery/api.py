@@ -76,6 +76,11 @@ def attention(
         if type(res) is not callcache.Miss:
             return res
         rkey = res.key
+        if rkey is None and kv_lengths is None and torch.compiler.is_compiling():
+            res = callcache.traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
+                                   return_lse, windowed_mask)  # validated and decided outside dynamo's tracing
+            if res is not None:
+                return res
     if rkey is not None:
         key = callcache.signature_of(rkey)
     else:

@@ -34,7 +34,8 @@ their lengths need no check (session 36: BERT-base with padding, host-bound, pai
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), lengths given as lists,
 a tensor ``scale``, arguments of other types than plain tensors, bools, numbers and strings (tensor subclasses, NumPy
-scalars), and calls traced by ``torch.compile``.
+scalars), and calls traced by ``torch.compile``. A traced call is validated and decided once per trace, outside
+dynamo's symbolic execution, by :func:`traced` (the end of this file).
 """
 
 from __future__ import annotations
@@ -486,3 +487,169 @@ def _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable
     d = dispatch.decide(p.q, p.k, p.v, p.mask, backend=backend, precision=precision, need_lse=return_lse,
                         dropout_p=p.dropout_p)
     return p, d
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# calls traced by torch.compile: the traced route
+# ---------------------------------------------------------------------------------------------------------------------
+# While torch.compile traces a model, dynamo executes every line of Python on the call's path symbolically (each
+# bytecode instruction tens of microseconds). The full path (build_problem, dispatch.decide, the kernels' interface,
+# knobs) is ~2,000 instructions a call: session 37's H200 profile of a warm Swin-T fp32 compile spent 3.2 s of its
+# 10.4 s tracing the 12 converted attention forwards. The traced route reads the call's signature (constants under
+# static shapes) and hands it to _traced_plan, which dynamo runs as plain Python (assume_constant_result): it validates
+# and decides on fake tensors of that signature, and returns what to put in the graph as constants. The traced code
+# then only applies the canonical views and calls one op.
+
+_SCALAR_TYPES = (bool, int, float, str, type(None))
+(_INLINE, _OPAQUE, _GRAD_OP, _DROPOUT, _SDPA) = range(5)
+TRACED = {"plans": 0, "full": 0}  # traced calls given a plan; traced calls left to the full path (_traced_plan)
+
+
+def traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse,
+           windowed_mask):
+    """The result of an :func:`elsa_surgery.attention` call (without lengths) that torch.compile is tracing, through
+    the traced route; None for a call the route does not take (the caller takes the full path): tensor subclasses,
+    arguments of other types than bools, numbers, strings and None, and whatever
+    :func:`_traced_plan` returns None for (in a graph with symbolic sizes, the full path runs every call). This
+    function is what dynamo traces: keep it short."""
+    T = torch.Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T or _symbolic_sizes():
+        return None
+    m = None
+    if attn_mask is not None:
+        if type(attn_mask) is not T:
+            return None
+        m = (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad)
+    for x in (dropout_p, is_causal, scale, enable_gqa, backend, precision, return_lse, windowed_mask):
+        if type(x) not in _SCALAR_TYPES:
+            return None
+    plan = _traced_plan((q.shape, q.dtype, q.device, q.requires_grad, k.shape, k.dtype, k.device, k.requires_grad,
+                         v.shape, v.dtype, v.device, v.requires_grad, m, dropout_p, is_causal, scale, enable_gqa,
+                         backend, precision, return_lse, windowed_mask, torch.is_grad_enabled()))
+    if plan is None:
+        return None
+    squeeze, q_to, k_to, v_to, m_view, m_to, kind, scale_, causal, prec, p_drop, gqa = plan
+    if squeeze:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    if q_to is not None:
+        q = q.expand(q_to)
+    if k_to is not None:
+        k = k.expand(k_to)
+    if v_to is not None:
+        v = v.expand(v_to)
+    mask = attn_mask
+    if m_view is not None:
+        mask = mask.reshape(m_view)
+    if m_to is not None:
+        mask = mask.expand(m_to)
+    if kind == _SDPA:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=causal,
+                                                               scale=scale_, enable_gqa=gqa)
+        lse = None
+    else:  # (the plan names the op: objects in a plan cannot be guarded, dynamo refuses them)
+        from .kernels import ops, training
+
+        if kind == _INLINE:
+            out, lse = ops.attention_inline_op(q, k, v, mask, None, None, scale_, causal, prec, return_lse)
+        elif kind == _OPAQUE:
+            out, lse = ops.attention_inference_op(q, k, v, mask, None, None, scale_, causal, prec, return_lse)
+        elif kind == _GRAD_OP:
+            out, lse = ops.attention_op(q, k, v, mask, None, None, scale_, causal, prec)
+        else:
+            out, lse = training.attention_dropout_op(q, k, v, mask, None, None, scale_, causal, prec, p_drop,
+                                                     training.draw_seed(q.device))
+    if squeeze:
+        out = out.squeeze(1)
+        if return_lse:
+            lse = lse.squeeze(1)
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.assume_constant_result
+def _symbolic_sizes() -> bool:
+    """Whether the graph being traced has symbolic sizes (dynamic shapes, or unbacked sizes): then a call's sizes may
+    not be constants, which :func:`_traced_plan` must be given, and which traced code cannot tell (dynamo reports a
+    symbolic size's type as int)."""
+    ctx = torch._guards.TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    return env is None or bool(env.var_to_range)
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(sig: tuple) -> Optional[tuple]:
+    """What :func:`traced` puts in the graph for a call of signature ``sig``, or None (the full path): run by dynamo as
+    Python, not traced, and its result a constant of the graph (no guard on what it reads, as the full path's traced
+    decision: ``autoselect.choose_compiled``). The call is validated and decided as the full path does
+    (:func:`_validate_and_decide`, auto's trace-time race), on fake tensors of the signature; the views that
+    ``build_problem`` made are replayed on them and checked, so that a plan never differs from the full path's
+    problem. Calls that raise, run on the reference backend, or on SDPA with anything but SDPA's own arguments, have
+    no plan: the full path raises or runs them. Not memoised (a plan is cheap next to a compile, and a memo would
+    have to know every knob the decision reads)."""
+    (qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, dropout_p, is_causal, scale, enable_gqa, backend,
+     precision, return_lse, windowed_mask, grad_mode) = sig
+    plan = None
+    try:
+        plan = _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, dropout_p, is_causal, scale,
+                                 enable_gqa, backend, precision, return_lse, windowed_mask, grad_mode)
+    except Exception:  # noqa: BLE001 - the full path raises it again, to the user, with its own traceback
+        plan = None
+    TRACED["plans" if plan is not None else "full"] += 1
+    return plan
+
+
+def _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, dropout_p, is_causal, scale,
+                      enable_gqa, backend, precision, return_lse, windowed_mask, grad_mode):
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with detect_fake_mode() or FakeTensorMode():  # (only while they are made: the race below times real tensors)
+        q, k, v = (torch.empty(s, dtype=d, device=dev, requires_grad=g)
+                   for s, d, dev, g in ((qs, qd, qdev, qg), (ks, kd, kdev, kg), (vs, vd, vdev, vg)))
+        mask = None if m is None else torch.empty(m[0], dtype=m[1], device=m[2], requires_grad=m[3])
+    with torch.set_grad_enabled(grad_mode):
+        p, d = _validate_and_decide(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
+                                    return_lse, None, None, windowed_mask)
+        if d.backend == "elsa" and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
+                                                          return_lse=return_lse) is None:
+            d = autoselect.choose_compiled(p, d)  # raced once when traced, outside the graph
+        if p.causal_rows is not None or p.empty or p.q_lengths is not None or p.kv_lengths is not None:
+            return None
+        # the views build_problem made, as this plan replays them (checked against the problem's own)
+        squeeze = p.squeeze_head
+        q4, k4, v4 = (t.unsqueeze(1) for t in (q, k, v)) if squeeze else (q, k, v)
+        q_to, k_to, v_to = (None if a.shape == b.shape else tuple(b.shape)
+                            for a, b in ((q4, p.q), (k4, p.k), (v4, p.v)))
+        m_view = m_to = None
+        if mask is not None:
+            m4 = mask
+            if mask.dim() < 4:
+                m_view = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+                m4 = mask.reshape(m_view)
+            if p.mask is None or m4.dim() != 4:
+                return None
+            m_to = None if m4.shape == p.mask.shape else tuple(p.mask.shape)
+            if m_to is not None:
+                m4 = m4.expand(m_to)
+        replayed = tuple(t if to is None else t.expand(to) for t, to in ((q4, q_to), (k4, k_to), (v4, v_to)))
+        if any(a.shape != b.shape or a.stride() != b.stride() for a, b in zip(replayed, (p.q, p.k, p.v))):
+            return None
+        if mask is not None and (m4.shape != p.mask.shape or m4.stride() != p.mask.stride()):
+            return None
+        wants_grad = grad_mode and (qg or kg or vg or (m is not None and m[3]))
+    common = (float(p.scale), bool(p.is_causal))
+    if d.backend == "sdpa":
+        if p.mask is not None or return_lse or (p.is_causal and p.n_q != p.n_k):
+            return None  # (sdpa.run's other branches: the full path)
+        return (squeeze, q_to, k_to, v_to, m_view, m_to, _SDPA, *common, "", float(p.dropout_p),
+                p.heads_q != p.heads_kv)
+    if d.backend != "elsa":
+        return None
+    from .kernels import interface
+
+    if p.dropout_p > 0:
+        kind = _DROPOUT
+    elif wants_grad:
+        kind = _GRAD_OP
+    else:
+        kind = _INLINE if interface.inference_op() is interface.ops.attention_inline_op else _OPAQUE
+    return (squeeze, q_to, k_to, v_to, m_view, m_to, kind, *common, d.precision or "", float(p.dropout_p), None)

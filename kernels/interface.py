@@ -142,11 +142,11 @@ def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_
     if _wants_grad(q, k, v, mask):
         out, lse = _ops().attention_op(*args)
     else:
-        out, lse = _inference_op()(*args, bool(return_lse))
+        out, lse = inference_op()(*args, bool(return_lse))
     return out, (lse if return_lse else None)
 
 
-def _inference_op():
+def inference_op():
     """The op a call that wants no gradient traces to under torch.compile (``ELSA_COMPILE_OP``): the inline op, or
     the opaque one where asked or where this torch has no ``triton_op`` (logged once)."""
     ops = _ops()

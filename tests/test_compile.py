@@ -449,7 +449,7 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
 
 
 def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, caplog):
-    """Which op a compiled inference call traces to (``interface._inference_op``): the inline one by default; the
+    """Which op a compiled inference call traces to (``interface.inference_op``): the inline one by default; the
     opaque one with ``ELSA_COMPILE_OP=opaque``, under the interpreter (whose kernels ``wrap_triton`` cannot trace),
     and where this torch has no ``triton_op``, said once in the log; the inline op on real tensors (called outside
     Inductor) is the opaque op's kernel, the eager launcher."""
@@ -459,25 +459,25 @@ def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, ca
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
     monkeypatch.delenv("ELSA_COMPILE_OP", raising=False)
     if ops.attention_inline_op is not None:
-        assert interface._inference_op() is ops.attention_inline_op
+        assert interface.inference_op() is ops.attention_inline_op
     monkeypatch.setenv("ELSA_COMPILE_OP", "opaque")
-    assert interface._inference_op() is ops.attention_inference_op
+    assert interface.inference_op() is ops.attention_inference_op
     monkeypatch.setenv("ELSA_COMPILE_OP", "sometimes")
     with pytest.raises(ValueError, match="ELSA_COMPILE_OP"):
-        interface._inference_op()
+        interface.inference_op()
     monkeypatch.delenv("ELSA_COMPILE_OP")
     monkeypatch.setattr(ops, "attention_inline_op", None)
     monkeypatch.setattr(ops, "INLINE_UNAVAILABLE", "torch 2.5 has no torch.library.triton_op (torch >= 2.6)")
     monkeypatch.setattr(interface, "_INLINE_LOGGED", [])
     with caplog.at_level("WARNING", logger="elsa_surgery.kernels"):
-        assert interface._inference_op() is ops.attention_inference_op
-        assert interface._inference_op() is ops.attention_inference_op
+        assert interface.inference_op() is ops.attention_inference_op
+        assert interface.inference_op() is ops.attention_inference_op
     said = [r.getMessage() for r in caplog.records if "opaque ELSA op" in r.getMessage()]
     assert said == ["elsa_surgery: compiled calls use the opaque ELSA op: torch 2.5 has no torch.library.triton_op "
                     "(torch >= 2.6)"], said
     monkeypatch.undo()
     assert k is dispatch.kernels_module() and occupancy.interpreting()
-    assert interface._inference_op() is ops.attention_inference_op  # CI runs the interpreter
+    assert interface.inference_op() is ops.attention_inference_op  # CI runs the interpreter
     gen = torch.Generator().manual_seed(4)
     q, kk, v = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
     if ops.attention_inline_op is not None:
@@ -622,3 +622,96 @@ def test_mask_builder_takes_the_causal_skip_while_tracing(monkeypatch):
     for kw in kept:
         assert ta.elsa_mask(**{**causal, **kw}) == "mask", kw
     assert len(built) == len(kept)
+
+
+def _traced_cases(dev):
+    """``name -> (call, tensors)``: calls whose canonical problem differs from their arguments in every way the traced
+    route replays (3-D inputs, broadcast batch and heads, GQA, masks of fewer dims, windowed masks, lse)."""
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
+    e = dict(backend="elsa")
+    return {
+        "3d": (lambda q, k, v: elsa_surgery.attention(q, k, v, **e), (r(2, 12, 16), r(2, 20, 16), r(2, 20, 16))),
+        "broadcast": (lambda q, k, v: elsa_surgery.attention(q, k, v, scale=1.0, **e),
+                      (r(2, 4, 12, 16), r(1, 1, 20, 16), r(1, 1, 20, 24))),
+        "gqa_causal": (lambda q, k, v: elsa_surgery.attention(q, k, v, is_causal=True, enable_gqa=True, **e),
+                       (r(2, 4, 12, 16), r(2, 2, 20, 16), r(2, 2, 20, 16))),
+        "mask_2d_bool": (lambda q, k, v, m: elsa_surgery.attention(q, k, v, m, **e),
+                         (r(2, 4, 12, 16), r(2, 4, 20, 16), r(2, 4, 20, 16),
+                          (torch.rand(12, 20, generator=gen) < 0.7).to(dev))),
+        "mask_additive_lse": (lambda q, k, v, m: elsa_surgery.attention(q, k, v, m, return_lse=True, **e),
+                              (r(2, 4, 12, 16), r(2, 4, 20, 16), r(2, 4, 20, 16), r(1, 4, 1, 20))),
+        "windowed": (lambda q, k, v, m: elsa_surgery.attention(q, k, v, m, windowed_mask=True, **e),
+                     (r(4, 2, 12, 16), r(4, 2, 12, 16), r(4, 2, 12, 16), r(2, 1, 12, 12))),
+    }
+
+
+def _check_traced_route(dev):
+    from elsa_surgery import callcache
+
+    for name, (call, tensors) in _traced_cases(dev).items():
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        graphs = []
+        before = dict(callcache.TRACED)
+        compiled = torch.compile(call, backend=_recording("aot_eager", graphs), fullgraph=True)
+        got = compiled(*tensors)
+        assert callcache.TRACED["plans"] == before["plans"] + 1 and callcache.TRACED["full"] == before["full"], name
+        assert _rel(got, call(*tensors)) <= RTOL, name
+        again = compiled(*[t.clone() for t in tensors])  # the same shapes: no recompilation
+        assert _rel(again, got) == 0 and len(graphs) == 1, name
+        # the full path traced (the route off) holds the same op, and gives the same answer
+        torch._dynamo.reset()
+        full_graphs = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(callcache, "traced", lambda *a: None)
+            full = torch.compile(call, backend=_recording("aot_eager", full_graphs), fullgraph=True)(*tensors)
+        assert _rel(full, got) <= RTOL, name
+        ours = {t for t in _targets(graphs[0]) if t.startswith("elsa_surgery.")}
+        assert ours == {t for t in _targets(full_graphs[0]) if t.startswith("elsa_surgery.")} and ours, name
+
+
+@CPU_ONLY
+def test_traced_route_equals_the_full_path():
+    """A call that torch.compile traces is validated and decided outside dynamo's tracing (``callcache.traced``, issue
+    33's compile time): each case gets a plan, compiles in one graph with the op the full path traces, gives the eager
+    call's answer and does not recompile for new tensors of its shapes."""
+    _check_traced_route("cpu")
+
+
+@pytest.mark.gpu
+def test_traced_route_equals_the_full_path_gpu():
+    _check_traced_route("cuda")
+
+
+@CPU_ONLY
+def test_traced_route_leaves_to_the_full_path_what_it_cannot_plan():
+    """Calls the route has no plan for take the full path, which raises their errors (as eager calls do) or runs them:
+    bad shapes, the reference backend, lengths, and every call of a graph with symbolic sizes (dynamic shapes)."""
+    from elsa_surgery import callcache
+
+    q, k, v = (torch.randn(1, 2, 12, 16) for _ in range(3))
+    before = dict(callcache.TRACED)
+    bad = torch.compile(lambda q, k: elsa_surgery.attention(q, k, k, backend="elsa"), backend="aot_eager",
+                        fullgraph=True)
+    with pytest.raises(Exception, match="same head dim D"):
+        bad(q, torch.randn(1, 2, 12, 8))
+    assert callcache.TRACED["full"] == before["full"] + 1 and callcache.TRACED["plans"] == before["plans"]
+    torch._dynamo.reset()
+    ref = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, backend="reference"), backend="aot_eager",
+                        fullgraph=True)
+    assert _rel(ref(q, k, v), elsa_surgery.attention(q, k, v, backend="reference")) <= RTOL
+    assert callcache.TRACED["full"] == before["full"] + 2
+    torch._dynamo.reset()
+    lengths = torch.tensor([9])
+    padded = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, kv_lengths=lengths, backend="elsa"),
+                           backend="aot_eager", fullgraph=True)
+    assert _rel(padded(q, k, v), elsa_surgery.attention(q, k, v, kv_lengths=lengths, backend="elsa")) <= RTOL
+    assert callcache.TRACED["full"] == before["full"] + 2  # (lengths never reach the route)
+    torch._dynamo.reset()
+    dynamic = torch.compile(lambda q, k, v: elsa_surgery.attention(q, k, v, backend="elsa"), backend="aot_eager",
+                            fullgraph=True, dynamic=True)
+    for n in (12, 17):
+        q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+        assert _rel(dynamic(q, k, v), elsa_surgery.attention(q, k, v, backend="elsa")) <= RTOL
+    assert callcache.TRACED == {"plans": before["plans"], "full": before["full"] + 2}

@@ -1,0 +1,93 @@
+"""Issue 33's compile time: what a warm compile of a model spends, native or converted.
+
+One side per process. Run it twice on the same ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` (fresh, then warm):
+the second run shows whether Inductor's FX graph cache and AOTAutograd's cache served the graph (their hit, miss and
+bypass counters, with the bypass reasons they logged), dynamo's own phase times, and the seconds of the first
+compiled call. ``--profile FILE`` writes a cProfile of that call (``pstats`` format).
+
+    python benchmarks/lab/compile_cache.py --side native|converted --workload swin_t --dtype fp32 [--profile F]
+
+``--full-path`` turns the traced route off (``callcache.traced``, session 37: every traced call validated and decided
+by dynamo's symbolic execution of the full path, as before it), for an A/B of the route in processes of their own.
+``ELSA_COMPILE_OP=opaque`` in the environment makes the converted side trace to the opaque op instead of the inline
+one (kernels/interface.py), to tell the two apart.
+"""
+
+import argparse
+import cProfile
+import json
+import logging
+import time
+
+import torch
+from host_profile import _bench_models  # (this directory: the script's own)
+
+
+class _Bypasses(logging.Handler):
+    """Keeps every log record of the caches that mentions a bypass (their reasons are logged, not counted)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.seen = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "ypass" in msg and msg not in self.seen:
+            self.seen.append(msg[:300])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--side", choices=("native", "converted"), required=True)
+    ap.add_argument("--workload", default="swin_t")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--profile", default=None, help="write a cProfile of the compiled call here")
+    ap.add_argument("--full-path", action="store_true", help="converted side: the traced route off")
+    a = ap.parse_args()
+    import elsa_surgery
+    from elsa_surgery import callcache
+
+    if a.full_path:
+        callcache.traced = lambda *args: None
+
+    bypasses = _Bypasses()
+    for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache",
+                 "torch._inductor.compile_fx"):
+        lg = logging.getLogger(name)
+        lg.addHandler(bypasses)
+        lg.setLevel(logging.DEBUG)
+    bm = _bench_models()
+    dtype = dict(fp32=torch.float32, bf16=torch.bfloat16)[a.dtype]
+    model, call = bm.ab_build(a.workload, dtype, a.batch, "cuda")
+    if a.side != "native":
+        elsa_surgery.convert(model, verify=False)
+    prof = cProfile.Profile() if a.profile else None
+    with torch.inference_mode():
+        ref = call(model)
+        torch.cuda.synchronize()
+        bm.warm_up_compiler(argparse.Namespace(compile_backend="inductor", cpu_smoke=False), "cuda")
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        out = call(compiled)
+        torch.cuda.synchronize()
+        if prof:
+            prof.disable()
+        seconds = time.perf_counter() - t0
+    if prof:
+        prof.dump_stats(a.profile)
+    counters = {group: dict(c) for group, c in torch._dynamo.utils.counters.items()
+                if group in ("inductor", "aot_autograd", "stats", "graph_break")}
+    keep = ("cache", "bypass", "calls_captured", "unique_graphs", "fxgraph")
+    counters = {g: {k: v for k, v in c.items() if any(s in k for s in keep)} for g, c in counters.items()}
+    print(json.dumps({"side": a.side, "full_path": a.full_path, "traced": callcache.TRACED, "workload": a.workload, "dtype": a.dtype, "compile_s": seconds,
+                      "max_abs_diff_vs_eager": float((out.float() - ref.float()).abs().max()),
+                      "counters": counters, "bypass_logs": bypasses.seen[:8]}), flush=True)
+    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
+
+
+if __name__ == "__main__":
+    main()
