@@ -83,7 +83,8 @@ def main():
                 if group in ("inductor", "aot_autograd", "stats", "graph_break")}
     keep = ("cache", "bypass", "calls_captured", "unique_graphs", "fxgraph")
     counters = {g: {k: v for k, v in c.items() if any(s in k for s in keep)} for g, c in counters.items()}
-    print(json.dumps({"side": a.side, "full_path": a.full_path, "traced": callcache.TRACED, "workload": a.workload, "dtype": a.dtype, "compile_s": seconds,
+    print(json.dumps({"side": a.side, "full_path": a.full_path, "traced": callcache.TRACED, "workload": a.workload,
+                      "dtype": a.dtype, "compile_s": seconds,
                       "max_abs_diff_vs_eager": float((out.float() - ref.float()).abs().max()),
                       "counters": counters, "bypass_logs": bypasses.seen[:8]}), flush=True)
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
