@@ -147,12 +147,23 @@ def compiled_decisions() -> Dict[tuple, Decision]:
     return dict(COMPILED)
 
 
+@torch.compiler.assume_constant_result
+def symbolic_sizes() -> bool:
+    """Whether the graph torch.compile is tracing has symbolic sizes (dynamic shapes, or unbacked sizes): then a
+    call's sizes may not be constants, which an ``assume_constant_result`` function must be given (anything else is a
+    graph break, an error under ``fullgraph=True``), and traced code cannot tell which (dynamo reports a symbolic
+    size's type as int). Read from the trace's shape environment, as a constant of the trace."""
+    ctx = torch._guards.TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    return env is None or bool(env.var_to_range)
+
+
 def choose_compiled(p, d: Decision) -> Decision:
     """``d`` or SDPA's decision for a call being traced by torch.compile (module docstring); ``p`` holds fake
     tensors, only their static shapes, dtype and device are read."""
+    if symbolic_sizes():
+        return d  # dynamic shapes: one graph serves many, no race (session 37: the type test here before saw ints)
     shapes = (tuple(p.q.shape), tuple(p.k.shape), tuple(p.v.shape))
-    if not all(type(n) is int for shape in shapes for n in shape):
-        return d  # dynamic shapes: one graph serves many, no race
     dev = p.q.device
     sig = (shapes, str(p.q.dtype).replace("torch.", ""), dev.type, dev.index, bool(p.is_causal), float(p.scale),
            d.precision)

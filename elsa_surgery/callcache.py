@@ -513,7 +513,7 @@ def traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
     :func:`_traced_plan` returns None for (in a graph with symbolic sizes, the full path runs every call). This
     function is what dynamo traces: keep it short."""
     T = torch.Tensor
-    if type(q) is not T or type(k) is not T or type(v) is not T or _symbolic_sizes():
+    if type(q) is not T or type(k) is not T or type(v) is not T or autoselect.symbolic_sizes():
         return None
     m = None
     if attn_mask is not None:
@@ -563,16 +563,6 @@ def traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         if return_lse:
             lse = lse.squeeze(1)
     return (out, lse) if return_lse else out
-
-
-@torch.compiler.assume_constant_result
-def _symbolic_sizes() -> bool:
-    """Whether the graph being traced has symbolic sizes (dynamic shapes, or unbacked sizes): then a call's sizes may
-    not be constants, which :func:`_traced_plan` must be given, and which traced code cannot tell (dynamo reports a
-    symbolic size's type as int)."""
-    ctx = torch._guards.TracingContext.try_get()
-    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
-    return env is None or bool(env.var_to_range)
 
 
 @torch.compiler.assume_constant_result

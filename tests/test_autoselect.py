@@ -308,6 +308,22 @@ def test_compiled_call_holds_the_trace_time_winner(racing, monkeypatch, times, b
     torch._dynamo.reset()
 
 
+def test_traced_call_with_symbolic_sizes_is_not_raced(racing, monkeypatch):
+    """A graph with symbolic sizes (dynamic shapes: torch.compile's second shape, or ``dynamic=True``) serves many
+    shapes: its calls are not raced and keep ELSA, in one graph (session 37: the race's signature then held symbolic
+    sizes, which dynamo refused as the race's constant argument: a graph break, an error under ``fullgraph=True``)."""
+    monkeypatch.setattr(autoselect, "COMPILED", {})
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, c: elsa_surgery.attention(a, b, c, is_causal=True), backend="aot_eager",
+                      fullgraph=True, dynamic=True)
+    for n in (24, 31):
+        q, k, v = _qkv(n=n)
+        out = f(q, k, v)
+        assert float((out - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max()) < 1e-5
+    assert autoselect.compiled_decisions() == {}
+    torch._dynamo.reset()
+
+
 def test_traced_race_times_the_op_the_graph_calls(racing, monkeypatch):
     """The race of a traced call times ELSA through the registered custom op (what Inductor's wrapper calls, its
     dispatch included), not the launcher alone, on fresh tensors of the call's shapes."""
