@@ -509,9 +509,9 @@ def traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
            windowed_mask):
     """The result of an :func:`elsa_surgery.attention` call (without lengths) that torch.compile is tracing, through
     the traced route; None for a call the route does not take (the caller takes the full path): tensor subclasses,
-    arguments of other types than bools, numbers, strings and None, and whatever
-    :func:`_traced_plan` returns None for (in a graph with symbolic sizes, the full path runs every call). This
-    function is what dynamo traces: keep it short."""
+    arguments of other types than bools, numbers, strings and None, every call of a graph with symbolic sizes
+    (``autoselect.symbolic_sizes``), and whatever :func:`_traced_plan` returns None for. This function is what dynamo
+    traces: keep it short."""
     T = torch.Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T or autoselect.symbolic_sizes():
         return None
@@ -599,9 +599,8 @@ def _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, d
     with torch.set_grad_enabled(grad_mode):
         p, d = _validate_and_decide(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, backend, precision,
                                     return_lse, None, None, windowed_mask)
-        if d.backend == "elsa" and autoselect.sdpa_reason(p, d, backend=backend, precision=precision,
-                                                          return_lse=return_lse) is None:
-            d = autoselect.choose_compiled(p, d)  # raced once when traced, outside the graph
+        if autoselect.sdpa_reason(p, d, backend=backend, precision=precision, return_lse=return_lse) is None:
+            d = autoselect.choose_compiled(p, d)  # raced once when traced, outside the graph (as prepare does)
         if p.causal_rows is not None or p.empty or p.q_lengths is not None or p.kv_lengths is not None:
             return None
         # the views build_problem made, as this plan replays them (checked against the problem's own)
