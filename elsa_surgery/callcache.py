@@ -500,7 +500,7 @@ def _validate_and_decide(q, k, v, attn_mask, dropout_p, is_causal, scale, enable
 # and decides on fake tensors of that signature, and returns what to put in the graph as constants. The traced code
 # then only applies the canonical views and calls one op.
 
-_SCALAR_TYPES = (bool, int, float, str, type(None))
+_SCALAR_TYPES = tuple(_PLAIN)  # (a tuple: what the traced test `type(x) not in` reads as constants)
 (_INLINE, _OPAQUE, _GRAD_OP, _DROPOUT, _SDPA) = range(5)
 TRACED = {"plans": 0, "full": 0}  # traced calls given a plan; traced calls left to the full path (_traced_plan)
 
