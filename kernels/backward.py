@@ -18,6 +18,8 @@ Both walks run their full tiles (no mask, keys in range, off the causal diagonal
   (causal: from the diagonal on) of every query head of its group (GQA reduced here, without copying K/V), and
   writes dK, dV once. With ``ATOMIC_DQ`` it also adds ``dS @ K`` into an fp32 dQ buffer with atomics; by default
   (``ELSA_BWD_DQ=rows``, deterministic) :func:`row_pass` computes dQ instead. ``WRITE_DS`` stores dS (mask grads).
+* :func:`bwd_short` the whole backward of a call whose query rows and keys each fit one tile (at most 64: Swin's
+  windows), one program per (batch, KV head), in place of the three kernels here.
 * :func:`row_pass` one program per (query block, batch, query head) over the key blocks its rows see:
   ``WHAT = 0`` dQ, ``1`` the dropout output ``sum_j p_ij z_ij / (1 - p_drop) v_j`` (the forward with dropout:
   lse from the scan, then this pass), ``2`` the keep mask itself (a debug hook for tests, small N).
@@ -101,6 +103,25 @@ def _keep(seed, crow, cols, Nkc, p_drop):
     orientation (``crow[:, None]``, ``cols[None, :]`` rows-major)."""
     counter = crow * Nkc + cols.to(tl.int64)
     return tl.rand(seed, counter) >= p_drop
+
+
+@triton.jit
+def _rows_major_grads(p, q, do, vt, delta, dk, dv, seed, crow, cols, Nkc, p_drop, keep_scale, DOT: tl.constexpr,
+                      DROPOUT: tl.constexpr):
+    """One rows-major tile's share of the gradients from its probabilities ``p [BLOCK_M, BLOCK_N]``: ``dS``, and
+    ``dK += dS^T·q`` (unscaled), ``dV += (p·keep / (1 - p_drop))^T·dO``; ``crow`` the rows' dropout counter rows
+    (int64), ``vt`` V transposed ``[BLOCK_DV, BLOCK_N]``. Returns ``(ds, dk, dv)``."""
+    dp = _dot(do, vt, tl.zeros([p.shape[0], p.shape[1]], dtype=tl.float32), DOT)
+    if DROPOUT:
+        keep = _keep(seed, crow[:, None], cols[None, :], Nkc, p_drop)
+        pd = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    else:
+        pd = p
+    dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
+    ds = p * (dp - delta[:, None])
+    dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
+    return ds, dk, dv
 
 
 @triton.jit
@@ -193,16 +214,8 @@ def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok
         mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
         p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale, IS_CAUSAL, MASK_KIND, DOT,
                    MASKED)
-        dp = _dot(do, vt, tl.zeros([BLOCK_M, kt.shape[1]], dtype=tl.float32), DOT)
-        if DROPOUT:
-            keep = _keep(seed, (b64 * crb + h64 * crh + rows.to(tl.int64))[:, None], cols[None, :], Nkc, p_drop)
-            pd = tl.where(keep, p * keep_scale, 0.0)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        else:
-            pd = p
-        dv = _dot(tl.trans(pd.to(do.dtype)), do, dv, DOT)
-        ds = p * (dp - delta[:, None])
-        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
+        ds, dk, dv = _rows_major_grads(p, q, do, vt, delta, dk, dv, seed, b64 * crb + h64 * crh + rows.to(tl.int64),
+                                       cols, Nkc, p_drop, keep_scale, DOT, DROPOUT)
         if ATOMIC_DQ:
             dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, k_rows.shape[1]], dtype=tl.float32), DOT) * scale
             tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
@@ -514,3 +527,95 @@ def row_pass(
     elif WHAT == 1:
         tl.store(RES + b64 * stride_rb + h64 * stride_rh + r64 * stride_rn + offs_dv[None, :] * stride_rd,
                  acc.to(RES.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV_))
+
+
+@triton.jit(do_not_specialize=["Nq", "Nk", "mask_period", "crb", "crh", "Nkc"])
+def bwd_short(
+    Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK, DO, OUT, LSE, DLSE, SEED, DQ, DK, DV, DS,
+    qk_scale, scale, p_drop, keep_scale, Nq, Nk, Hq, GROUPS, mask_period, crb, crh, Nkc,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mp, stride_mh, stride_mm, stride_mn,
+    stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    stride_eb, stride_eh, stride_en,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_sb, stride_sh, stride_sm, stride_sn,
+    D: tl.constexpr, DV_: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """The whole backward of one (batch, KV head) whose query rows fit one ``BLOCK_M`` tile and keys one
+    ``BLOCK_N`` tile (Swin's and SwinV2's windows, short sequences): one program, one launch, in place of
+    :func:`bwd_delta`, :func:`bwd_kv` and :func:`row_pass`. For each query head of the group it computes ``delta``,
+    the probabilities once, dV and dK (summed over the group in registers), dQ (complete: every key is in the tile;
+    no atomics, deterministic) and dS (``WRITE_DS``). ``DO`` has strides ``stride_g*``, ``OUT`` ``stride_o*``,
+    ``DLSE`` ``stride_e*``. Dense calls write every row of dQ and every key of dK, dV (zeros past the lengths)."""
+    pid = tl.program_id(0)
+    Hkv = Hq // GROUPS
+    b = pid // Hkv
+    hk = pid % Hkv
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    q_row0, k_row0, q_len, kv_len = _extent(b, CUQ, CUK, QLEN, KVLEN, Nq, Nk, VARLEN, HAS_QLEN, HAS_KVLEN)
+    causal_off = kv_len - q_len
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < q_len
+    col_ok = cols < kv_len
+    r64 = q_row0 + rows[:, None].to(tl.int64)
+    c64 = k_row0 + cols[None, :].to(tl.int64)
+    kt = tl.load(K + b64 * stride_kb + hk64 * stride_kh + c64 * stride_kn + offs_d[:, None] * stride_kd,
+                 mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+    vt = tl.load(V + b64 * stride_vb + hk64 * stride_vh + c64 * stride_vn + offs_dv[:, None] * stride_vd,
+                 mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)  # [BLOCK_DV, BLOCK_N]
+    k_rows = tl.trans(kt)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    seed = 0
+    if DROPOUT:  # (SEED is a placeholder tensor, maybe empty, without dropout)
+        seed = tl.load(SEED)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < DV_)
+    for g in range(0, GROUPS):
+        h64 = (hk * GROUPS + g).to(tl.int64)
+        q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + r64 * stride_qn + offs_d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
+        do = tl.load(DO + b64 * stride_gb + h64 * stride_gh + r64 * stride_gn + offs_dv[None, :] * stride_gd,
+                     mask=o_mask, other=0.0)
+        o = tl.load(OUT + b64 * stride_ob + h64 * stride_oh + r64 * stride_on + offs_dv[None, :] * stride_od,
+                    mask=o_mask, other=0.0)
+        l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
+        lse2, delta = _row_stats(LSE, LSE, l_off, rows, row_ok, stride_ln, False)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + b64 * stride_eb + h64 * stride_eh + (q_row0 + rows.to(tl.int64)) * stride_en,
+                             mask=row_ok, other=0.0)
+        m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
+        mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
+        p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale, IS_CAUSAL, MASK_KIND, DOT)
+        ds, dk, dv = _rows_major_grads(p, q, do, vt, delta, dk, dv, seed, b64 * crb + h64 * crh + rows.to(tl.int64),
+                                       cols, Nkc, p_drop, keep_scale, DOT, DROPOUT)
+        dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), DOT) * scale
+        dq_ok = q_mask
+        if not VARLEN:  # dense: rows past q_len get zeros (packed: other sequences' rows)
+            dq_ok = (rows[:, None] < Nq) & (offs_d[None, :] < D)
+        tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn + offs_d[None, :] * stride_dqd,
+                 dq.to(DQ.dtype.element_ty), mask=dq_ok)
+        if WRITE_DS:
+            tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
+                     + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
+    if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
+        col_ok = cols < Nk
+    kc64 = k_row0 + cols[:, None].to(tl.int64)
+    tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + kc64 * stride_dkn + offs_d[None, :] * stride_dkd,
+             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + kc64 * stride_dvn + offs_dv[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV_))

@@ -324,8 +324,15 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     new = _empty if has_keys else _zeros
     dk = new("dk", k.shape, k.dtype, k.device)
     dv = new("dv", v.shape, v.dtype, v.device)
-    dq = _zeros("dq", q.shape, torch.float32 if atomic else q.dtype, q.device)
+    short = _short_tiles(c) if has_keys and c.B * c.Hq else None
+    dq_dtype = torch.float32 if atomic else q.dtype
+    # bwd_short writes every row of a dense dQ
+    dq = (_empty if short is not None and not c.varlen else _zeros)("dq", q.shape, dq_dtype, q.device)
     ds = _zeros("ds", (c.B, c.Hq, c.Nq, c.Nk), torch.float32, q.device) if mask_grad else None
+    if short is not None:
+        if _short(c, short, do, out, lse, dlse, dq, dk, dv, ds):
+            return (dq, dk, dv) + ((ds,) if ds is not None else ())
+        dq = _zeros("dq", q.shape, dq_dtype, q.device)  # the general passes leave rows past the lengths alone
     delta = _delta(c, do, out, lse, dlse)
     if has_keys:
         bh = c.B * c.Hkv
@@ -341,6 +348,55 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     return (dq, dk, dv) + ((ds,) if ds is not None else ())
 
 
+# bwd_short takes calls of at most this many query rows and keys (one tile each) and head dims up to this
+# (session 38, H200, benchmarks/lab/bwd_short.py: measured at D = 32 and 64, where its kernels took 0.55-0.77x the
+# general passes' time; D = 128 holds five 64 x 128 tiles in registers, unmeasured)
+SHORT_MAX_KEYS = 64
+SHORT_MAX_HEAD_DIM = 64
+
+
+def _short_tiles(c: _Call) -> Optional[tuple]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of ``backward.bwd_short`` for this call, or None where the general passes
+    run: more than :data:`SHORT_MAX_KEYS` query rows or keys (packed varlen: the longest sequence), head dims past
+    :data:`SHORT_MAX_HEAD_DIM`, a forced tile (sweeps, tests) or ``ELSA_BWD_SHORT=0``."""
+    if _OVERRIDE is not None or knobs.get(knobs.BWD_SHORT) == "0":
+        return None
+    if c.Nq > SHORT_MAX_KEYS or c.Nk > SHORT_MAX_KEYS or max(c.BD, c.BDV) > SHORT_MAX_HEAD_DIM:
+        return None
+    return occ.block_dim(c.Nq), occ.block_dim(c.Nk), 4
+
+
+_SHORT_REFUSED: set = set()  # (device, dtype, tiles, flags) whose bwd_short compile asked too many resources
+
+
+def _short(c: _Call, tiles: tuple, do, out, lse, dlse, dq, dk, dv, ds) -> bool:
+    """The whole backward in one ``bwd_short`` launch with :func:`_short_tiles`'s ``tiles`` (True when it ran). A
+    tile that asks more resources than the GPU has falls back to the general passes, logged once."""
+    bm, bn, warps = tiles
+    key = (c.q.device, c.q.dtype, c.BD, c.BDV, tiles, tuple(sorted(c.flags.items())), ds is not None)
+    if key in _SHORT_REFUSED:
+        return False
+    from triton.runtime.errors import OutOfResources
+
+    keep_scale = 1.0 / (1.0 - c.dropout_p) if c.dropout_p < 1 else 0.0
+    consts = c.consts(bm, bn, warps, None)
+    try:
+        replay.launch(_kernels().bwd_short, (c.B * c.Hkv,), c.q, c.k, c.v, *c.ptrs, do, out, lse,
+                      dlse if dlse is not None else lse, c.seed, dq, dk, dv, ds if ds is not None else c.q,
+                      c.scale * LOG2E, c.scale, c.dropout_p, keep_scale, c.Nq, c.Nk, c.Hq, c.Hq // c.Hkv, c.period,
+                      *c.counter, *c.strides(c.q), *c.strides(c.k), *c.strides(c.v), *c.sm, *c.strides(do),
+                      *c.strides(out), *c.lse_strides(lse), *(c.lse_strides(dlse) if dlse is not None else (0, 0, 0)),
+                      *c.strides(dq), *c.strides(dk), *c.strides(dv),
+                      *(ds.stride() if ds is not None else (0, 0, 0, 0)),
+                      WRITE_DS=ds is not None, HAS_DLSE=dlse is not None, **consts)
+    except OutOfResources as e:
+        _SHORT_REFUSED.add(key)
+        log.info("elsa backward: the one-tile backward at %dx%d (head dims %d/%d, %s) does not fit this GPU (%s); "
+                 "running the general passes", bm, bn, c.D, c.Dv, c.q.dtype, str(e).splitlines()[0][:80])
+        return False
+    return True
+
+
 def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, call: dict) -> tuple:
     """The launch plan key of a backward call (kernels/replay.py): identities, device, capture, scalars and every
     tensor's geometry (shape, strides, dtype, 16-byte alignment)."""
@@ -348,7 +404,8 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
     c = call
     return ("backward", *launch.plan_key_head(q, k, v, c["cu_q"], c["cu_k"], c["q_lengths"], c["kv_lengths"]),
             float(c["scale"]), bool(c["is_causal"]), c["precision"], c["varlen_dims"], float(c["dropout_p"]),
-            bool(atomic), bool(mask_grad), g(do), g(q), g(k), g(v), g(out), g(lse), g(dlse), g(c["mask"]),
+            bool(atomic), bool(mask_grad), knobs.get(knobs.BWD_SHORT), g(do), g(q), g(k), g(v), g(out), g(lse),
+            g(dlse), g(c["mask"]),
             g(c["q_lengths"]), g(c["kv_lengths"]), g(c["cu_q"]), g(c["cu_k"]), g(c["seed"]))
 
 

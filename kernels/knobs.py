@@ -38,6 +38,7 @@ NCU_CHILD = "ELSA_NCU_CHILD"
 TEST_RANDOM_CASES = "ELSA_TEST_RANDOM_CASES"
 BLOCKED_PV_KEYS = "ELSA_BLOCKED_PV_KEYS"
 BWD_DQ = "ELSA_BWD_DQ"
+BWD_SHORT = "ELSA_BWD_SHORT"
 MASK_TILES = "ELSA_MASK_TILES"
 COMPILE_OP = "ELSA_COMPILE_OP"
 
@@ -162,6 +163,9 @@ _DECLARED = (
          "every measured tile), or atomic adds from the key-block pass (never under "
          "torch.use_deterministic_algorithms(True))", _choice("rows", "atomic"), scope="tuning",
          choices=("rows", "atomic")),
+    Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",
+         "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
+         "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),
     Knob(MASK_TILES, "choice", _choices("0", "forward", "all"), "all",
          "masked calls with lines of many blocks: classify the mask's tiles first (one pass over it) so that the "
          "kernels skip the blocks a tile's rows never see and fold those they wholly see unmasked; all: the forward "

@@ -167,16 +167,16 @@ class EagerAttention(torch.autograd.Function):
     (``ops.dense_forward``), the same saved tensors and the same backward formula (:func:`_setup_dense`,
     :func:`_backward_dense`), with the backward's launcher called directly. The ops' autograd wrapper and dispatch
     cost about 0.2 ms of host time per forward + backward on a CPU host (session 31), more than the kernels of a
-    small call; ``torch.compile`` traces the ops instead (kernels/interface.py)."""
+    small call; ``torch.compile`` traces the ops instead (kernels/interface.py). ``forward`` takes ``ctx`` itself
+    (no ``setup_context``): with a separate ``setup_context``, ``Function.apply`` binds the arguments through
+    ``inspect.signature`` on every call (torch 2.11: ~10 % of a Swin-T window call's profiled host time)."""
 
     @staticmethod
-    def forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
-        return ops.dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision):
+        output = ops.dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, as through the op
-        _setup_dense(ctx, inputs, output)
+        _setup_dense(ctx, (q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision), output)
+        return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -187,13 +187,11 @@ class EagerAttentionVarlen(torch.autograd.Function):
     """:class:`EagerAttention` for ``ops.attention_varlen_op`` (packed sequences)."""
 
     @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision):
-        return ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision):
+        output = ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision)
         ctx.set_materialize_grads(False)
-        _setup_varlen(ctx, inputs, output)
+        _setup_varlen(ctx, (q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision), output)
+        return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):

@@ -89,7 +89,7 @@ def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_ls
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_gqa_dv_ne_d_d_not_pow2(deterministic):
+def test_gqa_dv_ne_d_d_not_pow2(deterministic, backward_path):
     """GQA (4 query heads on 2 KV heads), Dv != D, D = 40 (padded in-kernel), atomic and deterministic dQ."""
     _check(_leaf(2, 4, 37, 40), _leaf(2, 2, 45, 40), _leaf(2, 2, 45, 24), deterministic=deterministic)
 
@@ -210,7 +210,7 @@ def test_causal_bottom_right(nq, nk):
     _check(_leaf(1, 2, nq, 32), _leaf(1, 2, nk, 32), _leaf(1, 2, nk, 32), is_causal=True)
 
 
-def test_padded_lengths_with_empty_rows_causal():
+def test_padded_lengths_with_empty_rows_causal(backward_path):
     """Per-row lengths, one batch row with no keys at all and causal alignment per row: gradients of padding
     rows/keys are zero, never NaN."""
     q, k, v = _leaf(3, 2, 33, 16), _leaf(3, 2, 41, 16), _leaf(3, 2, 41, 16)
@@ -220,7 +220,7 @@ def test_padded_lengths_with_empty_rows_causal():
     assert dq[2, :, 5:].abs().max() == 0 and dk[2, :, 30:].abs().max() == 0
 
 
-def test_bool_mask_fully_masked_rows_zero_grad():
+def test_bool_mask_fully_masked_rows_zero_grad(backward_path):
     q, k, v = _leaf(2, 2, 24, 16), _leaf(2, 2, 30, 16), _leaf(2, 2, 30, 16)
     mask = torch.rand(2, 1, 24, 30, device=DEV) > 0.5
     mask[:, :, 3] = False  # row 3 sees nothing
@@ -229,14 +229,14 @@ def test_bool_mask_fully_masked_rows_zero_grad():
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 24, 30), (2, 1, 1, 30), (1, 1, 24, 30), (2, 4, 1, 30)])
-def test_float_mask_gradient_at_broadcast_shape(shape):
+def test_float_mask_gradient_at_broadcast_shape(shape, backward_path):
     """A learned additive bias: its gradient is reduced to the bias's own broadcast shape."""
     q, k, v = _leaf(2, 4, 24, 16), _leaf(2, 4, 30, 16), _leaf(2, 4, 30, 16)
     _check(q, k, v, _leaf(*shape))
 
 
 @pytest.mark.parametrize("grad_lse", [False, True])
-def test_float_mask_with_minus_inf(grad_lse):
+def test_float_mask_with_minus_inf(grad_lse, backward_path):
     """-inf entries, a fully masked row (not with grad_lse: the oracle's lse is not differentiable there), and a
     loss that also uses the returned lse."""
     q, k, v = _leaf(1, 2, 20, 16), _leaf(1, 2, 28, 16), _leaf(1, 2, 28, 16)
@@ -251,14 +251,14 @@ def test_float_mask_with_minus_inf(grad_lse):
         assert dq[:, :, 5].abs().max() == 0 and dm[:, :, 5].abs().max() == 0
 
 
-def test_per_window_mask_sums_rows_b_mod_nw():
+def test_per_window_mask_sums_rows_b_mod_nw(backward_path):
     """Swin's shifted-window mask ``[nW, H, N, N]`` applied as row ``b % nW``: its gradient sums those rows."""
     nw, B = 2, 6
     q, k, v = _leaf(B, 2, 16, 16), _leaf(B, 2, 16, 16), _leaf(B, 2, 16, 16)
     _check(q, k, v, _leaf(nw, 2, 16, 16), windowed_mask=True)
 
 
-def test_scale_one_and_small_head_dim():
+def test_scale_one_and_small_head_dim(backward_path):
     """scale=1.0 (SwinV2 cosine attention) with D = 8."""
     q, k, v = _leaf(1, 2, 20, 8), _leaf(1, 2, 20, 8), _leaf(1, 2, 20, 8)
     with torch.no_grad():
@@ -271,12 +271,12 @@ def test_large_head_dim_200():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision(dtype):
+def test_low_precision(dtype, backward_path):
     q, k, v = _leaf(1, 2, 40, 32, dtype=dtype), _leaf(1, 2, 40, 32, dtype=dtype), _leaf(1, 2, 40, 32, dtype=dtype)
     _check(q, k, v, dtype=dtype, is_causal=True)
 
 
-def test_packed_varlen():
+def test_packed_varlen(backward_path):
     """Packed sequences (lengths 13, 0, 30 queries; 20, 7, 30 keys), causal, GQA: against the oracle per sequence."""
     cq, ck = [0, 13, 13, 43], [0, 20, 27, 57]
     q, k, v = _leaf(43, 4, 16), _leaf(57, 2, 16), _leaf(57, 2, 24)
@@ -412,11 +412,12 @@ def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
 
     fake = types.SimpleNamespace(bwd_kv=Picky("bwd_kv"), row_pass=Picky("row_pass"), bwd_delta=backward.bwd_delta)
     monkeypatch.setattr(backward_launch, "_kernels", lambda: fake)
+    monkeypatch.setenv("ELSA_BWD_SHORT", "0")  # these shapes would take the one-launch backward
     monkeypatch.setattr(backward_launch, "FITTED", {})
     with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
         _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
     # the default tiles (interpreter: 32 x 32 with Triton's stages; a GPU's for D = 16), then the ladder down to 16x16
-    bm, bn, _, stages = backward_launch._blocks(16)
+    bm, bn, _, stages = backward_launch._blocks(16, wide=True)  # (_check runs fp32)
     ladder = [(b_m, b_n, s) for b_m, b_n, _, s in backward_launch._ladder(bm, bn, 4, stages)]
     assert ladder[-1] == (16, 16, 1) and all(s == 1 for _, _, s in ladder[1:])
     assert [t[1:] for t in tried if t[0] == "bwd_kv"] == ladder
@@ -452,3 +453,62 @@ def test_causal_backward_heaviest_first_over_head_groups(monkeypatch, forced):
     monkeypatch.setenv("ELSA_CAUSAL_HEAD_GROUP", forced)
     for det in (False, True):
         _check(_leaf(2, 4, 70, 16), _leaf(2, 2, 83, 16), _leaf(2, 2, 83, 16), is_causal=True, deterministic=det)
+
+
+def test_one_launch_backward_that_does_not_fit_falls_back_to_the_general_passes(monkeypatch, caplog):
+    """``bwd_short`` asking more resources than the GPU has (a stand-in raising Triton's OutOfResources) leaves the
+    call to the general passes, logged once; the next call of that signature does not try it again; the
+    gradients are the oracle's."""
+    import types
+
+    from triton.runtime.errors import OutOfResources
+
+    from elsa_surgery.kernels import backward, backward_launch
+
+    tried = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                tried.append(kw["BLOCK_M"])
+                raise OutOfResources(300000, 232448, "shared memory")
+            return run
+
+    fake = types.SimpleNamespace(bwd_short=Refusing(), bwd_kv=backward.bwd_kv, row_pass=backward.row_pass,
+                                 bwd_delta=backward.bwd_delta)
+    monkeypatch.setattr(backward_launch, "_kernels", lambda: fake)
+    monkeypatch.setattr(backward_launch, "_SHORT_REFUSED", set())
+    monkeypatch.setattr(backward_launch, "FITTED", {})
+    with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
+        for _ in range(2):
+            _check(_leaf(1, 2, 20, 16), _leaf(1, 2, 24, 16), _leaf(1, 2, 24, 16), is_causal=True)
+    assert tried == [32]
+    assert sum("one-tile backward" in r.message for r in caplog.records) == 1
+    assert {k[0] for k in backward_launch.FITTED} == {"bwd_kv"}  # (dQ by atomics: _check's default)
+
+
+def test_one_launch_backward_takes_calls_of_at_most_64_rows_and_keys(monkeypatch):
+    """Which calls ``bwd_short`` takes: at most 64 query rows and keys, head dims up to 64 (D = 40 pads to 64), not
+    under a forced tile nor with ``ELSA_BWD_SHORT=0``; tiles the next powers of two (at least 16)."""
+    from elsa_surgery.kernels import backward_launch, occupancy
+
+    def tiles(nq, nk, d, dtype=torch.float32):
+        q = torch.empty(1, 2, nq, d, dtype=dtype)
+        k = torch.empty(1, 2, nk, d, dtype=dtype)
+        c = backward_launch._Call(q, k, k, scale=1.0, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
+                                  cu_q=None, cu_k=None, varlen_dims=None, precision="strict", dropout_p=0.0, seed=None)
+        return backward_launch._short_tiles(c)
+
+    monkeypatch.delenv("ELSA_BWD_SHORT", raising=False)
+    assert tiles(49, 49, 32) == (64, 64, 4) and tiles(1, 10, 32) == (16, 16, 4) and tiles(64, 64, 64) == (64, 64, 4)
+    assert tiles(65, 10, 32) is None and tiles(10, 65, 32) is None
+    assert tiles(49, 49, 40) == (64, 64, 4) and tiles(49, 49, 40, torch.bfloat16) == (64, 64, 4)
+    assert tiles(49, 49, 128) is None and tiles(49, 49, 72, torch.bfloat16) is None
+    monkeypatch.setenv("ELSA_BWD_SHORT", "0")
+    assert tiles(49, 49, 32) is None
+    monkeypatch.delenv("ELSA_BWD_SHORT")
+    backward_launch.set_tiles_override(occupancy.TileConfig(16, 16, 4, 1))
+    try:
+        assert tiles(49, 49, 32) is None
+    finally:
+        backward_launch.set_tiles_override(None)

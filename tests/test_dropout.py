@@ -61,7 +61,7 @@ def test_same_seed_same_output_and_p_zero_one():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(mask=True)])
-def test_forward_and_backward_match_a_reference_given_the_kernels_mask(kw):
+def test_forward_and_backward_match_a_reference_given_the_kernels_mask(kw, backward_path):
     """Output and dQ/dK/dV/dMask against float64 ``(softmax * keep / (1 - p)) @ v`` with the keep mask the kernels
     drew (same seed), GQA and Dv != D."""
     p = 0.25

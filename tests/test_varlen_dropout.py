@@ -164,7 +164,7 @@ def test_same_seed_same_output_p_one_and_p_zero():
 
 @kernels
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_and_backward_match_a_reference_given_the_kernels_mask(causal):
+def test_forward_and_backward_match_a_reference_given_the_kernels_mask(causal, backward_path):
     """Output and dQ/dK/dV against float64 ``(softmax * keep / (1 - p)) @ v`` per sequence, with the keep mask the
     kernels drew (same seed); GQA, Dv != D, an empty sequence, Nq != Nk (bottom-right causal)."""
     p = 0.25

@@ -6,7 +6,8 @@ backward at 1.52 ms by CUDA events while its kernels took 0.61 ms, so the call l
 
 Prints for each case the host-only time per step (clock stopped before the device sync) and the eager time per step
 (host and GPU), ELSA (backend="elsa") and SDPA's default backend interleaved over 5 rounds (medians), then
-cProfile's 25 costliest functions (own time) over ``--profile`` ELSA steps of the first case. Needs a CUDA GPU.
+cProfile's 25 costliest functions by own time and 40 by cumulative time over ``--profile`` ELSA steps of the first
+case (``--cases`` picks cases). Needs a CUDA GPU.
 """
 
 import argparse
@@ -20,29 +21,35 @@ import torch.nn.functional as F
 import elsa_surgery
 from elsa_surgery import benchmark
 
-# name: (B, H, N, D, dtype)
-CASES = {"swin_t_stage1_fp32": (512, 3, 49, 32, torch.float32),
-         "swin_t_stage1_bf16": (512, 3, 49, 32, torch.bfloat16),
-         "vit_b16_bf16": (8, 12, 197, 64, torch.bfloat16),
-         "vit_b16_fp32": (8, 12, 197, 64, torch.float32)}
+# name: (B, H, N, D, dtype, an additive bias that requires grad: Swin's relative-position bias)
+CASES = {"swin_t_stage1_fp32": (512, 3, 49, 32, torch.float32, False),
+         "swin_t_stage1_bias_fp32": (512, 3, 49, 32, torch.float32, True),
+         "swin_t_stage1_bf16": (512, 3, 49, 32, torch.bfloat16, False),
+         "vit_b16_bf16": (8, 12, 197, 64, torch.bfloat16, False),
+         "vit_b16_fp32": (8, 12, 197, 64, torch.float32, False)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=50)
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all); the first is profiled")
     a = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     first = None
-    for name, (B, H, N, D, dt) in CASES.items():
+    for name, (B, H, N, D, dt, bias) in CASES.items():
+        if a.cases and name not in a.cases.split(","):
+            continue
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
         go = torch.randn(B, H, N, D, device="cuda", dtype=dt)
 
+        mask = torch.randn(1, H, N, N, device="cuda", dtype=dt, requires_grad=True) if bias else None
+
         def elsa():
-            elsa_surgery.attention(q, k, v, backend="elsa").backward(go)
+            elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa").backward(go)
 
         def sdpa():
-            F.scaled_dot_product_attention(q, k, v).backward(go)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(go)
 
         fns = {"elsa": elsa, "sdpa": sdpa}
         host = {n: [] for n in fns}
@@ -67,6 +74,7 @@ def main():
         prof.disable()
         torch.cuda.synchronize()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":
