@@ -46,17 +46,20 @@ def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False, 
     _ROW_SWAP = bool(row_swap) and cfg is not None
 
 
-def _blocks(bd: int, wide: bool = False):
+def _blocks(bd: int, wide: bool = False, strict: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``
-    (``wide``: 4-byte operands, fp32 in any mode): 32 under the interpreter (few programs); on a GPU, from the
-    backward sweeps (bf16/fp32 precise, H=16, N=4K, causal; docs/PERF.md):
+    (``wide``: 4-byte operands, fp32 in any mode; ``strict``: IEEE fp32 products, no tensor cores): 32 under the
+    interpreter (few programs); on a GPU, from the backward sweeps (bf16/fp32 precise, H=16, N=4K, causal;
+    docs/PERF.md):
 
     * ``bd <= 64``: 64x64, 4 warps, 2 stages, bwd_kv rows-major for 2-byte operands (session 31, H100 bf16
       causal: kernels 0.314 ms against 0.554 ms for session 28's 32x64 keys-major, cuDNN 0.280, flash 0.448);
       32x64, 4 warps, 2 stages for fp32 (session 28);
     * ``bd <= 128``: 64x64, 4 warps, 2 stages for 2-byte operands (session 29, H200 bf16: 0.695 ms, 1.14x SDPA
       flash's backward, against 1.914 ms for the former 32x64/8 warps); 32x32, 4 warps, 2 stages for fp32 (7.13 ms
-      against 10.1-13.2 ms for the rest; 64x64 needs more shared memory than an H100/H200 has);
+      against 10.1-13.2 ms for the rest; 64x64 needs more shared memory than an H100/H200 has); ``strict``: 32x32, 4
+      warps, 1 stage, bwd_kv rows-major (session 38, H200, D = 128 N = 2K non-causal, dQ by the row pass: 14.2 ms
+      against 26.5 ms keys-major; the first 29 tiles of a sweep that ran out of time, see :func:`_keys_major`);
     * larger: untuned first choices that ptxas compiles without spills (benchmarks/lab/bwd_spills.py)."""
     if _OVERRIDE is not None:
         return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
@@ -65,6 +68,8 @@ def _blocks(bd: int, wide: bool = False):
     if bd <= 64:
         return (32, 64, 4, 2) if wide else (64, 64, 4, 2)
     if bd <= 128:
+        if strict:
+            return 32, 32, 4, 1
         return (32, 32, 4, 2) if wide else (64, 64, 4, 2)
     return 32, 32, 8, None
 
@@ -83,9 +88,10 @@ def _ladder(bm: int, bn: int, warps: int, stages: Optional[int]):
         yield bm, bn, warps, 1
 
 
-def _keys_major(bd: int, bm: int, bn: int, wide: bool = False) -> bool:
+def _keys_major(bd: int, bm: int, bn: int, wide: bool = False, strict: bool = False) -> bool:
     """``bwd_kv``'s form where the sweeps measured it faster with :func:`_blocks`'s tile: keys-major for fp32
-    (``wide``) up to 128; rows-major elsewhere (2-byte operands: session 31 at D = 64) and under the interpreter;
+    (``wide``) up to 128 but ``strict`` past 64; rows-major elsewhere (2-byte operands: session 31 at D = 64) and
+    under the interpreter;
     the override's when one is set. Rows-major tiles with ``BLOCK_N >= 4 * BLOCK_M`` run keys-major (logged once):
     32x128 rows-major with dQ by the row pass gave bf16 gradients 1.6-3x further from float64 than every other form
     on an H100 and an H200 (Triton 3.6; sessions 28 and 29; the interpreter and every other tile agree with float64), a
@@ -93,7 +99,7 @@ def _keys_major(bd: int, bm: int, bn: int, wide: bool = False) -> bool:
     if _OVERRIDE is not None:
         km = _KEYS_MAJOR
     else:
-        km = not occ.interpreting() and wide and bd <= 128
+        km = not occ.interpreting() and wide and (bd <= 64 if strict else bd <= 128)
     if not km and bn >= 4 * bm:
         if (bm, bn) not in _REROUTED:
             _REROUTED.add((bm, bn))
@@ -149,8 +155,9 @@ class _Call:
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
         bd, wide = max(self.BD, self.BDV), q.element_size() == 4
-        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide)
-        self.keys_major = _keys_major(bd, self.BM, self.BN, wide)
+        strict = self.dot == occ.DOT_IEEE
+        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide, strict)
+        self.keys_major = _keys_major(bd, self.BM, self.BN, wide, strict)
         # the tiles each pass asks for (set_tiles_override's row_swap: the row pass's transposed)
         self.tiles = {"bwd_kv": (self.BM, self.BN, self.warps, self.stages),
                       "row_pass": ((self.BN, self.BM) if _ROW_SWAP else (self.BM, self.BN)) + (self.warps, self.stages)}

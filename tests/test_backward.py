@@ -133,9 +133,9 @@ def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major, row_
 
 
 def test_default_backward_tiles_on_a_gpu(monkeypatch):
-    """The compiled kernels' defaults (sessions 28, 29 and 31's sweeps): 2-byte operands 64x64, 4 warps, 2 stages,
-    rows-major up to D = 128; fp32 32x64 keys-major up to D = 64, 32x32 keys-major up to 128; the interpreter keeps
-    32x32 rows-major."""
+    """The compiled kernels' defaults (sessions 28, 29, 31 and 38's sweeps): 2-byte operands 64x64, 4 warps, 2
+    stages, rows-major up to D = 128; fp32 32x64 keys-major up to D = 64, 32x32 keys-major up to 128 (strict: one
+    stage, rows-major); the interpreter keeps 32x32 rows-major."""
     from elsa_surgery.kernels import backward_launch, occupancy
 
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
@@ -145,6 +145,11 @@ def test_default_backward_tiles_on_a_gpu(monkeypatch):
     assert backward_launch._blocks(128) == (64, 64, 4, 2) and not backward_launch._keys_major(128, 64, 64)
     assert backward_launch._blocks(128, wide=True) == (32, 32, 4, 2)  # fp32 (session 29's sweep)
     assert backward_launch._keys_major(128, 32, 32, wide=True) and backward_launch._blocks(256) == (32, 32, 8, None)
+    # strict (IEEE products) past D = 64: 32x32, one stage, rows-major (session 38's sweep); up to 64 as fp32
+    assert backward_launch._blocks(128, wide=True, strict=True) == (32, 32, 4, 1)
+    assert not backward_launch._keys_major(128, 32, 32, wide=True, strict=True)
+    assert backward_launch._blocks(64, wide=True, strict=True) == (32, 64, 4, 2)
+    assert backward_launch._keys_major(64, 32, 64, wide=True, strict=True)
     monkeypatch.setattr(occupancy, "interpreting", lambda: True)
     assert backward_launch._blocks(64) == (32, 32, 4, None) and not backward_launch._keys_major(64, 32, 32)
 
