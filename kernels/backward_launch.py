@@ -333,13 +333,15 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     dv = new("dv", v.shape, v.dtype, v.device)
     short = _short_tiles(c) if has_keys and c.B * c.Hq else None
     dq_dtype = torch.float32 if atomic else q.dtype
-    # bwd_short writes every row of a dense dQ
-    dq = (_empty if short is not None and not c.varlen else _zeros)("dq", q.shape, dq_dtype, q.device)
+    dense_short = short is not None and not c.varlen  # bwd_short writes every row of a dense dQ
+    dq = (_empty("dq_short", q.shape, dq_dtype, q.device) if dense_short
+          else _zeros("dq", q.shape, dq_dtype, q.device))
     ds = _zeros("ds", (c.B, c.Hq, c.Nq, c.Nk), torch.float32, q.device) if mask_grad else None
     if short is not None:
         if _short(c, short, do, out, lse, dlse, dq, dk, dv, ds):
             return (dq, dk, dv) + ((ds,) if ds is not None else ())
-        dq = _zeros("dq", q.shape, dq_dtype, q.device)  # the general passes leave rows past the lengths alone
+        if dense_short:  # the general passes leave rows past the lengths alone
+            dq = _zeros("dq", q.shape, dq_dtype, q.device)
     delta = _delta(c, do, out, lse, dlse)
     if has_keys:
         bh = c.B * c.Hkv
