@@ -76,10 +76,8 @@ class UnsupportedAttention(NotImplementedError):
 # --------------------------------------------------------------------------------------------------
 
 def _note_call(module, how: str) -> None:
-    if torch.compiler.is_compiling():
-        return
-    log = getattr(_local, "calls", None)
-    if log is not None:
+    log = getattr(_local, "calls", None)  # (None outside trace_calls: the common case, checked first)
+    if log is not None and not torch.compiler.is_compiling():
         log.setdefault(id(module), {"module": module, "paths": set()})["paths"].add(how)
 
 
@@ -119,8 +117,10 @@ def elsa_attention_forward(
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     packed = cu_q is not None and cu_k is not None and query.shape[0] == 1
-    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    window = None
     if packed:
+        # (looked up for packed calls only: a module without the attribute costs an AttributeError per call)
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(max_q) if max_q is not None else int(cu_q.diff().max())
         max_k = int(max_k) if max_k is not None else int(cu_k.diff().max())

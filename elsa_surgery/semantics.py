@@ -327,8 +327,10 @@ _valid: list = []  # [(weakref to the tensor, its _version or None for an infere
 def lengths_checked(t: torch.Tensor, limit: int) -> bool:
     """Whether lengths ``t`` are known to lie in ``[0, limit]``: checked by :func:`canonical_lengths` before and
     unchanged since, or recorded by :func:`trust_lengths`."""
-    return any(ref() is t and checked <= limit and (version is None or version == t._version)
-               for ref, version, checked, _, _ in _valid)
+    for ref, version, checked, _, _ in _valid:  # (a loop, not any() over a generator: every eager call with lengths)
+        if ref() is t and checked <= limit and (version is None or version == t._version):
+            return True
+    return False
 
 
 def _remember_valid(t: torch.Tensor, limit: int, trusted: bool = False, positive: bool = False) -> None:
