@@ -125,6 +125,22 @@ def _rows_major_grads(p, q, do, vt, delta, dk, dv, seed, crow, cols, Nkc, p_drop
 
 
 @triton.jit
+def _store_kv_grads(DK, DV, dk, dv, scale, b64, hk64, k_row0, cols, col_ok, Nk, offs_d, offs_dv,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                    D: tl.constexpr, DV_: tl.constexpr, VARLEN: tl.constexpr):
+    """Stores a key block's ``dK`` (times ``scale``) and ``dV`` (:func:`bwd_kv`, :func:`bwd_short`). Dense calls
+    write every key below ``Nk``: keys past a row's valid length get zero gradients; packed varlen ones only the
+    sequence's own keys (``col_ok``), the rest being other sequences' rows."""
+    if not VARLEN:
+        col_ok = cols < Nk
+    c64 = k_row0 + cols[:, None].to(tl.int64)
+    tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + c64 * stride_dkn + offs_d[None, :] * stride_dkd,
+             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + c64 * stride_dvn + offs_dv[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV_))
+
+
+@triton.jit
 def _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, WANT_DELTA: tl.constexpr):
     """A query block's ``lse`` in base 2 (+inf where the row sees nothing or is padding) and ``delta``."""
     lse = tl.load(LSE + l_off + rows.to(tl.int64) * stride_ln, mask=row_ok, other=float("-inf"))
@@ -133,6 +149,15 @@ def _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, WANT_DELTA: tl.conste
     if WANT_DELTA:
         delta = tl.load(DELTA + l_off + rows.to(tl.int64) * stride_ln, mask=row_ok, other=0.0)
     return lse2, delta
+
+
+@triton.jit
+def _delta_rows(do, o, dlse_ptrs, row_ok, HAS_DLSE: tl.constexpr):
+    """``delta = rowsum(do * out) - dlse`` of a row block (:func:`bwd_delta`, :func:`bwd_short`)."""
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptrs, mask=row_ok, other=0.0)
+    return delta
 
 
 @triton.jit(do_not_specialize=["n_rows", "Dv_rows"])
@@ -151,10 +176,8 @@ def bwd_delta(DO, OUT, DLSE, DELTA, n_rows, H, Dv_rows,
     r64 = rows[:, None].to(tl.int64)
     do = tl.load(DO + b * stride_db + h * stride_dh + r64 * stride_dn + cols[None, :] * stride_dd, mask=ok, other=0.0)
     o = tl.load(OUT + b * stride_ob + h * stride_oh + r64 * stride_on + cols[None, :] * stride_od, mask=ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if HAS_DLSE:
-        g = tl.load(DLSE + b * stride_gb + h * stride_gh + rows.to(tl.int64) * stride_gn, mask=rows < n_rows, other=0.0)
-        delta = delta - g
+    delta = _delta_rows(do, o, DLSE + b * stride_gb + h * stride_gh + rows.to(tl.int64) * stride_gn, rows < n_rows,
+                        HAS_DLSE)
     tl.store(DELTA + pid_bh.to(tl.int64) * n_rows + rows, delta, mask=rows < n_rows)
 
 
@@ -367,13 +390,9 @@ def bwd_kv(
                                   stride_dqd, stride_sb, stride_sh, stride_sm, stride_sn, offs_d, offs_dv, D, DV_,
                                   BLOCK_M, MASK_KIND, IS_CAUSAL, DOT, DROPOUT, ATOMIC_DQ, WRITE_DS, KEYS_MAJOR,
                                   phase != 1)
-    c64 = k_row0 + cols[:, None].to(tl.int64)
-    if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
-        col_ok = cols < Nk
-    tl.store(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh + c64 * stride_dkn + offs_d[None, :] * stride_dkd,
-             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh + c64 * stride_dvn + offs_dv[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV_))
+    _store_kv_grads(DK, DV, dk, dv, scale, b64, hk.to(tl.int64), k_row0, cols, col_ok, Nk, offs_d, offs_dv,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                    D, DV_, VARLEN)
 
 
 @triton.jit
@@ -593,11 +612,9 @@ def bwd_short(
         o = tl.load(OUT + b64 * stride_ob + h64 * stride_oh + r64 * stride_on + offs_dv[None, :] * stride_od,
                     mask=o_mask, other=0.0)
         l_off = b64 * stride_lb + h64 * stride_lh + q_row0 * stride_ln
-        lse2, delta = _row_stats(LSE, LSE, l_off, rows, row_ok, stride_ln, False)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        if HAS_DLSE:
-            delta -= tl.load(DLSE + b64 * stride_eb + h64 * stride_eh + (q_row0 + rows.to(tl.int64)) * stride_en,
-                             mask=row_ok, other=0.0)
+        lse2, _ = _row_stats(LSE, LSE, l_off, rows, row_ok, stride_ln, False)  # (delta computed here)
+        delta = _delta_rows(do, o, DLSE + b64 * stride_eb + h64 * stride_eh + (q_row0 + rows.to(tl.int64)) * stride_en,
+                            row_ok, HAS_DLSE)
         m_base = MASK + (b % mask_period).to(tl.int64) * stride_mp + h64 * stride_mh
         mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
         p = _probs(q, kt, lse2, rows, cols, q_len, kv_len, causal_off, mask_ptrs, qk_scale, IS_CAUSAL, MASK_KIND, DOT)
@@ -612,10 +629,6 @@ def bwd_short(
         if WRITE_DS:
             tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
                      + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
-    if not VARLEN:  # dense: keys past a row's valid length get zero gradients (packed: other sequences' rows)
-        col_ok = cols < Nk
-    kc64 = k_row0 + cols[:, None].to(tl.int64)
-    tl.store(DK + b64 * stride_dkb + hk64 * stride_dkh + kc64 * stride_dkn + offs_d[None, :] * stride_dkd,
-             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV + b64 * stride_dvb + hk64 * stride_dvh + kc64 * stride_dvn + offs_dv[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV_))
+    _store_kv_grads(DK, DV, dk, dv, scale, b64, hk64, k_row0, cols, col_ok, Nk, offs_d, offs_dv,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                    D, DV_, VARLEN)

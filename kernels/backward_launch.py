@@ -145,6 +145,7 @@ class _Call:
         self._classes: Dict[tuple, torch.Tensor] = {}
         self.is_causal = bool(is_causal)
         self.dropout_p = float(dropout_p)
+        self.keep_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1 else 0.0  # a kept pair's factor
         dummy = q
         self.ptrs = (self.mask_t if self.mask_t is not None else dummy,
                      q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
@@ -174,7 +175,6 @@ class _Call:
         their blocks heaviest first over groups of heads that share the L2 (``scan.heaviest_first``, the forward's
         rule: ``occupancy.causal_head_group``; session 28, untimed in the backward): a row block reads the keys of its
         head, a key block the queries and output gradients of its group's heads."""
-        keep_scale = 1.0 / (1.0 - self.dropout_p) if self.dropout_p < 1 else 0.0
         groups = self.Hq // self.Hkv
         head_group = 1
         if self.is_causal:  # the operand rows a program walks: K/V of its head, or q/dO of its group's heads
@@ -182,7 +182,7 @@ class _Call:
             walked, row_bytes, shared = (self.Nk, row, groups) if rows_major else (self.Nq, row * groups, 1)
             head_group = occ.causal_head_group(self.q.device, n_k=walked, kv_bytes_per_key=row_bytes, groups=shared,
                                                bh=n_bh, m_blocks=n_blocks)
-        return (self.scale * LOG2E, self.scale, self.dropout_p, keep_scale, self.Nq, self.Nk, self.Hq, groups,
+        return (self.scale * LOG2E, self.scale, self.dropout_p, self.keep_scale, self.Nq, self.Nk, self.Hq, groups,
                 n_blocks, self.period, *self.counter, head_group, n_bh)
 
     def consts(self, bm: int, bn: int, warps: int, stages: Optional[int]):
@@ -387,12 +387,11 @@ def _short(c: _Call, tiles: tuple, do, out, lse, dlse, dq, dk, dv, ds) -> bool:
         return False
     from triton.runtime.errors import OutOfResources
 
-    keep_scale = 1.0 / (1.0 - c.dropout_p) if c.dropout_p < 1 else 0.0
     consts = c.consts(bm, bn, warps, None)
     try:
         replay.launch(_kernels().bwd_short, (c.B * c.Hkv,), c.q, c.k, c.v, *c.ptrs, do, out, lse,
                       dlse if dlse is not None else lse, c.seed, dq, dk, dv, ds if ds is not None else c.q,
-                      c.scale * LOG2E, c.scale, c.dropout_p, keep_scale, c.Nq, c.Nk, c.Hq, c.Hq // c.Hkv, c.period,
+                      c.scale * LOG2E, c.scale, c.dropout_p, c.keep_scale, c.Nq, c.Nk, c.Hq, c.Hq // c.Hkv, c.period,
                       *c.counter, *c.strides(c.q), *c.strides(c.k), *c.strides(c.v), *c.sm, *c.strides(do),
                       *c.strides(out), *c.lse_strides(lse), *(c.lse_strides(dlse) if dlse is not None else (0, 0, 0)),
                       *c.strides(dq), *c.strides(dk), *c.strides(dv),
