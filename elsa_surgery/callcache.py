@@ -16,16 +16,20 @@ keys share one race per quarter octave of it (:func:`key_band`): the decode step
 every few hundred or thousand steps, not at every step.
 
 Direct routes: once a signature's call has run with the same inputs (the canonical problem holds the caller's own
-q, k, v and mask: no 3-D or broadcast views, no rebuilt mask view; no dropout, lengths or gradient), its entry also
+q, k, v and mask: no 3-D or broadcast views, no rebuilt mask view; no dropout or query lengths), its entry also
 keeps how to run it again without any of the above: for the kernels, the launch plan that ``kernels/replay.py``
-recorded for it; for SDPA chosen by ``auto``, the plain SDPA call. A route is found by one flat key, built by
-:func:`direct`: the signature together with what the plan's key adds (strides, 16-byte alignment, which inputs
-are one tensor, the current device and stream capture), built in one pass over the tensors and looked up once, so
-that a call seen before reads each property of its tensors once (session 30, CPU host, direct SDPA route: 8.9 µs
-of routing a call before, the signature and the route's extras built and looked up apart; 7.9 µs after;
-``benchmarks/lab/host_cost_cpu.py``). :func:`direct` runs a call through its
-route (the decision still announced), the cheapest eager path there is; :func:`learn` makes routes after a call
-ran. A route is dropped with its plan (``replay.clear``), when a knob the plan read changes, and with its entry.
+recorded for it; for SDPA chosen by ``auto``, the plain SDPA call. A training call (autograd records it) has routes
+of its own: SDPA's call as it is, or the kernels' plan replayed inside ``kernels.training.RoutedAttention``, the
+autograd node the full path makes, with its backward's plan keys kept by the route (session 39, H200, bf16 Swin-T
+window call with a gradient: its forward's host time 66-117 µs on the full path, 37-64 µs through the route, SDPA's
+22-37 µs; ``benchmarks/lab/bwd_host.py``). A route is found by one flat key, built by :func:`direct`: the
+signature together with what the plan's key adds (strides, 16-byte alignment, which inputs are one tensor, the
+current device and stream capture), built in one pass over the tensors and looked up once, so that a call seen
+before reads each property of its tensors once (session 30, CPU host, direct SDPA route: 8.9 µs of routing a call
+before, the signature and the route's extras built and looked up apart; 7.9 µs after;
+``benchmarks/lab/host_cost_cpu.py``). :func:`direct` runs a call through its route (the decision still announced),
+the cheapest eager path there is; :func:`learn` makes routes after a call ran. A route is dropped with its plan
+(``replay.clear``), when a knob the plan read changes, and with its entry.
 
 Calls with ``q_lengths`` / ``kv_lengths`` tensors are memoised on the lengths' shape, dtype and device too; their
 values are checked on every call (``semantics.canonical_lengths``; a check is skipped for lengths checked before and
@@ -279,11 +283,13 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
 
     The route is found by one flat key, built here in one pass over the tensors: all the signature holds
     (:func:`_key`), and the strides and 16-byte alignment the route's launch plan was specialised for, which inputs
-    are one tensor, the current CUDA device and stream capture (the rest of the plan's key, kernels/launch.py). A
-    call traced by torch.compile, with arguments other than plain tensors, or that autograd records (a training
-    call: its own memo entry, raced forward + backward) has no route and no key. A route is ``enable_gqa`` for
-    SDPA, ``(launch plan, replay.GENERATION when it was recorded, the mask's canonical shape when the caller's mask
-    must be expanded to it, else None)`` for the kernels.
+    are one tensor, the current CUDA device and stream capture (the rest of the plan's key, kernels/launch.py), and
+    whether autograd records the call (a training call: its own memo entry, raced forward + backward, and its own
+    routes; a mask that requires grad says so in its part of the key). A call traced by torch.compile or with
+    arguments other than plain tensors has no route and no key. A route is ``enable_gqa`` for SDPA,
+    ``(launch plan, replay.GENERATION when it was recorded, the mask's canonical shape when the caller's mask must be
+    expanded to it, else None, None or for a training call (training.RoutedAttention.apply, its training.Route))``
+    for the kernels.
 
     ``kv_lengths`` (a call without ``q_lengths``): its geometry joins the key, and the route is taken only while the
     values are known to be valid for the call (``semantics.lengths_checked``: checked before and unchanged, or made
@@ -296,12 +302,13 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
     grad = torch.is_grad_enabled()
     if attn_mask is None:
         m = None
-    elif type(attn_mask) is T and not attn_mask.is_nested and not (grad and attn_mask.requires_grad):
-        m = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device, attn_mask.data_ptr() % 16 == 0)
+    elif type(attn_mask) is T and not attn_mask.is_nested:
+        m = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device, attn_mask.data_ptr() % 16 == 0,
+             grad and attn_mask.requires_grad)
     else:
         return _NO_ROUTE
-    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _NO_ROUTE
+    # whether autograd records the call (as _key's flag): a training call's route is its own
+    train = grad and (q.requires_grad or k.requires_grad or v.requires_grad or (m is not None and m[5]))
     cuda = q.is_cuda
     rkey = (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
             k.shape, k.stride(), k.dtype, k.device, k.data_ptr() % 16 == 0,
@@ -311,7 +318,7 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
             type(dropout_p), type(is_causal), type(scale), type(enable_gqa), type(backend), type(precision),
             type(return_lse), type(windowed_mask),
             _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3),
-            _cuda_device() if cuda else None, cuda and _cuda_capturing())
+            _cuda_device() if cuda else None, cuda and _cuda_capturing(), train)
     if kv_lengths is not None:
         if type(kv_lengths) is not T or kv_lengths.is_nested:
             return _NO_ROUTE
@@ -339,7 +346,7 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         return Miss(rkey)
     d = entry.decision
     if d.backend == "elsa":
-        plan, generation, expand = route
+        plan, generation, expand, trains = route
         if replay.GENERATION[0] != generation or not plan.env_unchanged():
             del routes[rkey], _routes[rkey]
             return Miss(rkey)
@@ -353,8 +360,11 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
             return sdpa.key_padded(q, k, v, kv_lengths, entry.scale, route)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, entry.causal, scale=entry.scale,
                                                                 enable_gqa=route)
-    out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths,
-                               "mask": attn_mask if expand is None else attn_mask.expand(expand)})
+    mask = attn_mask if expand is None else attn_mask.expand(expand)
+    if trains is not None:  # a training call: the forward replayed inside its autograd node
+        out, lse = trains[0](q, k, v, mask, kv_lengths, trains[1])
+    else:
+        out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths, "mask": mask})
     return (out, lse) if return_lse else out
 
 
@@ -368,14 +378,14 @@ def signature_of(rkey: tuple) -> Optional[tuple]:
     m = rkey[15]
     key = (rkey[0], rkey[2], rkey[3], rkey[5], rkey[7], rkey[8], rkey[10], rkey[12], rkey[13],
            None if m is None else (m[0], m[2], m[3]), rkey[19:27], types, rkey[35], rkey[36], rkey[37], rkey[38],
-           False)  # (a call autograd records has no route key)
+           rkey[41])
     if len(rkey) > _ROUTE_KEY_LEN:  # kv_lengths (direct): signature's (q_lengths, kv_lengths) parts
         lk = rkey[_ROUTE_KEY_LEN]
         key += (None, (lk[0], lk[2], lk[3]))
     return key
 
 
-_ROUTE_KEY_LEN = 41  # a route key's items without kv_lengths (direct)
+_ROUTE_KEY_LEN = 42  # a route key's items without kv_lengths (direct)
 _GRAD = 16  # the index of _key's flag "autograd records the call" (lengths calls' signatures have items after it)
 
 
@@ -386,22 +396,27 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
     entry = _entries.get(key)
     if entry is None or entry.routes is None or entry.decision is not d:
         return
-    if key[_GRAD]:  # autograd records the call (_key): no route (nor a route key: direct)
-        return
+    train = key[_GRAD]  # autograd records the call (_key)
     route = entry.routes.get(rkey)
     if route is None:
         if d.backend == "sdpa":
             route = p.heads_q != p.heads_kv
         else:
-            from .kernels import launch  # the kernels ran: imported
+            from .kernels import launch, ops, training  # the kernels ran: imported
 
+            if train and (p.empty or not ops.STRIDED_OUTPUT):
+                return  # (the full path's forward then hands the launcher an output: another plan)
             plan = launch.attention_plan(q, k, v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
-                                         precision=d.precision or None, return_lse=return_lse,
+                                         precision=d.precision or None, return_lse=return_lse or train,
                                          kv_lengths=p.kv_lengths)
             if plan is None:
                 return
             expand = None if attn_mask is None or tuple(attn_mask.shape) == entry.mask_shape else entry.mask_shape
-            route = (plan, replay.GENERATION[0], expand)
+            trains = None
+            if train:  # the forward the full path runs inside training.EagerAttention, in an autograd node
+                trains = (training.RoutedAttention.apply,
+                          training.Route(plan, p.scale, p.is_causal, d.precision))
+            route = (plan, replay.GENERATION[0], expand, trains)
         entry.routes[rkey] = route
         DIRECT["routes"] += 1
     if len(_routes) >= MAX_ROUTES and rkey not in _routes:

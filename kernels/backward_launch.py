@@ -417,15 +417,23 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
             g(c["q_lengths"]), g(c["kv_lengths"]), g(c["cu_q"]), g(c["cu_k"]), g(c["seed"]))
 
 
+KEY_MEMO_MAX = 8  # backward keys a key_memo keeps (output-gradient layouts x knob values: a few in practice)
+
+
 def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,
                        kv_lengths=None, cu_q=None, cu_k=None, varlen_dims=None, precision=None, dropout_p=0.0,
-                       seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None):
+                       seed=None, mask_grad=False, dlse=None, deterministic: Optional[bool] = None,
+                       key_memo: Optional[dict] = None):
     """``(dq, dk, dv, dmask or None)`` of one attention call (contiguous tensors). ``out``/``lse`` are the forward's;
     ``do`` may have any strides. dQ is computed by a separate pass over query blocks unless :func:`atomic_dq`
     (``ELSA_BWD_DQ=atomic`` and not ``deterministic``, default ``torch.are_deterministic_algorithms_enabled()``)
     picks atomic adds. Through a launch plan (kernels/replay.py) on CUDA tensors: a call's signature is planned once
     and its launches replayed after (session 31, H100: Triton's generic launch path was most of a small training
-    call's host time)."""
+    call's host time).
+
+    ``key_memo``: a dict kept by a caller whose calls share everything of the plan's key but ``do``, ``dlse``, the
+    aliasing / device / capture head and the choices read here (the backward of one direct route:
+    ``training.RoutedAttention``); the full key is then built once per value of those, not on every call."""
     if mask_grad and (mask is None or mask.dtype == torch.bool):
         raise ValueError("mask_grad: only an additive float mask has a gradient")
     lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
@@ -441,7 +449,16 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
     else:  # through a launch plan: planned and recorded once per signature, replayed after (ELSA_LAUNCH_PLANS)
         slots = dict(do=do, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, mask=mask, q_lengths=q_lengths,
                      kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, seed=seed)
-        key = _backward_key(do, q, k, v, out, lse, dlse, atomic=atomic, mask_grad=mask_grad, call=call)
+        short = key = None
+        if key_memo is not None:
+            g = launch._geometry
+            short = (*launch.plan_key_head(q, k, v, cu_q, cu_k, q_lengths, kv_lengths), g(do), g(dlse), atomic,
+                     knobs.get(knobs.BWD_SHORT))
+            key = key_memo.get(short)
+        if key is None:
+            key = _backward_key(do, q, k, v, out, lse, dlse, atomic=atomic, mask_grad=mask_grad, call=call)
+            if short is not None and len(key_memo) < KEY_MEMO_MAX:
+                key_memo[short] = key
         grads = replay.run(key, slots, plan_and_run, launch._ALIASES)[2]
     dq, dk, dv = grads[:3]
     if atomic:

@@ -75,12 +75,13 @@ attention_varlen_dropout_op = ops.define(
 
 
 def backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q: int,
-                   max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool):
+                   max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool,
+                   key_memo=None):
     """:data:`attention_backward_op`'s kernel, also called without the op's dispatch (eager calls' backward:
-    :func:`_grads`)."""
+    :func:`_grads`, which may pass a ``key_memo``: ``backward_launch.attention_backward``)."""
     dq, dk, dv, dmask = bl.attention_backward(
         grad_out, q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
-        dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse,
+        dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse, key_memo=key_memo,
         **_call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k))
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
@@ -114,18 +115,22 @@ def _save(ctx, q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed,
     ctx.scalars = scalars
 
 
-def _grads(ctx, grad_out, grad_lse, direct: bool = False):
+def _grads(ctx, grad_out, grad_lse, direct: bool = False, key_memo=None):
     """``(dq, dk, dv, dmask)`` from the saved forward (mask grad only when the mask wants one). ``direct`` (eager
-    calls, :class:`EagerAttention`): the launcher is called without the backward op's dispatch, unless the backward
-    itself records a graph (``create_graph=True``), where the op's formula refuses a second order."""
+    calls, :class:`EagerAttention`): the launcher is called without the backward op's dispatch (and with
+    ``key_memo``, :class:`RoutedAttention`'s), unless the backward itself records a graph (``create_graph=True``),
+    where the op's formula refuses a second order."""
     q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
     s = ctx.scalars
     mask_grad = bool(mask is not None and mask.dtype != torch.bool and s["mask_needs_grad"])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    run = backward_grads if direct and not torch.is_grad_enabled() else attention_backward_op
-    dq, dk, dv, dmask = run(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"],
-                            s["max_k"], s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
+    args = (grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"],
+            s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
+    if direct and not torch.is_grad_enabled():
+        dq, dk, dv, dmask = backward_grads(*args, key_memo=key_memo)
+    else:
+        dq, dk, dv, dmask = attention_backward_op(*args)
     return dq, dk, dv, (dmask if mask_grad else None)
 
 
@@ -181,6 +186,39 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         return _backward_dense(ctx, grad_out, grad_lse, direct=True)
+
+
+class Route:
+    """What :class:`RoutedAttention` needs of a direct route's call (``elsa_surgery/callcache.py``): the launch plan
+    that the signature's forward recorded (``launch.attention_plan(..., return_lse=True)``), the call's scalars as
+    the full path hands them to :class:`EagerAttention`, and the memo of its backward's plan keys."""
+    __slots__ = ("plan", "scale", "is_causal", "precision", "key_memo")
+
+    def __init__(self, plan, scale: float, is_causal: bool, precision: str):
+        self.plan, self.scale, self.is_causal, self.precision = plan, float(scale), bool(is_causal), precision or ""
+        self.key_memo = {}
+
+
+class RoutedAttention(torch.autograd.Function):
+    """:class:`EagerAttention` for a training call seen before (a direct route): the forward replays the recorded
+    launch plan (no validation, dispatch or plan key: the route's key held all of it), the same tensors are saved,
+    and the backward finds its plan key in the route's memo (``key_memo``: built once per output-gradient layout).
+    Inputs: ``q, k, v``, the canonical mask (or None), ``kv_lengths`` (or None), the :class:`Route`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kv_lengths, route):
+        out, lse, _ = route.plan.replay({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths, "mask": mask})
+        ctx.set_materialize_grads(False)
+        _save(ctx, q, k, v, mask, None, kv_lengths, None, None, out, lse, None, max_q=0, max_k=0, scale=route.scale,
+              is_causal=route.is_causal, precision=route.precision, dropout_p=0.0,
+              mask_needs_grad=mask is not None and mask.requires_grad)
+        ctx.key_memo = route.key_memo
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        dq, dk, dv, dmask = _grads(ctx, grad_out, grad_lse, True, ctx.key_memo)
+        return dq, dk, dv, dmask, None, None
 
 
 class EagerAttentionVarlen(torch.autograd.Function):

@@ -562,7 +562,8 @@ def main(argv=None):
     if a.backward:
         for (H, D), dname, N, c in itertools.product(shapes, dnames, ns, causals):
             row = backward_cell(dname, H, D, N, c, baselines)
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            shown = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}  # (errors too)
+            print(json.dumps(shown), flush=True)
             if sink:
                 sink.write(json.dumps(row) + "\n")
             torch.cuda.empty_cache()

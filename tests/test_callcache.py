@@ -297,18 +297,90 @@ def test_direct_routes_follow_strides_aliasing_and_autograd(monkeypatch):
         assert rel_err(out.cpu(), _oracle(*args, scale=0.25)) < 2e-6
     assert _direct_delta(before) == {"runs": 4, "routes": 4}
     qg = q.clone().requires_grad_()
-    for _ in range(2):
+    for _ in range(2):  # autograd records the call: a route of its own (the full path, then that route)
         out = elsa_surgery.attention(qg, k, v, scale=0.25)
     out.sum().backward()
-    assert qg.grad is not None and _direct_delta(before)["runs"] == 4
+    assert qg.grad is not None and _direct_delta(before) == {"runs": 5, "routes": 5}
     with torch.no_grad():
-        elsa_surgery.attention(qg, k, v, scale=0.25)  # no gradient recorded: the route of (q, k, v)
-    assert _direct_delta(before)["runs"] == 5
+        out = elsa_surgery.attention(qg, k, v, scale=0.25)  # no gradient recorded: the route of (q, k, v)
+    assert _direct_delta(before)["runs"] == 6 and out.grad_fn is None
     bias = torch.zeros(2, 3, 24, 24, device=DEV).requires_grad_()  # a learned bias: autograd records the call
+    with torch.no_grad():
+        elsa_surgery.attention(q, k, v, bias, scale=0.25)  # (the inference route of the masked signature)
     for _ in range(2):
         out = elsa_surgery.attention(q, k, v, bias, scale=0.25)
     out.sum().backward()
-    assert bias.grad is not None and _direct_delta(before)["runs"] == 5
+    assert bias.grad is not None and _direct_delta(before) == {"runs": 7, "routes": 7}
+
+
+@pytest.mark.parametrize("case", ["plain", "gqa causal", "bias broadcast", "bool mask", "key lengths",
+                                  "windowed bias"])
+def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradients(monkeypatch, backward_path,
+                                                                                      case):
+    """A training call seen before runs through its direct route (training.RoutedAttention: the recorded forward
+    replayed in an autograd node): the output and every gradient (q, k, v, a learned mask) equal the full path's
+    bit for bit, on fresh inputs, and match float64 autograd; the backward's plan key is built once per route and
+    output-gradient layout (a transposed output gradient: its own key, still exact)."""
+    from elsa_surgery.kernels import backward_launch as bl
+
+    _plans_on_cpu(monkeypatch)
+    B, Hq, Hkv, N, D = 4, 4, 4, 24, 16
+    kw, windowed, mask_shape = dict(scale=0.3), False, None
+    if case == "gqa causal":
+        Hkv, kw = 2, dict(kw, is_causal=True, enable_gqa=True)
+    elif case in ("bias broadcast", "windowed bias"):
+        mask_shape = (1, Hq, N, N) if case == "bias broadcast" else (2, Hq, N, N)
+        windowed = case == "windowed bias"
+        kw = dict(kw, windowed_mask=windowed)
+    elif case == "bool mask":
+        mask_shape = (B, 1, N, N)
+    elif case == "key lengths":
+        kw = dict(kw, kv_lengths=torch.tensor([24, 5, 17, 1], dtype=torch.int32, device=DEV))
+
+    def inputs():
+        q = torch.randn(B, Hq, N, D, device=DEV, requires_grad=True)
+        k, v = (torch.randn(B, Hkv, N, D, device=DEV, requires_grad=True) for _ in range(2))
+        mask = None
+        if case == "bool mask":
+            mask = torch.rand(mask_shape, device=DEV) > 0.3
+        elif mask_shape is not None:
+            mask = torch.randn(mask_shape, device=DEV).requires_grad_()
+        return q, k, v, mask
+
+    def run(q, k, v, mask, go):
+        out = elsa_surgery.attention(q, k, v, mask, **kw)
+        out.backward(go)
+        return [out.detach()] + [t.grad for t in (q, k, v, mask) if t is not None and t.requires_grad]
+
+    before = dict(callcache.DIRECT)
+    keys = []
+    real_key = bl._backward_key
+    monkeypatch.setattr(bl, "_backward_key", lambda *a, **k_: keys.append(1) or real_key(*a, **k_))
+    first = inputs()
+    go = torch.randn(B, Hq, N, D, device=DEV)
+    full = run(*first, go)  # the full path (the route learnt)
+    assert _direct_delta(before) == {"runs": 0, "routes": 1} and len(keys) == 1
+    twins = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in first]
+    routed = run(*twins, go)
+    assert _direct_delta(before) == {"runs": 1, "routes": 1} and len(keys) == 2  # the route's memo filled
+    for a, b in zip(full, routed):
+        assert torch.equal(a, b)
+    def against_float64(ins, go):
+        got = run(*ins, go)
+        ref_in = [t if t is None or t.dtype == torch.bool else t.detach().double().requires_grad_(t.requires_grad)
+                  for t in ins]
+        ref = naive_attention(*ref_in, is_causal=kw.get("is_causal", False), scale=0.3,
+                              kv_lengths=kw.get("kv_lengths"), windowed=windowed)[0]
+        ref.backward(go.double())
+        want = [ref.detach()] + [t.grad for t in ref_in if t is not None and t.requires_grad]
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5
+
+    against_float64(inputs(), go)  # fresh values through the route
+    assert _direct_delta(before) == {"runs": 2, "routes": 1} and len(keys) == 2  # the backward's key from the memo
+    against_float64(inputs(), torch.randn(B, N, Hq, D, device=DEV).transpose(1, 2))  # another output-grad layout
+    assert _direct_delta(before) == {"runs": 3, "routes": 1} and len(keys) == 3
 
 
 def test_direct_routes_are_dropped_with_their_plans(monkeypatch):

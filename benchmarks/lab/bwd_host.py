@@ -5,7 +5,9 @@ backward at 1.52 ms by CUDA events while its kernels took 0.61 ms, so the call l
     python benchmarks/lab/bwd_host.py [--calls 200] [--profile 50]
 
 Prints for each case the host-only time per step (clock stopped before the device sync) and the eager time per step
-(host and GPU), ELSA (backend="elsa") and SDPA's default backend interleaved over 5 rounds (medians), then
+(host and GPU), ELSA (backend="elsa") and SDPA's default backend interleaved, and the host time of the forward
+alone (autograd recording, no backward) and of the backward alone (replayed on a retained graph; also for a
+pass-through Python autograd Function: the engine's floor for a Python node), over 5 rounds (medians), then
 cProfile's 25 costliest functions by own time and 40 by cumulative time over ``--profile`` ELSA steps of the first
 case (``--cases`` picks cases). Needs a CUDA GPU.
 """
@@ -27,6 +29,17 @@ CASES = {"swin_t_stage1_fp32": (512, 3, 49, 32, torch.float32, False),
          "swin_t_stage1_bf16": (512, 3, 49, 32, torch.bfloat16, False),
          "vit_b16_bf16": (8, 12, 197, 64, torch.bfloat16, False),
          "vit_b16_fp32": (8, 12, 197, 64, torch.float32, False)}
+
+
+class _Passthrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, made, q, *rest):
+        ctx.made = made
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *ctx.made)
 
 
 def main():
@@ -51,7 +64,18 @@ def main():
         def sdpa():
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(go)
 
-        fns = {"elsa": elsa, "sdpa": sdpa}
+        # the backward alone, replayed on one retained graph: ELSA's, SDPA's, and a pass-through Python Function's
+        # (its backward returns gradients made before: the autograd engine's floor for a Python node)
+        elsa()  # (a call seen before: the graph below is the one later calls make, through their direct route)
+        ins = (q, k, v) if mask is None else (q, k, v, mask)
+        made = tuple(torch.randn_like(t) for t in ins)
+        graphs = {"elsa": elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa"),
+                  "sdpa": F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                  "passthrough": _Passthrough.apply(made, *ins)}
+        fns = {"elsa": elsa, "sdpa": sdpa,  # and the forward alone, autograd recording (its graph then dropped)
+               "elsa_fwd": lambda: elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa"),
+               "sdpa_fwd": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+               **{f"{n}_bwd": (lambda o=o: o.backward(go, retain_graph=True)) for n, o in graphs.items()}}
         host = {n: [] for n in fns}
         eager = {n: [] for n in fns}
         for fn in fns.values():
@@ -64,7 +88,9 @@ def main():
         e = {n: statistics.median(t) for n, t in eager.items()}
         print(f"{name} {B}x{H}x{N}x{D}: host us/step elsa {h['elsa']:.1f} sdpa {h['sdpa']:.1f} "
               f"({h['elsa'] / h['sdpa']:.2f}x); eager us/step elsa {e['elsa']:.1f} sdpa {e['sdpa']:.1f} "
-              f"(sdpa/elsa {e['sdpa'] / e['elsa']:.2f})", flush=True)
+              f"(sdpa/elsa {e['sdpa'] / e['elsa']:.2f}); forward alone host us elsa {h['elsa_fwd']:.1f} "
+              f"sdpa {h['sdpa_fwd']:.1f}; backward alone host us elsa {h['elsa_bwd']:.1f} sdpa {h['sdpa_bwd']:.1f} "
+              f"pass-through Function {h['passthrough_bwd']:.1f}", flush=True)
         first = first or elsa
     if a.profile and first is not None:
         prof = cProfile.Profile()
