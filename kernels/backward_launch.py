@@ -418,6 +418,9 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
 
 
 KEY_MEMO_MAX = 8  # backward keys a key_memo keeps (output-gradient layouts x knob values: a few in practice)
+# the knobs a key_memo entry was made under, by their raw values (what decides the dQ mode, the one-launch path and
+# whether plans are used): a changed value makes a new entry, validated by knobs.get as it is made
+_MEMO_ENV = tuple(knobs.KNOBS[n].key for n in (knobs.BWD_DQ, knobs.BWD_SHORT, replay.ENV))
 
 
 def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,
@@ -433,32 +436,36 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
 
     ``key_memo``: a dict kept by a caller whose calls share everything of the plan's key but ``do``, ``dlse``, the
     aliasing / device / capture head and the choices read here (the backward of one direct route:
-    ``training.RoutedAttention``); the full key is then built once per value of those, not on every call."""
+    ``training.RoutedAttention``); the full key and the dQ mode are then found once per value of those (the
+    deterministic setting and :data:`_MEMO_ENV`'s variables as set), not on every call."""
     if mask_grad and (mask is None or mask.dtype == torch.bool):
         raise ValueError("mask_grad: only an additive float mask has a gradient")
     lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
-    atomic = atomic_dq(deterministic)
+    short = hit = None
+    if key_memo is not None and _OVERRIDE is None:
+        g = launch._geometry
+        det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+        short = (*launch.plan_key_head(q, k, v, cu_q, cu_k, q_lengths, kv_lengths), g(do), g(dlse), det,
+                 tuple(map(knobs._ENVIRON.get, _MEMO_ENV)))  # (the knobs as set: validated when the entry was made)
+        hit = key_memo.get(short)
+    atomic = atomic_dq(deterministic) if hit is None else hit[1]
     call = dict(scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths, cu_q=cu_q,
                 cu_k=cu_k, varlen_dims=varlen_dims, precision=precision, dropout_p=dropout_p, seed=seed)
 
     def plan_and_run():
         return None, None, _launches(do, q, k, v, out, lse, dlse, atomic=atomic, mask_grad=mask_grad, call=call)
 
-    if _OVERRIDE is not None or not replay.wanted(q):  # a forced tile (sweeps, tests) is planned on every call
-        grads = plan_and_run()[2]
+    if hit is None and (_OVERRIDE is not None or not replay.wanted(q)):  # a forced tile (sweeps, tests): planned
+        grads = plan_and_run()[2]  # on every call
     else:  # through a launch plan: planned and recorded once per signature, replayed after (ELSA_LAUNCH_PLANS)
-        slots = dict(do=do, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, mask=mask, q_lengths=q_lengths,
-                     kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, seed=seed)
-        short = key = None
-        if key_memo is not None:
-            g = launch._geometry
-            short = (*launch.plan_key_head(q, k, v, cu_q, cu_k, q_lengths, kv_lengths), g(do), g(dlse), atomic,
-                     knobs.get(knobs.BWD_SHORT))
-            key = key_memo.get(short)
-        if key is None:
+        if hit is not None:
+            key = hit[0]
+        else:
             key = _backward_key(do, q, k, v, out, lse, dlse, atomic=atomic, mask_grad=mask_grad, call=call)
             if short is not None and len(key_memo) < KEY_MEMO_MAX:
-                key_memo[short] = key
+                key_memo[short] = (key, atomic)
+        slots = dict(do=do, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, mask=mask, q_lengths=q_lengths,
+                     kv_lengths=kv_lengths, cu_q=cu_q, cu_k=cu_k, seed=seed)
         grads = replay.run(key, slots, plan_and_run, launch._ALIASES)[2]
     dq, dk, dv = grads[:3]
     if atomic:

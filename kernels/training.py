@@ -74,15 +74,20 @@ attention_varlen_dropout_op = ops.define(
     _varlen_dropout_forward, _varlen_dropout_fake)
 
 
-def backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q: int,
-                   max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool,
-                   key_memo=None):
-    """:data:`attention_backward_op`'s kernel, also called without the op's dispatch (eager calls' backward:
-    :func:`_grads`, which may pass a ``key_memo``: ``backward_launch.attention_backward``)."""
-    dq, dk, dv, dmask = bl.attention_backward(
+def _backward(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q: int, max_k: int,
+              scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool, key_memo=None):
+    """``(dq, dk, dv, dmask or None)``: the launcher (``key_memo``: ``backward_launch.attention_backward``)."""
+    return bl.attention_backward(
         grad_out, q, k, v, out, lse, scale=scale, mask=mask, is_causal=is_causal, precision=precision or None,
         dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, dlse=grad_lse, key_memo=key_memo,
         **_call_args(q_lengths, kv_lengths, cu_q, cu_k, max_q, max_k))
+
+
+def backward_grads(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, max_q: int,
+                   max_k: int, scale: float, is_causal: bool, precision: str, dropout_p: float, seed, mask_grad: bool):
+    """:data:`attention_backward_op`'s kernel (eager calls' backward calls :func:`_backward` itself: :func:`_grads`)."""
+    dq, dk, dv, dmask = _backward(grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k,
+                                  max_q, max_k, scale, is_causal, precision, dropout_p, seed, mask_grad)
     return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
@@ -128,7 +133,7 @@ def _grads(ctx, grad_out, grad_lse, direct: bool = False, key_memo=None):
     args = (grad_out, grad_lse, q, k, v, out, lse, mask, q_lengths, kv_lengths, cu_q, cu_k, s["max_q"], s["max_k"],
             s["scale"], s["is_causal"], s["precision"], s["dropout_p"], seed, mask_grad)
     if direct and not torch.is_grad_enabled():
-        dq, dk, dv, dmask = backward_grads(*args, key_memo=key_memo)
+        dq, dk, dv, dmask = _backward(*args, key_memo=key_memo)
     else:
         dq, dk, dv, dmask = attention_backward_op(*args)
     return dq, dk, dv, (dmask if mask_grad else None)

@@ -383,6 +383,58 @@ def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradi
     assert _direct_delta(before) == {"runs": 3, "routes": 1} and len(keys) == 3
 
 
+def test_a_training_routes_backward_follows_the_knobs_and_the_deterministic_mode(monkeypatch):
+    """The route's memo of backward keys is keyed by the knobs that choose the backward (``ELSA_BWD_SHORT``,
+    ``ELSA_BWD_DQ``, ``ELSA_LAUNCH_PLANS``) and by ``torch.use_deterministic_algorithms``: a change of any takes the
+    backward it asks for, with a key of its own, and the gradients stay exact."""
+    from elsa_surgery.kernels import backward_launch as bl
+
+    _plans_on_cpu(monkeypatch)
+    fetched, keys = [], []
+    real_kernels, real_key = bl._kernels, bl._backward_key
+
+    class Spy:
+        def __getattr__(self, name):
+            fetched.append(name)
+            return getattr(real_kernels(), name)
+
+    monkeypatch.setattr(bl, "_kernels", Spy)
+    monkeypatch.setattr(bl, "_backward_key", lambda *a, **k_: keys.append(real_key(*a, **k_)) or keys[-1])
+
+    def step():
+        q, k, v = (torch.randn(2, 3, 20, 16, device=DEV, requires_grad=True) for _ in range(3))
+        go = torch.randn(2, 3, 20, 16, device=DEV)
+        elsa_surgery.attention(q, k, v, scale=0.3).backward(go)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        naive_attention(*ref_in, scale=0.3)[0].backward(go.double())
+        for t, r in zip((q, k, v), ref_in):
+            assert rel_err(t.grad, r.grad) < 1e-5
+
+    before = dict(callcache.DIRECT)
+    monkeypatch.setenv("ELSA_BWD_SHORT", "1")
+    step()  # the full path: the route learnt
+    step()  # the route: its memo gets the key
+    assert _direct_delta(before) == {"runs": 1, "routes": 1} and len(keys) == 2 and "bwd_short" in fetched
+    fetched.clear()
+    monkeypatch.setenv("ELSA_BWD_SHORT", "0")
+    step()
+    assert len(keys) == 3 and "bwd_kv" in fetched and "bwd_short" not in fetched
+    step()
+    assert len(keys) == 3  # (that entry of the memo)
+    monkeypatch.setenv("ELSA_BWD_DQ", "atomic")
+    fetched.clear()
+    step()
+    assert len(keys) == 4 and "row_pass" not in fetched  # dQ by atomic adds in the key-block pass
+    with_det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        step()  # deterministic: the row pass again, the plan made at ELSA_BWD_SHORT=0 replayed
+        assert len(keys) == 5 and keys[4] == keys[2] != keys[3]
+    finally:
+        torch.use_deterministic_algorithms(with_det)
+    assert _direct_delta(before) == {"runs": 5, "routes": 1}
+
+
 def test_direct_routes_are_dropped_with_their_plans(monkeypatch):
     """replay.clear() (the planner's constants changed) and a knob the plan read: the route is not used."""
     from elsa_surgery.kernels import internals, knobs, replay
