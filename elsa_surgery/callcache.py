@@ -414,8 +414,8 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
             expand = None if attn_mask is None or tuple(attn_mask.shape) == entry.mask_shape else entry.mask_shape
             trains = None
             if train:  # the forward the full path runs inside training.EagerAttention, in an autograd node
-                trains = (training.RoutedAttention.apply,
-                          training.Route(plan, p.scale, p.is_causal, d.precision))
+                trains = (training.RoutedAttention.apply, training.Route(
+                    plan, p.scale, p.is_causal, d.precision, attn_mask is not None and attn_mask.requires_grad))
             route = (plan, replay.GENERATION[0], expand, trains)
         entry.routes[rkey] = route
         DIRECT["routes"] += 1

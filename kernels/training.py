@@ -195,12 +195,15 @@ class EagerAttention(torch.autograd.Function):
 
 class Route:
     """What :class:`RoutedAttention` needs of a direct route's call (``elsa_surgery/callcache.py``): the launch plan
-    that the signature's forward recorded (``launch.attention_plan(..., return_lse=True)``), the call's scalars as
-    the full path hands them to :class:`EagerAttention`, and the memo of its backward's plan keys."""
-    __slots__ = ("plan", "scale", "is_causal", "precision", "key_memo")
+    that the signature's forward recorded (``launch.attention_plan(..., return_lse=True)``), the scalars the full
+    path saves for the backward (:func:`_setup_dense`'s, made once: ``mask_needs_grad`` is part of the route's key),
+    read-only, and the memo of its backward's plan keys."""
+    __slots__ = ("plan", "scalars", "key_memo")
 
-    def __init__(self, plan, scale: float, is_causal: bool, precision: str):
-        self.plan, self.scale, self.is_causal, self.precision = plan, float(scale), bool(is_causal), precision or ""
+    def __init__(self, plan, scale: float, is_causal: bool, precision: str, mask_needs_grad: bool):
+        self.plan = plan
+        self.scalars = dict(max_q=0, max_k=0, scale=float(scale), is_causal=bool(is_causal), precision=precision or "",
+                            dropout_p=0.0, mask_needs_grad=bool(mask_needs_grad))
         self.key_memo = {}
 
 
@@ -214,10 +217,8 @@ class RoutedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, kv_lengths, route):
         out, lse, _ = route.plan.replay({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths, "mask": mask})
         ctx.set_materialize_grads(False)
-        _save(ctx, q, k, v, mask, None, kv_lengths, None, None, out, lse, None, max_q=0, max_k=0, scale=route.scale,
-              is_causal=route.is_causal, precision=route.precision, dropout_p=0.0,
-              mask_needs_grad=mask is not None and mask.requires_grad)
-        ctx.key_memo = route.key_memo
+        ctx.save_for_backward(q, k, v, mask, None, kv_lengths, None, None, out, lse, None)  # (_save's layout)
+        ctx.scalars, ctx.key_memo = route.scalars, route.key_memo
         return out, lse
 
     @staticmethod
