@@ -517,7 +517,7 @@ def test_route_keys_read_the_current_device_and_capture_as_pytorch_does():
 
 
 @pytest.mark.parametrize("form", ["plain", "mask", "bool mask", "scalars", "int scale", "numpy scale", "aliased",
-                                  "kv_lengths"])
+                                  "kv_lengths", "grad", "grad mask", "kv_lengths grad"])
 def test_a_route_key_holds_the_signature(form):
     """A call that misses its direct route takes its memo signature from the route key (one pass over the tensors):
     ``signature_of(route key)`` must be exactly ``signature(...)`` of the call, or the memo and the routes would
@@ -538,10 +538,15 @@ def test_a_route_key_holds_the_signature(form):
         args["scale"] = np.float32(0.5)  # not a plain scalar: no memo signature
     elif form == "aliased":
         k = v = q
-    lengths = torch.tensor([12, 3], dtype=torch.int32, device=DEV) if form == "kv_lengths" else None
+    elif form in ("grad", "kv_lengths grad"):  # autograd records the call: the key's flag, from the route key's
+        q = q.requires_grad_()
+    elif form == "grad mask":  # a learned bias alone
+        args["attn_mask"] = torch.randn(2, 1, 12, 12, device=DEV).requires_grad_()
+    lengths = torch.tensor([12, 3], dtype=torch.int32, device=DEV) if form.startswith("kv_lengths") else None
     order = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "backend", "precision", "return_lse")
     miss = callcache.direct(q, k, v, *(args[n] for n in order), args["windowed_mask"], lengths)
     assert type(miss) is callcache.Miss and miss.key is not None
     expected = callcache.signature(q, k, v, *(args[n] for n in order), None, lengths, args["windowed_mask"])
     assert callcache.signature_of(miss.key) == expected
     assert (expected is None) == (form == "numpy scale")
+    assert expected is None or expected[callcache._GRAD] is form.endswith(("grad", "grad mask"))
