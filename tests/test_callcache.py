@@ -383,6 +383,37 @@ def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradi
     assert _direct_delta(before) == {"runs": 3, "routes": 1} and len(keys) == 3
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_training_routes_under_activation_checkpointing(monkeypatch, reentrant):
+    """torch.utils.checkpoint around a call that has a training route: the recomputation saves what the first forward
+    saved (non-reentrant checkpointing checks it), and the gradients equal those of the call without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    _plans_on_cpu(monkeypatch)
+    bias = torch.randn(1, 3, 20, 20, device=DEV).requires_grad_()
+
+    def block(q, k, v):
+        return elsa_surgery.attention(q, k, v, bias, scale=0.3) * 2
+
+    def grads(wrap):
+        torch.manual_seed(3)
+        q, k, v = (torch.randn(2, 3, 20, 16, device=DEV, requires_grad=True) for _ in range(3))
+        bias.grad = None
+        out = checkpoint(block, q, k, v, use_reentrant=reentrant) if wrap else block(q, k, v)
+        out.sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad, bias.grad
+
+    before = dict(callcache.DIRECT)
+    plain = grads(False)  # the full path: the route learnt
+    assert _direct_delta(before) == {"runs": 0, "routes": 1}
+    for _ in range(2):
+        for a, b in zip(grads(True), plain):
+            assert torch.equal(a, b)
+    # non-reentrant: the forward and its recomputation both through the training route (2 x 2); reentrant: the
+    # forward runs under no_grad (its own signature: the full path, then its route), the recomputation the route
+    assert _direct_delta(before)["runs"] == (3 if reentrant else 4)
+
+
 def test_a_training_routes_backward_follows_the_knobs_and_the_deterministic_mode(monkeypatch):
     """The route's memo of backward keys is keyed by the knobs that choose the backward (``ELSA_BWD_SHORT``,
     ``ELSA_BWD_DQ``, ``ELSA_LAUNCH_PLANS``) and by ``torch.use_deterministic_algorithms``: a change of any takes the
