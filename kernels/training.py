@@ -115,7 +115,14 @@ torch.library.register_autograd(f"{NS}::attention_backward", _no_second_order,
                                 setup_context=lambda ctx, inputs, output: None)
 
 
-def _save(ctx, q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed, **scalars):
+def _scalars(max_q, max_k, scale, is_causal, precision, dropout_p, mask_needs_grad) -> dict:
+    """What the backward (:func:`_grads`) reads of the forward's scalars."""
+    return dict(max_q=max_q, max_k=max_k, scale=scale, is_causal=is_causal, precision=precision, dropout_p=dropout_p,
+                mask_needs_grad=mask_needs_grad)
+
+
+def _save(ctx, q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed, scalars: dict):
+    """The forward's tensors and :func:`_scalars` for :func:`_grads` (``scalars`` is read, never written)."""
     ctx.save_for_backward(q, k, v, mask, q_lengths, kv_lengths, cu_q, cu_k, out, lse, seed)
     ctx.scalars = scalars
 
@@ -142,9 +149,8 @@ def _grads(ctx, grad_out, grad_lse, direct: bool = False, key_memo=None):
 def _setup_dense(ctx, inputs, output):
     q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision = inputs[:9]
     dropout_p, seed = inputs[9:] if len(inputs) > 9 else (0.0, None)
-    _save(ctx, q, k, v, mask, q_lengths, kv_lengths, None, None, output[0], output[1], seed, max_q=0, max_k=0,
-          scale=scale, is_causal=is_causal, precision=precision, dropout_p=dropout_p,
-          mask_needs_grad=mask is not None and mask.requires_grad)
+    _save(ctx, q, k, v, mask, q_lengths, kv_lengths, None, None, output[0], output[1], seed,
+          _scalars(0, 0, scale, is_causal, precision, dropout_p, mask is not None and mask.requires_grad))
 
 
 def _backward_dense(ctx, grad_out, grad_lse, direct: bool = False):
@@ -156,8 +162,8 @@ def _backward_dense(ctx, grad_out, grad_lse, direct: bool = False):
 def _setup_varlen(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, precision = inputs[:10]
     dropout_p, seed = inputs[10:] if len(inputs) > 10 else (0.0, None)
-    _save(ctx, q, k, v, None, None, None, cu_q, cu_k, output[0], output[1], seed, max_q=max_q, max_k=max_k,
-          scale=scale, is_causal=is_causal, precision=precision, dropout_p=dropout_p, mask_needs_grad=False)
+    _save(ctx, q, k, v, None, None, None, cu_q, cu_k, output[0], output[1], seed,
+          _scalars(max_q, max_k, scale, is_causal, precision, dropout_p, False))
 
 
 def _backward_varlen(ctx, grad_out, grad_lse, direct: bool = False):
@@ -202,8 +208,7 @@ class Route:
 
     def __init__(self, plan, scale: float, is_causal: bool, precision: str, mask_needs_grad: bool):
         self.plan = plan
-        self.scalars = dict(max_q=0, max_k=0, scale=float(scale), is_causal=bool(is_causal), precision=precision or "",
-                            dropout_p=0.0, mask_needs_grad=bool(mask_needs_grad))
+        self.scalars = _scalars(0, 0, float(scale), bool(is_causal), precision or "", 0.0, bool(mask_needs_grad))
         self.key_memo = {}
 
 
@@ -217,8 +222,8 @@ class RoutedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, kv_lengths, route):
         out, lse, _ = route.plan.replay({"q": q, "k": k, "v": v, "kv_lengths": kv_lengths, "mask": mask})
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, mask, None, kv_lengths, None, None, out, lse, None)  # (_save's layout)
-        ctx.scalars, ctx.key_memo = route.scalars, route.key_memo
+        _save(ctx, q, k, v, mask, None, kv_lengths, None, None, out, lse, None, route.scalars)
+        ctx.key_memo = route.key_memo
         return out, lse
 
     @staticmethod
