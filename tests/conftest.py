@@ -87,14 +87,12 @@ def load_recipe():
     return load
 
 
-@pytest.fixture(params=["short", "general"])
-def backward_path(request, monkeypatch):
-    """Runs a backward test on each of the kernels' two backward paths: the one-launch ``bwd_short`` (calls of at
-    most 64 query rows and keys, the default there) and the general passes (``ELSA_BWD_SHORT=0``), and checks that
-    the test's backwards launched that path's kernels and not the other's. Yields the path's name."""
+@pytest.fixture
+def backward_kernels_fetched(monkeypatch):
+    """The names of the backward kernels the test's calls fetch (``backward_launch._kernels``: as a launch plan is
+    recorded or a call planned; a replayed plan fetches none), a set kept up to date."""
     from elsa_surgery.kernels import backward_launch
 
-    monkeypatch.setenv("ELSA_BWD_SHORT", "1" if request.param == "short" else "0")
     fetched = set()
     real = backward_launch._kernels
 
@@ -104,6 +102,16 @@ def backward_path(request, monkeypatch):
             return getattr(real(), name)
 
     monkeypatch.setattr(backward_launch, "_kernels", Spy)
+    return fetched
+
+
+@pytest.fixture(params=["short", "general"])
+def backward_path(request, monkeypatch, backward_kernels_fetched):
+    """Runs a backward test on each of the kernels' two backward paths: the one-launch ``bwd_short`` (calls of at
+    most 64 query rows and keys, the default there) and the general passes (``ELSA_BWD_SHORT=0``), and checks that
+    the test's backwards launched that path's kernels and not the other's. Yields the path's name."""
+    monkeypatch.setenv("ELSA_BWD_SHORT", "1" if request.param == "short" else "0")
+    fetched = backward_kernels_fetched
     yield request.param
     want, other = ("bwd_short", "bwd_kv") if request.param == "short" else ("bwd_kv", "bwd_short")
     assert want in fetched and other not in fetched, fetched

@@ -313,6 +313,28 @@ def test_direct_routes_follow_strides_aliasing_and_autograd(monkeypatch):
     assert bias.grad is not None and _direct_delta(before) == {"runs": 7, "routes": 7}
 
 
+def _backward_keys_built(monkeypatch) -> list:
+    """The launch plan keys ``backward_launch._backward_key`` builds from now on, in order (a list kept up to date)."""
+    from elsa_surgery.kernels import backward_launch as bl
+
+    keys, real = [], bl._backward_key
+    monkeypatch.setattr(bl, "_backward_key", lambda *a, **kw: keys.append(real(*a, **kw)) or keys[-1])
+    return keys
+
+
+def _check_against_float64(got, ins, go, **oracle):
+    """``got`` (the output, then the gradients of ``ins`` that require grad, in order) against float64 autograd
+    through ``naive_attention(*ins, **oracle)`` with output gradient ``go`` (bool masks as they are)."""
+    ref_in = [t if t is None or t.dtype == torch.bool else t.detach().double().requires_grad_(t.requires_grad)
+              for t in ins]
+    ref = naive_attention(*ref_in, **oracle)[0]
+    ref.backward(go.double())
+    want = [ref.detach()] + [t.grad for t in ref_in if t is not None and t.requires_grad]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("case", ["plain", "gqa causal", "bias broadcast", "bool mask", "key lengths",
                                   "windowed bias"])
 def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradients(monkeypatch, backward_path,
@@ -321,8 +343,6 @@ def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradi
     replayed in an autograd node): the output and every gradient (q, k, v, a learned mask) equal the full path's
     bit for bit, on fresh inputs, and match float64 autograd; the backward's plan key is built once per route and
     output-gradient layout (a transposed output gradient: its own key, still exact)."""
-    from elsa_surgery.kernels import backward_launch as bl
-
     _plans_on_cpu(monkeypatch)
     B, Hq, Hkv, N, D = 4, 4, 4, 24, 16
     kw, windowed, mask_shape = dict(scale=0.3), False, None
@@ -353,9 +373,7 @@ def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradi
         return [out.detach()] + [t.grad for t in (q, k, v, mask) if t is not None and t.requires_grad]
 
     before = dict(callcache.DIRECT)
-    keys = []
-    real_key = bl._backward_key
-    monkeypatch.setattr(bl, "_backward_key", lambda *a, **k_: keys.append(1) or real_key(*a, **k_))
+    keys = _backward_keys_built(monkeypatch)
     first = inputs()
     go = torch.randn(B, Hq, N, D, device=DEV)
     full = run(*first, go)  # the full path (the route learnt)
@@ -366,16 +384,8 @@ def test_a_training_call_through_its_route_gives_the_full_paths_output_and_gradi
     for a, b in zip(full, routed):
         assert torch.equal(a, b)
     def against_float64(ins, go):
-        got = run(*ins, go)
-        ref_in = [t if t is None or t.dtype == torch.bool else t.detach().double().requires_grad_(t.requires_grad)
-                  for t in ins]
-        ref = naive_attention(*ref_in, is_causal=kw.get("is_causal", False), scale=0.3,
-                              kv_lengths=kw.get("kv_lengths"), windowed=windowed)[0]
-        ref.backward(go.double())
-        want = [ref.detach()] + [t.grad for t in ref_in if t is not None and t.requires_grad]
-        assert len(got) == len(want)
-        for a, b in zip(got, want):
-            assert rel_err(a, b) < 1e-5
+        _check_against_float64(run(*ins, go), ins, go, is_causal=kw.get("is_causal", False), scale=0.3,
+                               kv_lengths=kw.get("kv_lengths"), windowed=windowed)
 
     against_float64(inputs(), go)  # fresh values through the route
     assert _direct_delta(before) == {"runs": 2, "routes": 1} and len(keys) == 2  # the backward's key from the memo
@@ -414,32 +424,21 @@ def test_training_routes_under_activation_checkpointing(monkeypatch, reentrant):
     assert _direct_delta(before)["runs"] == (3 if reentrant else 4)
 
 
-def test_a_training_routes_backward_follows_the_knobs_and_the_deterministic_mode(monkeypatch):
+def test_a_training_routes_backward_follows_the_knobs_and_the_deterministic_mode(monkeypatch,
+                                                                                   backward_kernels_fetched):
     """The route's memo of backward keys is keyed by the knobs that choose the backward (``ELSA_BWD_SHORT``,
     ``ELSA_BWD_DQ``, ``ELSA_LAUNCH_PLANS``) and by ``torch.use_deterministic_algorithms``: a change of any takes the
     backward it asks for, with a key of its own, and the gradients stay exact."""
-    from elsa_surgery.kernels import backward_launch as bl
-
     _plans_on_cpu(monkeypatch)
-    fetched, keys = [], []
-    real_kernels, real_key = bl._kernels, bl._backward_key
-
-    class Spy:
-        def __getattr__(self, name):
-            fetched.append(name)
-            return getattr(real_kernels(), name)
-
-    monkeypatch.setattr(bl, "_kernels", Spy)
-    monkeypatch.setattr(bl, "_backward_key", lambda *a, **k_: keys.append(real_key(*a, **k_)) or keys[-1])
+    fetched = backward_kernels_fetched
+    keys = _backward_keys_built(monkeypatch)
 
     def step():
         q, k, v = (torch.randn(2, 3, 20, 16, device=DEV, requires_grad=True) for _ in range(3))
         go = torch.randn(2, 3, 20, 16, device=DEV)
-        elsa_surgery.attention(q, k, v, scale=0.3).backward(go)
-        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        naive_attention(*ref_in, scale=0.3)[0].backward(go.double())
-        for t, r in zip((q, k, v), ref_in):
-            assert rel_err(t.grad, r.grad) < 1e-5
+        out = elsa_surgery.attention(q, k, v, scale=0.3)
+        out.backward(go)
+        _check_against_float64([out.detach(), q.grad, k.grad, v.grad], (q, k, v), go, scale=0.3)
 
     before = dict(callcache.DIRECT)
     monkeypatch.setenv("ELSA_BWD_SHORT", "1")
