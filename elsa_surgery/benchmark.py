@@ -187,6 +187,20 @@ def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, wa
     return ms
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """GPU time of ``fn``'s kernels per call, in ms: the profiler's device times summed over ``calls`` calls (each
+    kernel's own time; host stalls between launches do not count, so a neighbour's compile load on the CPU does not
+    move it: session 29's sweeps read one configuration 0.674 and 0.981 ms by wall clock, with other work on the
+    host). One warm call first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
 def interleaved_ms(fns: Dict[str, Callable[[], object]], rounds: int = 3, calls: int = 10,
                    warmup: int = 3, device="cuda") -> Dict[str, float]:
     """Median eager ms per call of each of ``fns``, timed in interleaved rounds (A/B/A/B...: clock and thermal drift

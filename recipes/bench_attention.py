@@ -41,19 +41,6 @@ def bench(fn, warmup=25, rep=100):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def kernel_ms(fn, calls=10):
-    """GPU time of ``fn``'s kernels per call: the profiler's device times summed over ``calls`` calls (each kernel's
-    own time; host stalls between launches do not count, so a neighbour's compile load on the CPU does not move it:
-    session 29's sweeps read one configuration 0.674 and 0.981 ms by wall clock, with other work on the host)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
-
-
 def peak_extra(fn):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -402,7 +389,7 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
     ``occupancy.causal_head_group``; an integer forces ``ELSA_CAUSAL_HEAD_GROUP``; 1 = each head's blocks heaviest
     first, one head after another: session 29's A/B question). ``row_tiles``: the row pass with the same tile as
     ``bwd_kv`` (``same``) or transposed (``swapped``: ``set_tiles_override(row_swap=True)``). Each line gives the
-    wall-clock median and the kernels' own GPU time (:func:`kernel_ms`); the five fastest by kernel time are
+    wall-clock median and the kernels' own GPU time (``benchmark.kernel_ms``); the five fastest by kernel time are
     returned as ``(kernel ms, wall ms, configuration)``."""
     from elsa_surgery.kernels import backward_launch
 
@@ -433,7 +420,7 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
             print(f"  {name}: skipped ({str(exc).splitlines()[0][:80]})", flush=True)
             continue
         print(f"  baseline {name} backward {dname} H={H} D={D} N={N} causal={causal}: {bench(fn):.3f} ms"
-              f" (kernels {kernel_ms(fn):.3f} ms; grads vs float64: {err:.1e})", flush=True)
+              f" (kernels {benchmark.kernel_ms(fn):.3f} ms; grads vs float64: {err:.1e})", flush=True)
     if dtype in (torch.float16, torch.bfloat16):
         bound = 1.5 * worst if worst else 1e-2
     else:
@@ -461,7 +448,7 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
                     fn = backward_of(out)
                     err = max(rel(a, b) for a, b in zip(fn(), ref))
                     ms = bench(fn, warmup=5, rep=30)
-                    kms = kernel_ms(fn)
+                    kms = benchmark.kernel_ms(fn)
             except Exception as exc:
                 print(f"  sweep {tag}: failed ({str(exc).splitlines()[0][:80]})", flush=True)
                 continue

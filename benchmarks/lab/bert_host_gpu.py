@@ -3,7 +3,8 @@ tokens, bf16 cell: 0.93x on an H200 in session 39 with ``auto`` taking SDPA in e
 
     python benchmarks/lab/bert_host_gpu.py [--batch 8] [--seq 128] [--dtype bf16] [--rounds 7] [--calls 20]
 
-The model and inputs are ``recipes/bench_models.py``'s (random BERT-base, right padding). Prints for each side,
+The model and inputs are ``recipes/bench_models.py``'s workload ``bert_base_<seq>`` (random BERT-base, right padding;
+``--seq`` 128 or 512), built by its ``ab_build``. Prints for each side,
 native and converted (``auto``), interleaved rounds (medians): the eager time per forward (host and GPU: synced
 before and after) and the host time alone (the clock stops when the forward returns; the GPU queue absorbs the
 kernels); then, from one profiled forward of each side, the CUDA kernels and the CUDA runtime calls that differ in
@@ -20,6 +21,7 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 import elsa_surgery
+from host_profile import _bench_models  # (this directory: the script's own)
 
 
 def table(prof):
@@ -33,20 +35,14 @@ def table(prof):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=128, choices=[128, 512])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20)
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  transformers {transformers.__version__}")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cfg = transformers.BertConfig(attn_implementation="sdpa")
-    with torch.device("cuda"):
-        native = transformers.BertModel(cfg).to(dtype).eval()
-    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda", generator=g)
-    lengths = torch.randint(a.seq // 4, a.seq + 1, (a.batch,), device="cuda", generator=g)
-    am = (torch.arange(a.seq, device="cuda")[None] < lengths[:, None]).long()
+    native, forward = _bench_models().ab_build(f"bert_base_{a.seq}", dtype, a.batch, "cuda")
     converted = copy.deepcopy(native)
     elsa_surgery.convert(converted, verify=False)
     sides = {"native": native, "converted": converted}
@@ -55,14 +51,14 @@ def main():
     with torch.no_grad():
         for m in sides.values():
             for _ in range(3):
-                m(input_ids=ids, attention_mask=am)
+                forward(m)
         torch.cuda.synchronize()
         for _ in range(a.rounds):
             for s, m in sides.items():
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(a.calls):
-                    m(input_ids=ids, attention_mask=am)
+                    forward(m)
                 t1 = time.perf_counter()
                 torch.cuda.synchronize()
                 t2 = time.perf_counter()
@@ -78,7 +74,7 @@ def main():
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    m(input_ids=ids, attention_mask=am)
+                    forward(m)
                 torch.cuda.synchronize()
             tables[s] = table(prof)
     names = sorted(set(tables["native"]) | set(tables["converted"]))

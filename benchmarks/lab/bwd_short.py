@@ -30,18 +30,6 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def kernel_ms(fn, n=20):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / n / 1e3
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -71,7 +59,7 @@ def main():
         for s, fn in sides.items():
             with benchmark.environ(envs[s]):
                 errs[s] = max(rel(g, r) for g, r in zip(fn(), ref))
-                kern[s] = kernel_ms(fn)
+                kern[s] = benchmark.kernel_ms(fn, 20)
         times = {s: [] for s in sides}
         for _ in range(a.rounds):
             for s, fn in sides.items():
