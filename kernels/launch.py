@@ -431,10 +431,13 @@ def _tiles(sig: CallSignature, d: Dims, dot: int, pack_rows: Optional[int] = Non
     """(tile config, query blocks, partitions, keys per partition) for one dot kind; ``pack_rows``: the packed
     short-query kernel's rows per K/V head (its row tiles then count per (batch, K/V head))."""
     itemsize = sig.dtype.itemsize
+    few = False
     if pack_rows is not None:
-        cfg = occ.decode_tile_config(d.D, d.Dv, pack_rows)
+        groups = d.B * d.Hkv
+        cfg = occ.decode_tile_config(d.D, d.Dv, pack_rows, groups=groups, device=sig.device, itemsize=itemsize)
+        few = occ.decode_few(sig.device, groups=groups, rows=pack_rows, d=d.D, dv=d.Dv, itemsize=itemsize)
         n_mb = -(-pack_rows // cfg.block_m)
-        tiles = n_mb * d.B * d.Hkv
+        tiles = n_mb * groups
     else:
         cfg = occ.tile_config(dot, d.D, d.Dv, max(d.Nq, d.Nk), bh=d.BH, nq=d.Nq, device=sig.device,
                               causal=sig.is_causal)
@@ -442,7 +445,7 @@ def _tiles(sig: CallSignature, d: Dims, dot: int, pack_rows: Optional[int] = Non
         tiles = n_mb * d.BH
     parts = occ.num_partitions(sig.device, tiles=tiles, n_k=d.Nk, block_n=cfg.block_n, rows=d.rows, dv=d.Dv,
                                out_bytes=d.rows * d.Dv * itemsize, eta=sig.eta, forced=sig.num_partitions,
-                               decode=pack_rows is not None)
+                               decode=pack_rows is not None, decode_few=few)
     part_len = _partition_len(d.Nk, parts, cfg.block_n)
     return cfg, n_mb, max(1, -(-max(d.Nk, 1) // part_len)), part_len
 

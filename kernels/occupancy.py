@@ -41,11 +41,21 @@ TARGET_PROGRAMS_PER_SM = 2
 # B=16 32:8 4K and B=1 MHA 32K; 4 programs per SM and 3 stages cost 2-8 %. Value head dims <= 64 take 3 programs
 # per SM (DECODE_PROGRAMS_PER_SM_NARROW; session 31, H100, bf16, graph-replayed: B=16 32:4 131K 761.7 -> 717.2 us,
 # B=1 32:4 131K 72.7 -> 68.8, B=16 32:8 32K 380.6 -> 365.1, B=1 32:8 4K equal; at D = 128 3 per SM cost 1-5 %).
+# Session 40 (decode_tiles.py --grid: 36 one-query shapes, B 1/16 x GQA 32:4, 32:8, MHA x D 64/128 x 4K-128K keys,
+# 7 tiles x 4 programs-per-SM values, bf16, graph-replayed; H100 full table, H200 best four; docs/PERF.md) refined the
+# rule for 2-byte operands on Hopper, where it was measured: calls with few (batch, K/V head) pairs
+# (<= SMs / DECODE_FEW_GROUPS_DIV; their keys split across many short partitions) take 3 stages and 2 programs per
+# SM (H100, B = 1 32:4 D = 64 131K 69.3 -> 65.2 us, 32:8 4K 15.7 -> 14.4, D = 128 32:4 4K 17.7 -> 16.0); one row per
+# K/V head at head width 128 with >= SMs / DECODE_WIDE_GROUPS_DIV pairs takes 128-key tiles (H100, B = 16 MHA 131K
+# 12.38 -> 11.04 ms, H200 9.47 -> 7.49). Over the grid the H100's geometric mean went from 0.959x to 0.984x the
+# fastest SDPA backend (worst cell 0.847x -> 0.938x), each shape within 3.2 % of its best swept configuration.
 DECODE_MAX_ROWS = 64
 DECODE_MIN_KEYS = 512
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_PROGRAMS_PER_SM_NARROW = 3
 DECODE_NARROW_DV = 64
+DECODE_FEW_GROUPS_DIV = 4
+DECODE_WIDE_GROUPS_DIV = 2
 DECODE_MIN_KEYS_PER_PARTITION = 256
 DECODE_MAX_PARTITIONS = 128
 MERGE_PARTITIONS_PER_LOAD = 32  # scan.elsa_merge_rows: partitions read per [BLOCK_P, Dv] tile
@@ -196,9 +206,29 @@ def decode_rows(*, n_q: int, groups: int, n_k: int, dot: int, varlen: bool) -> O
     return rows
 
 
-def decode_tile_config(d: int, dv: int, rows: int) -> TileConfig:
+def _decode_tuned(device: Optional[torch.device], itemsize: int, width: int) -> Optional[int]:
+    """The SM count where session 40's decode rule applies (2-byte operands, head width <= 128, Hopper), else None."""
+    if device is None or device.type != "cuda" or itemsize != 2 or width > 128:
+        return None
+    index = _cuda_index(device)
+    return sm_count(index) if capability(index)[0] >= 9 else None
+
+
+def decode_few(device: Optional[torch.device], *, groups: int, rows: int, d: int, dv: int, itemsize: int) -> bool:
+    """Whether a packed short-query call has few (batch, K/V head) pairs (``groups``) for the SMs, so that its keys
+    split into many short partitions: 3 stages and DECODE_PROGRAMS_PER_SM (session 40's rule, above)."""
+    width = max(block_dim(d), block_dim(dv))
+    n_sm = _decode_tuned(device, itemsize, width)
+    if n_sm is None or (rows == 1 and width == 128):
+        return False
+    return groups * DECODE_FEW_GROUPS_DIV <= n_sm
+
+
+def decode_tile_config(d: int, dv: int, rows: int, *, groups: int = 0, device: Optional[torch.device] = None,
+                       itemsize: int = 4) -> TileConfig:
     """Tiles of the packed short-query kernel: the row tile holds the group's rows (at least 16, tl.dot's
-    minimum); key tiles as wide as the head dims allow."""
+    minimum); key tiles as wide as the head dims allow. ``groups``: (batch, K/V head) pairs of the call; with
+    ``device`` and ``itemsize`` they select session 40's tiles (above)."""
     if _OVERRIDE is not None:
         return _OVERRIDE
     block_m = min(DECODE_MAX_ROWS, max(16, next_pow2(rows)))
@@ -206,6 +236,11 @@ def decode_tile_config(d: int, dv: int, rows: int) -> TileConfig:
         return TileConfig(block_m, 32, 4, 1)
     width = max(block_dim(d), block_dim(dv))
     block_n = 64 if width <= 128 else 32
+    n_sm = _decode_tuned(device, itemsize, width)
+    if n_sm is not None and rows == 1 and width == 128 and groups * DECODE_WIDE_GROUPS_DIV >= n_sm:
+        return TileConfig(block_m, 128, 4, 2)
+    if decode_few(device, groups=groups, rows=rows, d=d, dv=dv, itemsize=itemsize):
+        return TileConfig(block_m, block_n, 4, 3)
     return TileConfig(block_m, block_n, 4, 2)
 
 
@@ -477,7 +512,7 @@ def blocked_pv(dot: int, keys_per_program: int) -> bool:
 
 def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, rows: int, dv: int,
                    out_bytes: int, eta: Optional[float] = None, forced: Optional[int] = None,
-                   decode: bool = False) -> int:
+                   decode: bool = False, decode_few: bool = False) -> int:
     """How many K-partitions phase 1 uses.
 
     ``tiles`` = programs of one partition (``B·H·ceil(Nq/BLOCK_M)``). When they cannot fill the SMs
@@ -486,7 +521,8 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
     as each partition keeps ``MIN_KEYS_PER_PARTITION`` keys. ELSA-Lean: with ``eta`` the partition
     states (``partitions · rows · (Dv + 2)`` fp32) never exceed ``eta ·`` the bytes of the output;
     ``eta = 0`` means one partition (no state buffers at all). ``decode``: the packed short-query kernel's
-    rule (``DECODE_*`` above): memory-bound programs, more of them, on shorter partitions.
+    rule (``DECODE_*`` above): memory-bound programs, more of them, on shorter partitions; ``decode_few``: the
+    call has few (batch, K/V head) pairs (:func:`decode_few`), DECODE_PROGRAMS_PER_SM whatever Dv.
     """
     eta = lean_eta() if eta is None else check_eta(eta)
     if forced is None:
@@ -505,7 +541,8 @@ def num_partitions(device: torch.device, *, tiles: int, n_k: int, block_n: int, 
         return 1
     n_sm = sm_count(_cuda_index(device))
     if decode:
-        per_sm = DECODE_PROGRAMS_PER_SM_NARROW if dv <= DECODE_NARROW_DV else DECODE_PROGRAMS_PER_SM
+        narrow = dv <= DECODE_NARROW_DV and not decode_few
+        per_sm = DECODE_PROGRAMS_PER_SM_NARROW if narrow else DECODE_PROGRAMS_PER_SM
         target, min_keys, max_parts = n_sm * per_sm, DECODE_MIN_KEYS_PER_PARTITION, DECODE_MAX_PARTITIONS
     elif tiles >= n_sm * FILL_PROGRAMS_PER_SM:
         return 1

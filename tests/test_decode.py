@@ -148,3 +148,32 @@ def test_row_merge_reads_partitions_in_tiles(state, monkeypatch, packs):
         out, lse = poisoned_run(q, k, v, kv_lengths=kl, num_partitions=5)
         check(out, lse, ref_out, ref_lse, TOL["strict"])
     assert packs == [True]
+
+
+@pytest.mark.parametrize("nq,hq,hkv,causal", [(1, 4, 4, False), (1, 8, 2, True), (3, 4, 2, True)])
+def test_packed_128_key_tiles(nq, hq, hkv, causal, packs, monkeypatch):
+    """The 128-key tile of session 40's rule (one row per K/V head at width 128 with many (batch, K/V head) pairs;
+    other shapes here too) with 3 stages, over keys that are no multiple of it, split or not, with per-row cache
+    lengths."""
+    q, k, v = _qkv(2, hq, hkv, nq, NK, D=128, dtype=torch.bfloat16)
+    kv_lengths = torch.tensor([NK, 131], dtype=torch.int32, device=q.device)
+    blocks = []
+    real = launch.replay.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if kw.get("PACK"):
+            blocks.append((kw["BLOCK_N"], kw.get("num_stages")))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(launch.replay, "launch", spy)
+    launch.replay.clear()  # no plan recorded with other tiles
+    occ.set_config_override(occ.TileConfig(16, 128, 4, 3))
+    try:
+        for parts in (1, 3):
+            out, lse = poisoned_run(q, k, v, is_causal=causal, kv_lengths=kv_lengths, num_partitions=parts)
+            ref_out, ref_lse = oracle(q, k, v, is_causal=causal, kv_lengths=kv_lengths)
+            check(out, lse, ref_out, ref_lse, TOL[torch.bfloat16])
+    finally:
+        occ.set_config_override(None)
+        launch.replay.clear()
+    assert packs == [True, True] and blocks == [(128, 3), (128, 3)]

@@ -880,6 +880,40 @@ def test_decode_partitions_per_sm_by_value_head_dim(monkeypatch):
     assert occ.num_partitions(cuda, tiles=1, n_k=1024, block_n=64, rows=4, dv=64, out_bytes=512, decode=True) == 4
 
 
+def test_decode_tiles_by_groups_width_dtype_and_device(monkeypatch):
+    """Session 40's packed short-query rule on a (simulated) 132-SM Hopper: few (batch, K/V head) pairs take 3
+    stages and 2 programs per SM whatever Dv; one row per K/V head at width 128 with many pairs takes 128-key tiles;
+    other calls, 4-byte operands and pre-Hopper GPUs keep the former tiles (64 keys, 2 stages)."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.setattr(occ, "sm_count", lambda index: 132)
+    monkeypatch.setattr(occ, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(occ, "interpreting", lambda: False)
+    monkeypatch.delenv(occ.ENV_LEAN_ETA, raising=False)
+    monkeypatch.delenv(occ.ENV_PARTITIONS, raising=False)
+    cuda = torch.device("cuda", 0)
+
+    def tiles(groups, rows, d, itemsize=2):
+        cfg = occ.decode_tile_config(d, d, rows, groups=groups, device=cuda, itemsize=itemsize)
+        few = occ.decode_few(cuda, groups=groups, rows=rows, d=d, dv=d, itemsize=itemsize)
+        parts = occ.num_partitions(cuda, tiles=groups, n_k=131072, block_n=cfg.block_n, rows=rows, dv=d,
+                                   out_bytes=rows * d * itemsize, decode=True, decode_few=few)
+        return (cfg.block_n, cfg.num_stages), parts
+
+    assert tiles(8, 4, 64) == ((64, 3), -(-132 * 2 // 8))  # B = 1, GQA 32:8: few pairs, 2 per SM (not 3)
+    assert tiles(33, 1, 64) == ((64, 3), -(-132 * 2 // 33))  # B = 1 MHA, D = 64
+    assert tiles(34, 8, 128) == ((64, 2), -(-132 * 2 // 34))  # past SMs / 4
+    assert tiles(128, 4, 64) == ((64, 2), -(-132 * 3 // 128))  # many pairs at Dv <= 64: 3 per SM as before
+    assert tiles(32, 1, 128) == ((64, 2), -(-132 * 2 // 32))  # MHA at width 128, few pairs: the former tile
+    assert tiles(66, 1, 128) == ((128, 2), 132 * 2 // 66)  # ... many pairs: 128-key tiles
+    assert tiles(66, 2, 128)[0] == (64, 2)  # two rows per K/V head
+    assert tiles(8, 4, 64, itemsize=4) == ((64, 2), -(-132 * 3 // 8))  # fp32: the former rule
+    assert tiles(8, 4, 256)[0] == (32, 2)  # head width 256
+    monkeypatch.setattr(occ, "capability", lambda index: (8, 0))
+    assert tiles(8, 4, 64) == ((64, 2), -(-132 * 3 // 8))
+    assert tiles(512, 1, 128)[0] == (64, 2)
+
+
 @pytest.mark.parametrize("env,value,match", [
     ("ELSA_LEAN_ETA", "inf", "ELSA_LEAN_ETA must be a finite number >= 0"),
     ("ELSA_LEAN_ETA", "nan", "ELSA_LEAN_ETA must be a finite number >= 0"),

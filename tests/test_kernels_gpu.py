@@ -131,10 +131,11 @@ def test_strict_is_the_most_exact_mode_at_long_lengths(n):
 
 
 @pytest.mark.parametrize("kind", [torch.bfloat16, torch.float16, "strict", "precise", "turbo"])
-@pytest.mark.parametrize("nq,hq,hkv,nk", [(1, 32, 8, 32768), (8, 32, 4, 4096), (3, 8, 8, 20000)])
+@pytest.mark.parametrize("nq,hq,hkv,nk", [(1, 32, 8, 32768), (8, 32, 4, 4096), (3, 8, 8, 20000), (1, 48, 48, 8192)])
 def test_packed_decode_path_on_the_gpu(kind, nq, hq, hkv, nk):
     """The packed short-query kernel (GQA group in one row tile, split K, row merge) at decode shapes, causal
-    bottom-right with per-row cache lengths."""
+    bottom-right with per-row cache lengths; each tile of occupancy.decode_tile_config's rule on a Hopper GPU (few
+    (batch, K/V head) pairs: 3 stages; one row per K/V head over 96 pairs, 2-byte operands: 128-key tiles)."""
     dtype, prec = _dtype(kind), _precision(kind)
     q, k, v = rand(2, hq, nq, 128, dtype=dtype), rand(2, hkv, nk, 128, dtype=dtype), rand(2, hkv, nk, 128, dtype=dtype)
     kl = torch.tensor([nk, nk // 3], dtype=torch.int32, device="cuda")
