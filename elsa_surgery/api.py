@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import callcache, dispatch, monoid, reference_ops, sdpa
-from .semantics import _ANY_AUTOCAST, Lengths, autocast_cast, autocast_dtype, build_problem, build_varlen_problem
+from .semantics import _ANY_AUTOCAST, Lengths, autocast_cast, autocast_dtype, build_problem
 
 
 _kernels = dispatch.kernels_module  # imported on first use: triton is only needed when the kernels run
@@ -189,11 +189,9 @@ def attention_varlen(
             return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     is_causal=is_causal, scale=scale, backend=backend, precision=precision,
                                     return_lse=return_lse, dropout_p=dropout_p)
-    vp = build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              is_causal=is_causal, scale=scale, dropout_p=dropout_p)
-    d = dispatch.decide(vp.q, vp.k, vp.v, None, backend=backend, precision=precision, varlen=True,
-                        need_lse=return_lse)
-    dispatch.announce(d)
+    vp, d = callcache.prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     is_causal=is_causal, scale=scale, backend=backend, precision=precision,
+                                     return_lse=return_lse, dropout_p=dropout_p)
     if d.backend == "elsa":
         out, lse = _kernels().attention_varlen(
             vp.q, vp.k, vp.v, vp.cu_seqlens_q, vp.cu_seqlens_k, vp.max_seqlen_q, vp.max_seqlen_k,

@@ -36,6 +36,10 @@ values are checked on every call (``semantics.canonical_lengths``; a check is sk
 unchanged, or made by an adapter that trusts them). Calls with ``kv_lengths`` alone have direct routes, taken while
 their lengths need no check (session 36: BERT-base with padding, host-bound, paid ~45 µs a layer for the full path).
 
+Packed calls (:func:`elsa_surgery.attention_varlen`) are memoised the same way (:func:`prepare_varlen`), their
+cu_seqlens' geometry in the key; their values are checked on every call, once per tensor while it is unchanged
+(``semantics.varlen_cu_seqlens``). They have no direct route.
+
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), lengths given as lists,
 a tensor ``scale``, arguments of other types than plain tensors, bools, numbers and strings (tensor subclasses, NumPy
 scalars), and calls traced by ``torch.compile``. A traced call is validated and decided once per trace, outside
@@ -51,8 +55,9 @@ import torch
 
 from . import autoselect, dispatch, sdpa
 from .kernels import internals, knobs, replay
-from .semantics import (AttentionProblem, broadcast_batch_and_heads, build_problem, canonical_dense_lengths,
-                        canonical_mask, lengths_checked)
+from .semantics import (AttentionProblem, VarlenProblem, broadcast_batch_and_heads, build_problem,
+                        build_varlen_problem, canonical_dense_lengths, canonical_mask, lengths_checked,
+                        varlen_cu_seqlens)
 
 MAX_ENTRIES = 1024  # signatures kept (the oldest dropped first)
 
@@ -81,6 +86,7 @@ _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or t
 
 def clear() -> None:
     _entries.clear()
+    _varlen_entries.clear()
     _routes.clear()
     _families.clear()
     _family_routes.clear()
@@ -252,6 +258,61 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             p = AttentionProblem(q, k, v, scale_, mask, causal, ql, kl, squeeze, dropout)
     dispatch.announce(d)
     return p, d
+
+
+# packed calls (attention_varlen): signature (_varlen_key) -> (scale, is_causal, dropout_p, decision)
+_varlen_entries: dict = {}
+
+
+def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, backend, precision, return_lse,
+                dropout_p) -> Optional[tuple]:
+    """The memo key of a packed call, or None for one validated in full (as :func:`_key`; the cu_seqlens add their
+    shape, dtype and device, the maxima nothing: they are checked with the cu_seqlens' values on every call)."""
+    T = torch.Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T or q.is_nested or k.is_nested or v.is_nested:
+        return None
+    cq, ck = _lengths_sig(cu_seqlens_q), _lengths_sig(cu_seqlens_k)
+    if not cq or not ck:
+        return None
+    scalars = (is_causal, scale, backend, precision, return_lse, dropout_p)
+    types = tuple(map(type, scalars))
+    if not _PLAIN.issuperset(types):
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, q.dtype, q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device, cq, ck, scalars,
+            types, _RAW.get(_E0), _RAW.get(_E1), _RAW.get(_E2), _RAW.get(_E3), grad)
+
+
+def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False, scale=None,
+                   backend="auto", precision=None, return_lse=False,
+                   dropout_p=0.0) -> Tuple[VarlenProblem, dispatch.Decision]:
+    """``(build_varlen_problem(...), dispatch.decide(...))`` of an :func:`elsa_surgery.attention_varlen` call, the
+    decision announced; memoised per signature as :func:`prepare`'s calls are. The cu_seqlens' values are checked on
+    every call (``semantics.varlen_cu_seqlens``: a pair checked before and unchanged is not copied to the host
+    again). Before (session 40, CPU host, the kernel stubbed): 155-186 µs of validation and dispatch a call, and two
+    host syncs on a GPU."""
+    compiling = torch.compiler.is_compiling()  # traced: nothing here is read or written (as prepare)
+    key = None if compiling else _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, backend,
+                                             precision, return_lse, dropout_p)
+    hit = None if key is None else _varlen_entries.get(key)
+    if hit is None:
+        if not compiling:
+            STATS["bypassed" if key is None else "misses"] += 1
+        vp = build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+        d = dispatch.decide(vp.q, vp.k, vp.v, None, backend=backend, precision=precision, varlen=True,
+                            need_lse=return_lse)
+        if key is not None:
+            if len(_varlen_entries) >= MAX_ENTRIES:
+                _varlen_entries.pop(next(iter(_varlen_entries)))
+            _varlen_entries[key] = (vp.scale, vp.is_causal, vp.dropout_p, d)
+    else:
+        STATS["hits"] += 1
+        scale_, causal, dropout, d = hit
+        cq, ck = varlen_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        vp = VarlenProblem(q, k, v, cq, ck, int(max_seqlen_q), int(max_seqlen_k), scale_, causal, dropout)
+    dispatch.announce(d)
+    return vp, d
 
 
 def _direct_ok(p: AttentionProblem, d: dispatch.Decision, q, k, v, attn_mask, kv_lengths) -> bool:

@@ -510,7 +510,7 @@ def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str,
         raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}") from None
     if max_len < 0:
         raise ValueError(f"{max_name} must be >= 0, got {max_len}")
-    if _data_checks_allowed(cu):
+    if _data_checks_allowed(cu) and not _cu_checked(cu, total, max_len):
         host = cu.detach().to("cpu", torch.int64)
         if int(host[0]) != 0:
             raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
@@ -525,7 +525,38 @@ def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str,
         longest = int(steps.max()) if steps.numel() else 0
         if longest > max_len:
             raise ValueError(f"{max_name}={max_len} is smaller than the longest sequence in {name} ({longest})")
+        if not cu.is_inference():  # (no version counter: checked on every call, as inference-tensor lengths are)
+            _cu_valid.append((weakref.ref(cu), cu._version, total, longest))
+            del _cu_valid[:-_VALID_MAX]
     return cu.to(device=device, dtype=torch.int32)
+
+
+# cu_seqlens tensors whose values were checked, while unchanged (as lengths tensors above): the layers of a packed
+# forward share one pair (transformers' flash-attention kwargs), so the check, a copy to the host and a sync, runs
+# once per forward instead of twice per layer. [(weakref to the tensor, its _version, total rows, longest sequence)]
+_cu_valid: list = []
+
+
+def _cu_checked(cu: torch.Tensor, total: int, max_len: int) -> bool:
+    """Whether ``cu`` was checked before (unchanged since) for ``total`` rows and a longest sequence <= ``max_len``."""
+    for ref, version, checked_total, longest in _cu_valid:
+        if ref() is cu and version == cu._version and checked_total == total and longest <= max_len:
+            return True
+    return False
+
+
+def varlen_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """``(cu_seqlens_q, cu_seqlens_k)`` of a packed call, checked (values too, unless checked before and unchanged)
+    and as int32 on q's device."""
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)", "max_seqlen_q",
+                           max_seqlen_q, q.device)
+    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0] (total_k)", "max_seqlen_k",
+                           max_seqlen_k, q.device)
+    if cq.shape[0] != ck.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got {_shape(cq)} and {_shape(ck)}"
+        )
+    return cq, ck
 
 
 def build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
@@ -533,12 +564,7 @@ def build_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     dropout_p = check_dropout(dropout_p)
     check_qkv(q, k, v, layout="varlen")
     check_heads_and_dims(q, k, v, head_axis=1, seq_axis=0)
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)", "max_seqlen_q", max_seqlen_q, q.device)
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0] (total_k)", "max_seqlen_k", max_seqlen_k, q.device)
-    if cq.shape[0] != ck.shape[0]:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got {_shape(cq)} and {_shape(ck)}"
-        )
+    cq, ck = varlen_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return VarlenProblem(
         q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k), scale=resolve_scale(scale, q.shape[-1]), is_causal=bool(is_causal),

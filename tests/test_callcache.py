@@ -580,3 +580,85 @@ def test_a_route_key_holds_the_signature(form):
     assert callcache.signature_of(miss.key) == expected
     assert (expected is None) == (form == "numpy scale")
     assert expected is None or expected[callcache._GRAD] is form.endswith(("grad", "grad mask"))
+
+
+def _packed(lens, H=2, D=16, causal=False, scale=0.3):
+    """q, k, v [total, H, D], cu_seqlens (int32), and the float64-free oracle of each sequence."""
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device=DEV)
+    q, k, v = _qkv(int(cu[-1]), H, D)
+
+    def ref():
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            s = lambda t: t[a:b].transpose(0, 1).unsqueeze(0)
+            outs.append(_oracle(s(q), s(k), s(v), is_causal=causal, scale=scale)[0].transpose(0, 1))
+        return torch.cat(outs)
+    return q, k, v, cu, ref
+
+
+def test_packed_calls_are_memoised_and_their_cu_seqlens_checked(monkeypatch):
+    """A packed call's signature (q/k/v geometry, the cu_seqlens' geometry, the scalars) is validated and decided once
+    (session 40: 155-186 µs of host time a call before, and two host syncs on a GPU); a hit computes the call on its
+    own tensors and cu_seqlens, whose values are checked (once per tensor while unchanged: the layers of a packed
+    forward share one pair); bad values and too small maxima still raise on a hit."""
+    _kernels_on_cpu(monkeypatch)
+    from elsa_surgery import semantics
+
+    looked = []
+    real = semantics._cu_checked
+    monkeypatch.setattr(semantics, "_cu_checked", lambda *a: looked.append(real(*a)) or looked[-1])
+    kw = dict(is_causal=True, scale=0.3)
+    q0, k0, v0, cu0, _ = _packed([5, 7, 8], causal=True)
+    before = _counts()
+    with dispatch.record() as log:
+        elsa_surgery.attention_varlen(decoy(q0), decoy(k0), decoy(v0), cu0, cu0, 8, 8, **kw)
+        q, k, v, cu, ref = _packed([9, 3, 8], causal=True)  # same totals, other sequences
+        outs = [elsa_surgery.attention_varlen(q, k, v, cu, cu, 9, 9, **kw) for _ in range(2)]
+    assert _delta(before) == {"hits": 2, "misses": 1, "bypassed": 0}
+    assert [d.backend for d in log] == ["elsa"] * 3  # announced on every call
+    for out in outs:
+        assert rel_err(out.cpu(), ref().cpu()) < 2e-6
+    # the first sight of each cu tensor is checked (cu_seqlens_q, then _k: the same tensor, now known), later ones not
+    assert looked == [False, True, False, True, True, True]
+    with pytest.raises(ValueError, match=r"max_seqlen_q=8 is smaller than the longest sequence in cu_seqlens_q \(9\)"):
+        elsa_surgery.attention_varlen(q, k, v, cu, cu, 8, 9, **kw)  # a hit; the known cu, a smaller maximum
+    cu[1:3] = torch.tensor([12, 9], dtype=torch.int32)  # in place: its version moves, so it is checked again
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+        elsa_surgery.attention_varlen(q, k, v, cu, cu, 12, 12, **kw)
+    bad = torch.tensor([0, 5, 21], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\]=21 must equal k.shape\[0\] \(total_k\)=20"):
+        elsa_surgery.attention_varlen(q, k, v, torch.tensor([0, 5, 20], dtype=torch.int32, device=DEV), bad, 15, 16,
+                                      **kw)
+    with torch.inference_mode():  # no version counter: an inference tensor's values are checked on every call
+        inf = torch.tensor([0, 9, 12, 20], dtype=torch.int32, device=DEV)
+        elsa_surgery.attention_varlen(q, k, v, inf, inf, 9, 9, **kw)
+        inf[1] = 13
+        with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+            elsa_surgery.attention_varlen(q, k, v, inf, inf, 13, 13, **kw)
+
+
+def test_every_part_of_a_packed_calls_signature_has_its_own_entry(monkeypatch):
+    """Scalars (with their types), the cu_seqlens' dtype, the environment and autograd each give their own entry; a
+    tensor scale, NumPy scalars and tensor subclasses are validated in full on every call."""
+    _kernels_on_cpu(monkeypatch)
+    q, k, v, cu, _ = _packed([5, 7, 8])
+    call = lambda *a, **kw: elsa_surgery.attention_varlen(*(a or (q, k, v)), cu, cu, 8, 8, **kw)
+    before = _counts()
+    call()
+    call(is_causal=True)
+    call(is_causal=1)
+    call(scale=0.5)
+    call(return_lse=True)
+    call(precision="precise")
+    monkeypatch.setenv("ELSA_FP32_PRECISION", "strict")
+    call()
+    elsa_surgery.attention_varlen(q, k, v, cu.long(), cu, 8, 8)
+    call(q.detach().requires_grad_(), k, v)
+    assert _delta(before) == {"hits": 0, "misses": 9, "bypassed": 0}
+    for _ in range(2):
+        call(scale=torch.tensor(0.25))
+        call(scale=np.float64(0.25))
+        call(torch.nn.Parameter(q, requires_grad=False), k, v)
+    assert _delta(before) == {"hits": 0, "misses": 9, "bypassed": 6}
+    call()
+    assert _delta(before) == {"hits": 1, "misses": 9, "bypassed": 6}
