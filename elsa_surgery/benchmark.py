@@ -187,6 +187,30 @@ def per_call_ms(fn: Callable[[], object], n: int, *, host_only: bool = False, wa
     return ms
 
 
+_SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                  "math": "MATH"}
+
+
+def sdpa_backends(q, k, v, names: Sequence[str] = ("flash", "cudnn", "efficient"),
+                  **kw) -> Tuple[Dict[str, Callable[[], object]], Dict[str, str]]:
+    """PyTorch's SDPA on ``q, k, v`` (``kw``: its other arguments) pinned to each of the named backends:
+    ``({name: call}, {name: why it cannot run the case})``; each call is made once here to find out."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    calls, errors = {}, {}
+    for name in names:
+        def run(backend=getattr(SDPBackend, _SDPA_BACKENDS[name])):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        try:
+            run()
+            calls[name] = run
+        except Exception as exc:  # a backend that cannot run this case
+            errors[name] = str(exc).splitlines()[0][:120]
+    return calls, errors
+
+
 def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
     """GPU time of ``fn``'s kernels per call, in ms: the profiler's device times summed over ``calls`` calls (each
     kernel's own time; host stalls between launches do not count, so a neighbour's compile load on the CPU does not

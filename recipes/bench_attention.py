@@ -192,21 +192,10 @@ def decode_cell(dname, B, Hq, Hkv, D, nq, nk, rounds=5, calls=50):
     row = {"dtype": dname, "B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "D": D, "Nq": nq, "Nk": nk, "N": nk,
            "causal": False}
     fns = {"elsa": lambda: elsa_surgery.attention(q, k, v, backend="elsa", precision=prec, enable_gqa=True)}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    for name, be in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                     ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
-        if name in ("flash", "cudnn") and dtype == torch.float32:
-            continue
-
-        def run(be=be):
-            with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
-        try:
-            run()
-            fns[name] = run
-        except Exception as exc:  # a backend that cannot run this case
-            row[f"{name}_err"] = str(exc).splitlines()[0][:120]
+    names = ("efficient", "math") if dtype == torch.float32 else ("efficient", "flash", "cudnn", "math")
+    calls, errors = benchmark.sdpa_backends(q, k, v, names, enable_gqa=Hq != Hkv)
+    fns.update(calls)
+    row.update({f"{name}_err": why for name, why in errors.items()})
     ref = elsa_surgery.attention(q[:1, :Hq // Hkv].double(), k[:1, :1].double(), v[:1, :1].double(),
                                  backend="reference", enable_gqa=True)
     row["rel_err"] = rel(fns["elsa"]()[:1, :Hq // Hkv], ref)

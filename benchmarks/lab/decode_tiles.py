@@ -14,7 +14,6 @@ import itertools
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import elsa_surgery
 from elsa_surgery import benchmark
@@ -84,20 +83,8 @@ def main(argv=None):
                 occ.DECODE_PROGRAMS_PER_SM, occ.DECODE_PROGRAMS_PER_SM_NARROW = keep
                 launch.replay.clear()
         results.sort()
-        sdpa, runs = {}, {}
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                         ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            def run(be=be):
-                with sdpa_kernel([be]):
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
-            try:
-                run()
-                sdpa[name] = graph_ms(run)
-                runs[name] = run
-            except Exception:
-                pass
+        runs = benchmark.sdpa_backends(q, k, v, enable_gqa=Hq != Hkv)[0]
+        sdpa = {name: graph_ms(run) for name, run in runs.items()}
         eager = ""
         if a.eager:
             ms = benchmark.interleaved_ms({"elsa": fn, **runs}, rounds=5, calls=20)

@@ -1,0 +1,68 @@
+"""Question: where does an eager decode call's time go beyond its kernels? Session 40's decode grid read
+16 x 32:8 D = 64 4K at 0.82-0.87x the fastest SDPA backend eager against 0.97x graph-replayed (H100): the call's
+host side. For each shape: host time per call (the clock stops before the device sync), eager time (after it),
+graph-replayed kernel time, for ``elsa_surgery.attention(backend="elsa")`` and SDPA's cuDNN and flash kernels; the
+kernels one ELSA call launches (torch.profiler); then a cProfile of ``--profile`` ELSA calls (first shape).
+
+    python benchmarks/lab/decode_host.py [--shapes 16x32x8x64x4096,1x32x8x128x4096] [--calls 200]
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import warnings
+
+import torch
+import triton.testing
+
+import elsa_surgery
+from elsa_surgery import benchmark
+
+from op_host import per_call  # (host µs, eager µs) per call, medians of 5 rounds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="16x32x8x64x4096,1x32x8x128x4096,1x32x4x64x32768", help="BxHqxHkvxDxNk")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=2000)
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    first = None
+    for shape in a.shapes.split(","):
+        B, Hq, Hkv, D, nk = (int(x) for x in shape.split("x"))
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, nk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        fns = {"elsa": lambda: elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)}
+        fns.update(benchmark.sdpa_backends(q, k, v, ("cudnn", "flash"), enable_gqa=Hq != Hkv)[0])
+        res = {name: [] for name in fns}
+        for _ in range(3):  # interleaved rounds
+            for name, fn in fns.items():
+                res[name].append(per_call(fn, a.calls))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fns["elsa"]()
+            torch.cuda.synchronize()
+        kernels = {e.key: e.count // 10 for e in prof.key_averages() if e.device_time_total > 0}
+        print(f"{shape}: ELSA kernels a call {kernels}", flush=True)
+        for name in fns:
+            host = statistics.median(h for h, _ in res[name])
+            wall = statistics.median(w for _, w in res[name])
+            graph = triton.testing.do_bench(benchmark.cuda_graph(fns[name]), warmup=25, rep=100,
+                                            return_mode="median") * 1e3
+            print(f"  {name:6s} host {host:7.1f} us  eager {wall:7.1f} us  graph {graph:7.1f} us", flush=True)
+        first = first or fns["elsa"]
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(a.profile):
+            first()
+        pr.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
