@@ -47,8 +47,9 @@ TARGET_PROGRAMS_PER_SM = 2
 # (<= SMs / DECODE_FEW_GROUPS_DIV; their keys split across many short partitions) take 3 stages and 2 programs per
 # SM (H100, B = 1 32:4 D = 64 131K 69.3 -> 65.2 us, 32:8 4K 15.7 -> 14.4, D = 128 32:4 4K 17.7 -> 16.0); one row per
 # K/V head at head width 128 with >= SMs / DECODE_WIDE_GROUPS_DIV pairs takes 128-key tiles (H100, B = 16 MHA 131K
-# 12.38 -> 11.04 ms, H200 9.47 -> 7.49). Over the grid the H100's geometric mean went from 0.959x to 0.984x the
-# fastest SDPA backend (worst cell 0.847x -> 0.938x), each shape within 3.2 % of its best swept configuration.
+# 12.38 -> 11.04 ms, H200 9.47 -> 7.49). Each shape of the sweep is within 3.2 % of its best configuration; measured
+# after, old and new processes on one H100: the grid's geometric mean 0.958x -> 0.986x the fastest SDPA backend
+# (worst cell 0.851x -> 0.937x).
 DECODE_MAX_ROWS = 64
 DECODE_MIN_KEYS = 512
 DECODE_PROGRAMS_PER_SM = 2

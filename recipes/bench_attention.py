@@ -193,8 +193,8 @@ def decode_cell(dname, B, Hq, Hkv, D, nq, nk, rounds=5, calls=50):
            "causal": False}
     fns = {"elsa": lambda: elsa_surgery.attention(q, k, v, backend="elsa", precision=prec, enable_gqa=True)}
     names = ("efficient", "math") if dtype == torch.float32 else ("efficient", "flash", "cudnn", "math")
-    calls, errors = benchmark.sdpa_backends(q, k, v, names, enable_gqa=Hq != Hkv)
-    fns.update(calls)
+    backends, errors = benchmark.sdpa_backends(q, k, v, names, enable_gqa=Hq != Hkv)
+    fns.update(backends)
     row.update({f"{name}_err": why for name, why in errors.items()})
     ref = elsa_surgery.attention(q[:1, :Hq // Hkv].double(), k[:1, :1].double(), v[:1, :1].double(),
                                  backend="reference", enable_gqa=True)

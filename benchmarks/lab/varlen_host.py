@@ -10,6 +10,8 @@ one call and for a 12-call "forward" (one cu_seqlens pair, fresh q/k/v views per
 """
 
 import argparse
+import cProfile
+import pstats
 
 import torch
 
@@ -23,6 +25,7 @@ def main():
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--total", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=0, help="then a cProfile of this many single calls")
     a = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -42,6 +45,14 @@ def main():
     for name, fn, n in (("one call", call, a.calls), ("12-layer forward", forward, max(1, a.calls // 12))):
         host, eager = per_call(fn, n)
         print(f"{name:18s} host {host:8.1f} us  eager {eager:8.1f} us", flush=True)
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.profile):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
