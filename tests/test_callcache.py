@@ -618,8 +618,14 @@ def test_packed_calls_are_memoised_and_their_cu_seqlens_checked(monkeypatch):
     assert [d.backend for d in log] == ["elsa"] * 3  # announced on every call
     for out in outs:
         assert rel_err(out.cpu(), ref().cpu()) < 2e-6
-    # the first sight of each cu tensor is checked (cu_seqlens_q, then _k: the same tensor, now known), later ones not
-    assert looked == [False, True, False, True, True, True]
+    # the first sight of each cu tensor is checked (cu_seqlens_q, then _k: the same tensor, now known); a hit looks
+    # its pair up first (and takes the full check when one is not known), later ones not
+    assert looked == [False, True, False, False, True, True, True]
+    cu_long = cu.long()  # int64 cu_seqlens: their own entry; on its hit the known values are still converted
+    for _ in range(2):
+        out = elsa_surgery.attention_varlen(q, k, v, cu_long, cu_long, 9, 9, **kw)
+        assert rel_err(out.cpu(), ref().cpu()) < 2e-6
+    assert _delta(before) == {"hits": 3, "misses": 2, "bypassed": 0}
     with pytest.raises(ValueError, match=r"max_seqlen_q=8 is smaller than the longest sequence in cu_seqlens_q \(9\)"):
         elsa_surgery.attention_varlen(q, k, v, cu, cu, 8, 9, **kw)  # a hit; the known cu, a smaller maximum
     cu[1:3] = torch.tensor([12, 9], dtype=torch.int32)  # in place: its version moves, so it is checked again
