@@ -211,6 +211,42 @@ def sdpa_backends(q, k, v, names: Sequence[str] = ("flash", "cudnn", "efficient"
     return calls, errors
 
 
+def host_and_eager_us(fn: Callable[[], object], calls: int, rounds: int = 5,
+                      device="cuda") -> Tuple[float, float]:
+    """``(host µs, eager µs)`` per call of ``calls`` back-to-back calls of ``fn``, medians of ``rounds`` rounds, both
+    read from the same calls: the host clock stops when the last call returns (the GPU queue absorbs the kernels),
+    the eager one after the device is synchronised."""
+    host, eager = [], []
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        synchronize(device)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        eager.append((t2 - t0) / calls * 1e6)
+    return statistics.median(host), statistics.median(eager)
+
+
+def print_host_profile(fn: Callable[[], object], calls: int, orders: Sequence[Tuple[str, int]] = (("tottime", 25),),
+                       device="cuda") -> None:
+    """cProfile of ``calls`` calls of ``fn`` (the device synchronised after the profile stops: its wait is not host
+    work), printed once per ``(sort order, rows)`` of ``orders``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    synchronize(device)
+    for order, top in orders:
+        pstats.Stats(prof).sort_stats(order).print_stats(top)
+
+
 def kernel_ms(fn: Callable[[], object], calls: int = 10) -> float:
     """GPU time of ``fn``'s kernels per call, in ms: the profiler's device times summed over ``calls`` calls (each
     kernel's own time; host stalls between launches do not count, so a neighbour's compile load on the CPU does not

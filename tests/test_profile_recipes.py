@@ -1,9 +1,11 @@
 """The profiling recipes' own logic, on the CPU: ``benchmarks/lab/ncu_profile.py`` splits ncu's rows into calls at the
 marker kernels and reads its metrics and stall reasons; ``benchmarks/lab/membar_probe.py`` removes from a kernel loop's PTX
 exactly the barriers it names (the wait's and the TMA copies'), never the one that guards the stage's refill; and
-``benchmark.environ``, the recipes' switch of the kernels' knobs."""
+``benchmark.environ``, the recipes' switch of the kernels' knobs; the timing, profiling and SDPA-backend helpers the lab
+scripts share."""
 
 import pytest
+import torch
 
 # the key loop of kernels/hopper._elsa_fwd_sm90 as Triton 3.6 emits it (trimmed to what classify() reads)
 PTX = """\
@@ -131,3 +133,37 @@ def test_host_cost_cpu_times_both_calls_and_routes_directly(load_recipe, monkeyp
     # warm-up 500 + 1 (benchmark.interleaved_ms) + one round of 20, for each of the two routed SDPA cases, less each
     # signature's first call
     assert callcache.DIRECT["runs"] - runs == 2 * (500 + 1 + 20 - 1)
+
+
+def test_benchmark_host_and_eager_us_reads_both_clocks_from_the_same_calls():
+    """``benchmark.host_and_eager_us``: ``rounds`` rounds of ``calls`` calls, host time never above eager time."""
+    from elsa_surgery import benchmark
+
+    made = []
+    host, eager = benchmark.host_and_eager_us(lambda: made.append(sum(range(200))), 7, rounds=3, device="cpu")
+    assert len(made) == 21 and 0 < host <= eager
+
+
+def test_benchmark_print_host_profile_prints_each_order(capsys):
+    from elsa_surgery import benchmark
+
+    def work():
+        return sorted(range(50), key=lambda x: -x)
+
+    benchmark.print_host_profile(work, 10, (("tottime", 3), ("cumulative", 2)), device="cpu")
+    out = capsys.readouterr().out
+    assert out.count("function calls") == 2 and "Ordered by: internal time" in out
+    assert "Ordered by: cumulative time" in out and "work" in out
+
+
+def test_benchmark_sdpa_backends_runs_the_backends_that_can_and_says_why_not():
+    """``benchmark.sdpa_backends`` on CPU tensors: the math backend runs and equals SDPA's default; the CUDA-only
+    backends are refused, each with PyTorch's reason."""
+    from elsa_surgery import benchmark
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    calls, errors = benchmark.sdpa_backends(q, k, v, ("math", "cudnn", "efficient"), is_causal=True)
+    assert set(calls) == {"math"} and set(errors) == {"cudnn", "efficient"}
+    assert all(errors.values())
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(calls["math"](), expected)

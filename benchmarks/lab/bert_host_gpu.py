@@ -14,13 +14,13 @@ count or time (synchronisations, copies, launches). Needs a CUDA GPU.
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
 import elsa_surgery
+from elsa_surgery import benchmark
 from host_profile import _bench_models  # (this directory: the script's own)
 
 
@@ -55,15 +55,9 @@ def main():
         torch.cuda.synchronize()
         for _ in range(a.rounds):
             for s, m in sides.items():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(a.calls):
-                    forward(m)
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                host[s].append((t1 - t0) / a.calls * 1e6)
-                eager[s].append((t2 - t0) / a.calls * 1e6)
+                h, e = benchmark.host_and_eager_us(lambda m=m: forward(m), a.calls, rounds=1)
+                host[s].append(h)
+                eager[s].append(e)
         med = {s: (statistics.median(eager[s]), statistics.median(host[s])) for s in sides}
         for s, (e, h) in med.items():
             print(f"{s:>10}: eager {e:8.1f} us/forward  host {h:8.1f} us/forward")

@@ -13,8 +13,6 @@ case (``--cases`` picks cases). Needs a CUDA GPU.
 """
 
 import argparse
-import cProfile
-import pstats
 import statistics
 
 import torch
@@ -93,14 +91,7 @@ def main():
               f"pass-through Function {h['passthrough_bwd']:.1f}", flush=True)
         first = first or elsa
     if a.profile and first is not None:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.profile):
-            first()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        benchmark.print_host_profile(first, a.profile, (("tottime", 25), ("cumulative", 40)))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ kernels one ELSA call launches (torch.profiler); then a cProfile of ``--profile`
 """
 
 import argparse
-import cProfile
-import pstats
 import statistics
 import warnings
 
@@ -18,8 +16,6 @@ import triton.testing
 
 import elsa_surgery
 from elsa_surgery import benchmark
-
-from op_host import per_call  # (host µs, eager µs) per call, medians of 5 rounds
 
 
 def main():
@@ -40,7 +36,7 @@ def main():
         res = {name: [] for name in fns}
         for _ in range(3):  # interleaved rounds
             for name, fn in fns.items():
-                res[name].append(per_call(fn, a.calls))
+                res[name].append(benchmark.host_and_eager_us(fn, a.calls))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 fns["elsa"]()
@@ -55,13 +51,7 @@ def main():
             print(f"  {name:6s} host {host:7.1f} us  eager {wall:7.1f} us  graph {graph:7.1f} us", flush=True)
         first = first or fns["elsa"]
     if a.profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(a.profile):
-            first()
-        pr.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+        benchmark.print_host_profile(first, a.profile, (("tottime", 18),))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,8 @@ cumulative time. Needs a CUDA GPU and timm.
 
 import argparse
 import copy
-import cProfile
 import importlib.util
 import pathlib
-import pstats
 
 import torch
 
@@ -34,17 +32,6 @@ def _bench_models():
     return mod
 
 
-def _profile(fn, calls: int, top: int) -> None:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    prof.disable()
-    for order in ("tottime", "cumulative"):
-        pstats.Stats(prof).sort_stats(order).print_stats(top)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=20)
@@ -57,6 +44,7 @@ def main():
     ap.add_argument("--bert-batch", type=int, default=8)
     ap.add_argument("--bert-native-profile", action="store_true", help="bert: cProfile the native model too")
     a = ap.parse_args()
+    orders = (("tottime", a.top), ("cumulative", a.top))  # cProfile's rows, by own and by cumulative time
     bm = _bench_models()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     if "compile" in a.which:
@@ -81,7 +69,7 @@ def main():
             host = {n: benchmark.per_call_ms(f, 20, host_only=True) for n, f in
                     (("native", lambda: call(nc)), ("converted", lambda: call(cc)))}
             print(f"  host only: native {host['native']:.3f} ms, converted {host['converted']:.3f} ms", flush=True)
-            _profile(lambda: call(cc), a.calls, a.top)
+            benchmark.print_host_profile(lambda: call(cc), a.calls, orders)
         native = converted = cc = nc = None
         torch._dynamo.reset()
     if "train" in a.which:
@@ -97,7 +85,7 @@ def main():
         t = benchmark.interleaved_ms(steps, rounds=5, calls=5)
         print(f"train vit_b16 bf16-autocast b8: native {t['native']:.3f} ms, converted {t['converted']:.3f} ms",
               flush=True)
-        _profile(steps["converted"], max(2, a.calls // 4), a.top)
+        benchmark.print_host_profile(steps["converted"], max(2, a.calls // 4), orders)
     if "bert" in a.which:
         dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[a.bert_dtype]
         native, call = bm.ab_build(a.bert_workload, dtype, a.bert_batch, "cuda")
@@ -122,7 +110,7 @@ def main():
                   flush=True)
             for side in (("native", "converted") if a.bert_native_profile else ("converted",)):
                 print(f"===== cProfile, {side}", flush=True)
-                _profile(fns[side], a.calls, a.top)
+                benchmark.print_host_profile(fns[side], a.calls, orders)
 
 
 if __name__ == "__main__":

@@ -18,35 +18,17 @@ op, of the compiled op and of the compiled SDPA follows (first case). Needs a CU
 """
 
 import argparse
-import cProfile
-import pstats
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import elsa_surgery
+from elsa_surgery import benchmark
 
 # name: (B, H, N, D, dtype, mask shape or None)
 CASES = {"swin_t_stage1_fp32_masked": (512, 3, 49, 32, torch.float32, (64, 3, 49, 49)),
          "swin_t_stage1_bf16_masked": (512, 3, 49, 32, torch.bfloat16, (64, 3, 49, 49)),
          "vit_b16_bf16": (8, 12, 197, 64, torch.bfloat16, None)}
-
-
-def per_call(fn, calls):
-    host, wall = [], []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        wall.append((t2 - t0) / calls * 1e6)
-    return statistics.median(host), statistics.median(wall)
 
 
 def main():
@@ -88,21 +70,15 @@ def main():
                 for fn in routes.values():  # warm: compiles, launch plans
                     for _ in range(3):
                         fn()
-                cells = {r: per_call(fn, a.calls) for r, fn in routes.items()}
+                cells = {r: benchmark.host_and_eager_us(fn, a.calls) for r, fn in routes.items()}
             print(f"{name} [{mode_name}] host / wall us per call: " + "; ".join(
                 f"{r} {h:.1f} / {w:.1f}" for r, (h, w) in cells.items()), flush=True)
         if not profiled and a.profile:  # the first case: where the op's host time goes, alone and in a graph
             for route in ("op", "compiled op", "compiled sdpa"):
                 profiled = True
-                prof = cProfile.Profile()
-                with torch.inference_mode():
-                    prof.enable()
-                    for _ in range(a.profile):
-                        routes[route]()
-                    torch.cuda.synchronize()
-                    prof.disable()
                 print(f"--- cProfile: {route}, {a.profile} calls, {name}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+                with torch.inference_mode():
+                    benchmark.print_host_profile(routes[route], a.profile, (("tottime", 18),))
 
 if __name__ == "__main__":
     main()

@@ -10,14 +10,11 @@ one call and for a 12-call "forward" (one cu_seqlens pair, fresh q/k/v views per
 """
 
 import argparse
-import cProfile
-import pstats
 
 import torch
 
 import elsa_surgery
-
-from op_host import per_call
+from elsa_surgery import benchmark
 
 
 def main():
@@ -43,16 +40,10 @@ def main():
             call()
 
     for name, fn, n in (("one call", call, a.calls), ("12-layer forward", forward, max(1, a.calls // 12))):
-        host, eager = per_call(fn, n)
+        host, eager = benchmark.host_and_eager_us(fn, n)
         print(f"{name:18s} host {host:8.1f} us  eager {eager:8.1f} us", flush=True)
     if a.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.profile):
-            call()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        benchmark.print_host_profile(call, a.profile, (("tottime", 30),))
 
 
 if __name__ == "__main__":
