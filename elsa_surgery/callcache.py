@@ -53,7 +53,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import autoselect, dispatch, sdpa, semantics
+from . import autoselect, dispatch, sdpa
 from .kernels import internals, knobs, replay
 from .semantics import (AttentionProblem, VarlenProblem, broadcast_batch_and_heads, build_problem,
                         build_varlen_problem, canonical_dense_lengths, canonical_mask, lengths_checked,
@@ -309,16 +309,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     else:
         STATS["hits"] += 1
         scale_, causal, dropout, d = hit
-        if (type(max_seqlen_q) is int and type(max_seqlen_k) is int and cu_seqlens_q.dtype == torch.int32
-                and cu_seqlens_q.device == q.device and cu_seqlens_k.dtype == torch.int32
-                and cu_seqlens_k.device == q.device
-                and semantics._cu_checked(cu_seqlens_q, q.shape[0], max_seqlen_q)
-                and semantics._cu_checked(cu_seqlens_k, k.shape[0], max_seqlen_k)):
-            # (the key holds their geometry: plain tensors of the shapes checked before) both pairs checked before
-            # and unchanged, int32 on q's device: nothing to check or convert
-            cq, ck = cu_seqlens_q, cu_seqlens_k
-        else:
-            cq, ck = varlen_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        cq, ck = varlen_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         vp = VarlenProblem(q, k, v, cq, ck, int(max_seqlen_q), int(max_seqlen_k), scale_, causal, dropout)
     dispatch.announce(d)
     return vp, d
