@@ -498,9 +498,10 @@ class VarlenProblem:
 
 
 def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str, max_len, device) -> torch.Tensor:
-    if (type(max_len) is int and _cu_checked(cu, total, max_len) and cu.dtype == torch.int32
-            and cu.device == device):
-        return cu  # checked before and unchanged, int32 on the device: nothing to check or convert
+    if (type(max_len) is int and not torch.compiler.is_compiling() and _cu_checked(cu, total, max_len)
+            and cu.dtype == torch.int32 and cu.device == device):
+        return cu  # checked before and unchanged, int32 on the device: nothing to check or convert (never while
+        # tracing: the in-place version is a data-dependent value for dynamo, as the value checks are)
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor of shape [B + 1], got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
