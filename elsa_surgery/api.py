@@ -182,13 +182,17 @@ def attention_varlen(
     maxima, not on the other sequences of the pack. The reference backend draws its own masks (the same
     distribution, other draws), as the dense reference does.
     """
-    cast_to = autocast_dtype(q)
+    cast_to = autocast_dtype(q) if _ANY_AUTOCAST() else None
     if cast_to is not None:  # inside torch.autocast: as attention
         q, k, v = autocast_cast(cast_to, q.device.type, q, k, v)
         with torch.autocast(q.device.type, enabled=False):
             return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     is_causal=is_causal, scale=scale, backend=backend, precision=precision,
                                     return_lse=return_lse, dropout_p=dropout_p)
+    res = callcache.direct_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                                  backend, precision, return_lse, dropout_p)  # a call seen before: callcache.py
+    if type(res) is not callcache.Miss:
+        return res
     vp, d = callcache.prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      is_causal=is_causal, scale=scale, backend=backend, precision=precision,
                                      return_lse=return_lse, dropout_p=dropout_p)
@@ -200,4 +204,5 @@ def attention_varlen(
         )
     else:
         out, lse = reference_ops.run_varlen(vp, return_lse=return_lse)
+    callcache.learn_varlen(res.key, vp, d, q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse)
     return (out, lse) if return_lse else out

@@ -498,7 +498,7 @@ class VarlenProblem:
 
 
 def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str, max_len, device) -> torch.Tensor:
-    if (type(max_len) is int and not torch.compiler.is_compiling() and _cu_checked(cu, total, max_len)
+    if (type(max_len) is int and not torch.compiler.is_compiling() and cu_seqlens_checked(cu, total, max_len)
             and cu.dtype == torch.int32 and cu.device == device):
         return cu  # checked before and unchanged, int32 on the device: nothing to check or convert (never while
         # tracing: the in-place version is a data-dependent value for dynamo, as the value checks are)
@@ -514,7 +514,7 @@ def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str,
         raise TypeError(f"{max_name} must be an int, got {type(max_len).__name__}") from None
     if max_len < 0:
         raise ValueError(f"{max_name} must be >= 0, got {max_len}")
-    if _data_checks_allowed(cu) and not _cu_checked(cu, total, max_len):
+    if _data_checks_allowed(cu) and not cu_seqlens_checked(cu, total, max_len):
         host = cu.detach().to("cpu", torch.int64)
         if int(host[0]) != 0:
             raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
@@ -541,8 +541,9 @@ def _check_cu_seqlens(name: str, cu, total: int, total_name: str, max_name: str,
 _cu_valid: list = []
 
 
-def _cu_checked(cu: torch.Tensor, total: int, max_len: int) -> bool:
-    """Whether ``cu`` was checked before (unchanged since) for ``total`` rows and a longest sequence <= ``max_len``."""
+def cu_seqlens_checked(cu: torch.Tensor, total: int, max_len: int) -> bool:
+    """Whether ``cu`` was checked before (unchanged since) for ``total`` rows and a longest sequence <= ``max_len``
+    (a packed call's direct route is taken only then: ``elsa_surgery.callcache.direct_varlen``)."""
     for ref, version, checked_total, longest in _cu_valid:
         if ref() is cu and version == cu._version and checked_total == total and longest <= max_len:
             return True

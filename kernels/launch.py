@@ -324,6 +324,19 @@ def attention_plan(q, k, v, *, scale: float, mask=None, is_causal=False, precisi
         num_partitions=None, eta=None))
 
 
+def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, scale: float,
+                is_causal=False, precision=None, return_lse=True):
+    """:func:`attention_plan` of a packed call (:func:`attention_varlen` without provided outputs): ``slots =
+    {"q": q, "k": k, "v": v, "cu_q": cu_seqlens_q, "cu_k": cu_seqlens_k}``."""
+    if not replay.wanted(q):
+        return None
+    return replay.replayable(_replay_key(
+        q, k, v, scale=scale, precision=precision, mask=None, q_lengths=None, kv_lengths=None, cu_q=cu_seqlens_q,
+        cu_k=cu_seqlens_k, is_causal=is_causal, varlen_dims=(cu_seqlens_q.shape[0] - 1, int(max_seqlen_q),
+                                                             int(max_seqlen_k)),
+        out=None, lse=None, state=None, want_lse=return_lse, num_partitions=None, eta=None))
+
+
 # --------------------------------------------------------------------------------------------------
 # the launch planner: a pure function of the call's signature, cached by it
 # --------------------------------------------------------------------------------------------------

@@ -602,11 +602,12 @@ def test_packed_calls_are_memoised_and_their_cu_seqlens_checked(monkeypatch):
     own tensors and cu_seqlens, whose values are checked (once per tensor while unchanged: the layers of a packed
     forward share one pair); bad values and too small maxima still raise on a hit."""
     _kernels_on_cpu(monkeypatch)
+    monkeypatch.setenv("ELSA_LAUNCH_PLANS", "0")  # the memo alone (no direct routes: those are tested below)
     from elsa_surgery import semantics
 
     looked = []
-    real = semantics._cu_checked
-    monkeypatch.setattr(semantics, "_cu_checked", lambda *a: looked.append(real(*a)) or looked[-1])
+    real = semantics.cu_seqlens_checked
+    monkeypatch.setattr(semantics, "cu_seqlens_checked", lambda *a: looked.append(real(*a)) or looked[-1])
     kw = dict(is_causal=True, scale=0.3)
     q0, k0, v0, cu0, _ = _packed([5, 7, 8], causal=True)
     before = _counts()
@@ -641,6 +642,73 @@ def test_packed_calls_are_memoised_and_their_cu_seqlens_checked(monkeypatch):
         inf[1] = 13
         with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
             elsa_surgery.attention_varlen(q, k, v, inf, inf, 13, 13, **kw)
+
+
+def test_a_packed_direct_route_computes_the_call_on_its_own_tensors(monkeypatch):
+    """A packed call seen before replays its launch plan (no validation, no dispatch), only while both cu_seqlens are
+    known valid for it: a decoy call records the route; a new cu tensor is checked on the full path first, then
+    taken through the route; the output matches the oracle of the caller's own tensors; the decision is announced."""
+    _plans_on_cpu(monkeypatch)
+    kw = dict(is_causal=True, scale=0.3)
+    q0, k0, v0, cu0, _ = _packed([5, 7, 8], causal=True)
+    q, k, v, cu, ref = _packed([9, 3, 8], causal=True)  # same totals, other sequences
+    before, direct_before = _counts(), dict(callcache.DIRECT)
+    with dispatch.record() as log:
+        elsa_surgery.attention_varlen(decoy(q0), decoy(k0), decoy(v0), cu0, cu0, 9, 9, **kw)
+        assert _direct_delta(direct_before) == {"runs": 0, "routes": 1}  # made by the first call
+        replayed = replay.STATS["replayed"]
+        first = elsa_surgery.attention_varlen(q, k, v, cu, cu, 9, 9, **kw)  # a cu tensor not seen: the full path
+        assert _direct_delta(direct_before) == {"runs": 0, "routes": 1}
+        out = elsa_surgery.attention_varlen(q, k, v, cu, cu, 9, 9, **kw)  # checked and unchanged: the route
+        assert _direct_delta(direct_before) == {"runs": 1, "routes": 1}
+        assert replay.STATS["replayed"] == replayed + 2  # the full path replayed the plan, then the route did
+        out2, lse = elsa_surgery.attention_varlen(q, k, v, cu, cu, 9, 9, **kw, return_lse=True)  # its own route
+        out2, lse = elsa_surgery.attention_varlen(q, k, v, cu, cu, 9, 9, **kw, return_lse=True)
+    assert _direct_delta(direct_before) == {"runs": 2, "routes": 2}
+    assert _delta(before) == {"hits": 3, "misses": 2, "bypassed": 0}
+    assert [d.backend for d in log] == ["elsa"] * 5
+    for o in (first, out, out2):
+        assert rel_err(o.cpu(), ref().cpu()) < 2e-6
+    assert lse.shape == (2, 20) and torch.isfinite(lse).all()
+    # another pair of tensors for keys (q's cu_seqlens apart): each is checked before the route runs
+    ck = torch.tensor([0, 9, 12, 20], dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        elsa_surgery.attention_varlen(q, k, v, cu, ck, 9, 9, **kw)
+    assert _direct_delta(direct_before) == {"runs": 3, "routes": 3}
+
+
+def test_a_packed_route_is_not_taken_for_unchecked_values_or_other_calls(monkeypatch):
+    """The route never runs what the full path would refuse or compute otherwise: cu_seqlens changed in place
+    (checked again, and an invalid value raises), a maximum below the known longest sequence (raises), other
+    maxima (their own route), int64 cu_seqlens, calls autograd records and dropout (no route), plans dropped."""
+    _plans_on_cpu(monkeypatch)
+    q, k, v, cu, ref = _packed([9, 3, 8])
+    call = lambda *a, **kw: elsa_surgery.attention_varlen(q, k, v, *(a or (cu, cu, 9, 9)), scale=0.3, **kw)
+    call()
+    before = dict(callcache.DIRECT)
+    call()
+    assert _direct_delta(before) == {"runs": 1, "routes": 0}
+    with pytest.raises(ValueError, match=r"max_seqlen_q=8 is smaller than the longest sequence in cu_seqlens_q"):
+        call(cu, cu, 8, 9)
+    call(cu, cu, 12, 9)
+    out = call(cu, cu, 12, 9)  # other maxima: a route of their own, the same answer
+    assert _direct_delta(before) == {"runs": 2, "routes": 1}
+    assert rel_err(out.cpu(), ref().cpu()) < 2e-6
+    cu[1:3] = torch.tensor([12, 9], dtype=torch.int32)  # in place: checked again on the full path
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+        call()
+    cu[1:3] = torch.tensor([9, 12], dtype=torch.int32)
+    for _ in range(2):
+        out = call(cu.long(), cu.long(), 9, 9)  # converted by the full path: no route
+        call(cu, cu, 9, 9, dropout_p=0.5)  # dropout: no route
+        with torch.enable_grad():
+            elsa_surgery.attention_varlen(q.detach().requires_grad_(), k, v, cu, cu, 9, 9, scale=0.3)  # no route
+    assert _direct_delta(before) == {"runs": 2, "routes": 1}
+    assert rel_err(out.cpu(), ref().cpu()) < 2e-6
+    replay.clear()  # the planner's constants changed: the route is dropped, the call decided again
+    call()
+    call()
+    assert _direct_delta(before) == {"runs": 3, "routes": 2}
 
 
 def test_every_part_of_a_packed_calls_signature_has_its_own_entry(monkeypatch):
