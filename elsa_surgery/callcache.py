@@ -322,6 +322,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 # packed calls' direct routes: route key (direct_varlen) -> (decision, launch plan, replay.GENERATION when recorded)
 _varlen_routes: dict = {}
+_VARLEN_TYPES = slice(37, 43)  # the scalars' types in a packed call's route key (pinned by tests/test_callcache.py)
 
 
 def direct_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, backend,
@@ -379,7 +380,8 @@ def learn_varlen(rkey: Optional[tuple], vp: VarlenProblem, d: dispatch.Decision,
     its direct route if it can have one: on the kernels, no dropout, the caller's cu_seqlens as they are (int32 on
     q's device), its launch plan replayable."""
     if (rkey is None or d.backend != "elsa" or vp.dropout_p or vp.cu_seqlens_q is not cu_seqlens_q
-            or vp.cu_seqlens_k is not cu_seqlens_k or rkey in _varlen_routes):
+            or vp.cu_seqlens_k is not cu_seqlens_k or rkey in _varlen_routes
+            or not _PLAIN.issuperset(rkey[_VARLEN_TYPES])):  # (NumPy scalars: validated in full on every call)
         return
     from .kernels import launch  # the kernels ran: imported
 

@@ -713,8 +713,9 @@ def test_a_packed_route_is_not_taken_for_unchecked_values_or_other_calls(monkeyp
 
 def test_every_part_of_a_packed_calls_signature_has_its_own_entry(monkeypatch):
     """Scalars (with their types), the cu_seqlens' dtype, the environment and autograd each give their own entry; a
-    tensor scale, NumPy scalars and tensor subclasses are validated in full on every call."""
-    _kernels_on_cpu(monkeypatch)
+    tensor scale, NumPy scalars and tensor subclasses are validated in full on every call (no memo entry, no direct
+    route)."""
+    _plans_on_cpu(monkeypatch)
     q, k, v, cu, _ = _packed([5, 7, 8])
     call = lambda *a, **kw: elsa_surgery.attention_varlen(*(a or (q, k, v)), cu, cu, 8, 8, **kw)
     before = _counts()
@@ -736,3 +737,5 @@ def test_every_part_of_a_packed_calls_signature_has_its_own_entry(monkeypatch):
     assert _delta(before) == {"hits": 0, "misses": 9, "bypassed": 6}
     call()
     assert _delta(before) == {"hits": 1, "misses": 9, "bypassed": 6}
+    rkey = callcache.direct_varlen(q, k, v, cu, cu, 8, 8, False, np.float32(0.5), "auto", None, False, 0.0).key
+    assert rkey[callcache._VARLEN_TYPES] == (bool, np.float32, str, type(None), bool, float)
