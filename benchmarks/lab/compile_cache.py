@@ -7,6 +7,13 @@ compiled call. ``--profile FILE`` writes a cProfile of that call (``pstats`` for
 
     python benchmarks/lab/compile_cache.py --side native|converted --workload swin_t --dtype fp32 [--profile F]
 
+``--side both`` runs the processes itself and gives the ratio (session 41: single warm processes of Swin-T fp32 read
+1.06x and 1.36x on one machine kind): each side on fresh caches of its own, one cold process, then ``--warm`` warm
+ones, the two sides alternated (the host's drift falls on both); the summary holds every process's seconds and the
+ratio of the medians, converted over native. ``--profile`` is not passed on (cProfile slows the call).
+
+    python benchmarks/lab/compile_cache.py --side both --workload swin_t --dtype fp32 [--warm 3]
+
 ``--full-path`` turns the traced route off (``callcache.traced``, session 37: every traced call validated and decided
 by dynamo's symbolic execution of the full path, as before it), for an A/B of the route in processes of their own.
 ``ELSA_COMPILE_OP=opaque`` in the environment makes the converted side trace to the opaque op instead of the inline
@@ -17,6 +24,12 @@ import argparse
 import cProfile
 import json
 import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -39,13 +52,16 @@ class _Bypasses(logging.Handler):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--side", choices=("native", "converted"), required=True)
+    ap.add_argument("--side", choices=("native", "converted", "both"), required=True)
+    ap.add_argument("--warm", type=int, default=3, help="--side both: warm processes of each side")
     ap.add_argument("--workload", default="swin_t")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--profile", default=None, help="write a cProfile of the compiled call here")
     ap.add_argument("--full-path", action="store_true", help="converted side: the traced route off")
     a = ap.parse_args()
+    if a.side == "both":
+        return both_sides(a)
     import elsa_surgery
     from elsa_surgery import callcache
 
@@ -89,7 +105,40 @@ def main():
                       "max_abs_diff_vs_eager": float((out.float() - ref.float()).abs().max()),
                       "counters": counters, "bypass_logs": bypasses.seen[:8]}), flush=True)
     print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
+    return 0
+
+
+def both_sides(a) -> int:
+    """``--side both``: cold, then ``a.warm`` warm processes of each side, alternated; each side's caches its own."""
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    sides = ("native", "converted")
+    caches = {side: tempfile.mkdtemp(prefix=f"elsa_compile_{side}_") for side in sides}
+    seconds = {(side, run): [] for side in sides for run in ("cold", "warm")}
+    try:
+        for run in ["cold"] + ["warm"] * a.warm:
+            for side in sides:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches[side], "inductor"),
+                           TRITON_CACHE_DIR=os.path.join(caches[side], "triton"))
+                cmd = [sys.executable, __file__, "--side", side, "--workload", a.workload, "--dtype", a.dtype,
+                       "--batch", str(a.batch), *(["--full-path"] if a.full_path else [])]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, check=False)
+                print(f"==== {side} {run}\n{done.stdout}", flush=True)
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+                if done.returncode or not lines:
+                    print(done.stderr[-3000:], flush=True)
+                    continue
+                seconds[(side, run)].append(json.loads(lines[-1])["compile_s"])
+    finally:
+        for cache in caches.values():
+            shutil.rmtree(cache, ignore_errors=True)
+    summary = {f"{side}_{run}_s": [round(x, 2) for x in xs] for (side, run), xs in seconds.items()}
+    for run in ("cold", "warm"):
+        if seconds[("native", run)] and seconds[("converted", run)]:
+            summary[f"{run}_ratio_of_medians"] = round(statistics.median(seconds[("converted", run)])
+                                                       / statistics.median(seconds[("native", run)]), 3)
+    print("summary (compile seconds; ratio: converted / native):", json.dumps(summary), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
