@@ -40,8 +40,8 @@ Packed calls (:func:`elsa_surgery.attention_varlen`) are memoised the same way (
 cu_seqlens' geometry in the key; their values are checked on every call, once per tensor while it is unchanged
 (``semantics.varlen_cu_seqlens``). Packed calls without autograd or dropout on the kernels have direct routes too
 (:func:`direct_varlen`, :func:`learn_varlen`): the launch plan replayed, taken only while both cu_seqlens are known
-valid for the call (checked before and unchanged, int32 on q's device) (session 40, H100 host: 129-142 µs a packed
-call after the memo, where a dense call's route costs ~20 µs).
+valid for the call (checked before and unchanged, int32 on q's device): H100 host, session 41, 30-50 µs a packed
+call against 73-98 µs with the memo alone (``benchmarks/lab/varlen_host.py``).
 
 Not memoised, so validated in full on every call: calls that raise (errors are never kept), lengths given as lists,
 a tensor ``scale``, arguments of other types than plain tensors, bools, numbers and strings (tensor subclasses, NumPy

@@ -1,7 +1,8 @@
 """Question: what does a packed (varlen) call cost the host, and a packed forward of 12 layers that share one
 cu_seqlens pair (transformers' flash-attention kwargs)? Session 40 memoised packed calls' validation and dispatch
 (``callcache.prepare_varlen``) and checks each cu_seqlens tensor's values once while it is unchanged (a copy to the
-host and a sync a check); run this script on the old and the new checkout in turn.
+host and a sync a check); session 41 gave packed calls direct routes (``callcache.direct_varlen``). Run this script
+on the old and the new checkout in turn.
 
     python benchmarks/lab/varlen_host.py [--seqs 8] [--total 1024] [--calls 200]
 
