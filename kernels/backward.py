@@ -221,7 +221,8 @@ def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok
         if ATOMIC_DQ:
             dqt = _dot(kt, dst.to(qt.dtype), tl.zeros([kt.shape[0], BLOCK_M], dtype=tl.float32), DOT) * scale
             tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64[None, :] * stride_dqn
-                          + offs_d[:, None] * stride_dqd, dqt, mask=row_ok[None, :] & (offs_d[:, None] < D))
+                          + offs_d[:, None] * stride_dqd, dqt, mask=row_ok[None, :] & (offs_d[:, None] < D),
+                          sem="relaxed")  # (acq_rel, the default, fences every add: see atomic_dq)
         if WRITE_DS:
             tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[None, :].to(tl.int64) * stride_sm
                      + cols[:, None].to(tl.int64) * stride_sn, dst, mask=row_ok[None, :] & col_ok[:, None])
@@ -242,7 +243,8 @@ def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok
         if ATOMIC_DQ:
             dq = _dot(ds.to(q.dtype), k_rows, tl.zeros([BLOCK_M, k_rows.shape[1]], dtype=tl.float32), DOT) * scale
             tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64 * stride_dqn
-                          + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D))
+                          + offs_d[None, :] * stride_dqd, dq, mask=row_ok[:, None] & (offs_d[None, :] < D),
+                          sem="relaxed")
         if WRITE_DS:
             tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[:, None].to(tl.int64) * stride_sm
                      + cols[None, :].to(tl.int64) * stride_sn, ds, mask=row_ok[:, None] & col_ok[None, :])
