@@ -301,3 +301,62 @@ def launch_compiled(kernel, grid, grid3, stream, hooks, vals) -> None:
         meta = kernel.launch_metadata(grid, stream, *vals)
     g0, g1, g2 = grid3
     kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *vals)
+
+
+PTXAS_ENV = "TRITON_PTXAS_PATH"
+_ptxas_matched: list = []  # [reason]: match_inductor_ptxas ran (once a process)
+
+
+def torch_ptxas():
+    """The ptxas that Inductor's compile workers give Triton (``TRITON_PTXAS_PATH``): ``torch/bin/ptxas``, the rule of
+    ``torch._inductor.runtime.compile_tasks._set_triton_ptxas_path`` (torch 2.11-2.14; importing it here would
+    import Inductor, ~2 s). None where torch ships none (CPU and ROCm wheels) or it is not executable."""
+    import torch
+
+    path = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "bin", "ptxas")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def triton_compiled_yet() -> Optional[bool]:
+    """Whether Triton has already found the version of its ptxas in this process (its compile cache key holds that
+    version, read once: ``triton.backends.nvidia.compiler.get_ptxas_version``'s cache, a private detail); None where
+    that cannot be told (another Triton)."""
+    try:
+        from triton.backends.nvidia import compiler
+    except ImportError:
+        return None
+    info = getattr(compiler.get_ptxas_version, "cache_info", None)
+    return None if info is None else info().currsize > 0
+
+
+def match_inductor_ptxas() -> str:
+    """Points Triton at the ptxas that Inductor's compile workers use, once a process, before the first ELSA kernel
+    compiles (``kernels/replay.launch``): sets ``TRITON_PTXAS_PATH`` to torch's ptxas where torch ships one, the
+    variable is unset and Triton has compiled nothing yet. Returns what was done (logged at INFO).
+
+    Why (session 42, H100, torch 2.11): a cold ``torch.compile`` of a converted model compiles the ELSA kernels in
+    Inductor's workers, which set the variable to torch's ptxas (CUDA 13.0 there); a warm start serves the graph
+    from Inductor's cache but compiles user-defined Triton kernels again in this process (Inductor bundles only
+    its own), with Triton's ptxas (CUDA 12.8) when the variable is unset. The ptxas version is part of Triton's
+    cache key, so the first warm process compiled every ELSA kernel from scratch: Swin-T fp32 6.3 s against 3.5 s
+    for the next. Eager kernels then compile with torch's ptxas as well, the one Inductor's kernels use. A set
+    variable is left alone (a user's choice, or ``TRITON_PTXAS_PATH`` pointing at Triton's own to opt out)."""
+    if _ptxas_matched:
+        return _ptxas_matched[0]
+    if os.environ.get(PTXAS_ENV) is not None:
+        reason = f"{PTXAS_ENV} already set: left alone"
+    else:
+        path = torch_ptxas()
+        compiled = triton_compiled_yet()
+        if path is None:
+            reason = "torch ships no ptxas: Triton's own is used"
+        elif compiled is None or compiled:
+            reason = ("Triton compiled a kernel before the first ELSA kernel (or its ptxas version cache is not the "
+                      f"one known): {PTXAS_ENV} left unset, so a warm torch.compile start may compile the ELSA "
+                      "kernels again")
+        else:
+            os.environ[PTXAS_ENV] = path
+            reason = f"{PTXAS_ENV}={path} (the ptxas Inductor's compile workers use)"
+    _ptxas_matched.append(reason)
+    logger.info("elsa_surgery: %s", reason)
+    return reason

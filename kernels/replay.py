@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import threading
 from typing import Callable, Dict, Optional
 
@@ -187,6 +188,8 @@ def derived(name: str, t: torch.Tensor, make: Callable) -> None:
 def launch(fn, grid, *args, **kwargs):
     """``fn[grid](*args, **kwargs)``, recorded when a plan is being recorded; through ``wrap_triton`` inside
     :func:`wrapped_launches` (returns None there)."""
+    if not internals._ptxas_matched and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):  # (once a process)
+        internals.match_inductor_ptxas()
     if getattr(_local, "wrap", False):
         from torch.library import wrap_triton
 

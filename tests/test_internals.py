@@ -84,3 +84,82 @@ def test_descriptor_encoding_needs_a_checked_triton(monkeypatch):
     monkeypatch.setattr(replay, "wanted", lambda t: True)
     monkeypatch.setattr(replay, "_desc_module", lambda cls: object())
     assert not replay.encodes_descriptors(torch.zeros(1))
+
+
+class _Cache:
+    """Stands in for ``get_ptxas_version``'s lru_cache: ``currsize`` entries."""
+
+    def __init__(self, currsize):
+        self.currsize = currsize
+
+    def cache_info(self):
+        return self
+
+
+@pytest.fixture
+def fresh_ptxas(monkeypatch, tmp_path):
+    """No match made yet, TRITON_PTXAS_PATH unset, and an executable stand-in for torch's ptxas."""
+    from triton.backends.nvidia import compiler
+
+    monkeypatch.setattr(internals, "_ptxas_matched", [])
+    monkeypatch.delenv(internals.PTXAS_ENV, raising=False)
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(internals, "torch_ptxas", lambda: str(ptxas))
+    monkeypatch.setattr(compiler, "get_ptxas_version", _Cache(0), raising=False)
+    return ptxas
+
+
+def test_torch_ptxas_follows_inductors_rule():
+    """The path is the one Inductor's workers set (torch/bin/ptxas), found without importing Inductor."""
+    compile_tasks = pytest.importorskip("torch._inductor.runtime.compile_tasks")
+    want = os.path.join(os.path.dirname(os.path.abspath(compile_tasks.__file__)), "..", "..", "bin", "ptxas")
+    got = internals.torch_ptxas()
+    if os.path.isfile(want) and os.access(want, os.X_OK):
+        assert got == os.path.abspath(want)
+    else:
+        assert got is None  # (CPU and ROCm wheels)
+
+
+def test_ptxas_matched_before_triton_compiles(fresh_ptxas, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="elsa_surgery"):
+        reason = internals.match_inductor_ptxas()
+    assert os.environ[internals.PTXAS_ENV] == str(fresh_ptxas)
+    assert "Inductor's compile workers" in reason and reason in caplog.text
+    monkeypatch.delenv(internals.PTXAS_ENV)
+    assert internals.match_inductor_ptxas() == reason  # once a process: not set again
+    assert internals.PTXAS_ENV not in os.environ
+
+
+@pytest.mark.parametrize("case", ["user set it", "triton compiled first", "no ptxas in torch"])
+def test_ptxas_left_alone(fresh_ptxas, monkeypatch, case):
+    from triton.backends.nvidia import compiler
+
+    if case == "user set it":
+        monkeypatch.setenv(internals.PTXAS_ENV, "/opt/my/ptxas")
+    elif case == "triton compiled first":  # its cache key already holds its own ptxas's version
+        monkeypatch.setattr(compiler, "get_ptxas_version", _Cache(1), raising=False)
+    else:
+        monkeypatch.setattr(internals, "torch_ptxas", lambda: None)
+    reason = internals.match_inductor_ptxas()
+    assert os.environ.get(internals.PTXAS_ENV) == ("/opt/my/ptxas" if case == "user set it" else None)
+    assert {"user set it": "already set", "triton compiled first": "left unset",
+            "no ptxas in torch": "ships no ptxas"}[case] in reason
+
+
+def test_first_launch_matches_ptxas_unless_interpreting(fresh_ptxas, monkeypatch):
+    """kernels/replay.launch makes the match before the first compiled launch; under TRITON_INTERPRET it does not."""
+    calls = []
+    monkeypatch.setattr(internals, "match_inductor_ptxas", lambda: calls.append(1))
+
+    class _Fn:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    replay.launch(_Fn(), (1,))
+    assert calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    replay.launch(_Fn(), (1,))
+    assert calls == [1]
