@@ -555,6 +555,61 @@ def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision
     assert ("ops.elsa_surgery.attention_inference" in code) == hopper_ok, code
 
 
+_WARM_START = r"""
+import json, os, torch, elsa_surgery
+gen = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", generator=gen) for _ in range(3))
+mask = (torch.arange(300, device="cuda")[:, None] >= torch.arange(300, device="cuda")[None])[None, None]
+
+def call(q, k, v, mask):
+    return elsa_surgery.attention(q, k, v, mask, backend="elsa", precision="strict")
+
+with torch.no_grad():
+    got = torch.compile(call, fullgraph=True)(q, k, v, mask)
+    want = call(q, k, v, mask)
+print(json.dumps(dict(ptxas=os.environ.get("TRITON_PTXAS_PATH"),
+                      rel=float((got - want).norm() / want.norm()))))
+"""
+
+
+@pytest.mark.gpu
+def test_warm_compile_start_finds_the_kernels_in_tritons_cache_gpu(tmp_path):
+    """A compiled masked call (the inline op: Inductor's code launches ``elsa_fwd`` and the mask-tile kernels),
+    compiled cold in one process, then warm in another on the same caches: the warm process compiles no ELSA kernel
+    again (no new Triton cache entry of theirs). Session 42 (torch 2.11): the warm start compiled them in the main
+    process with Triton's ptxas, the cold one in Inductor's workers with torch's; the ptxas version is in Triton's
+    cache key (``kernels/internals.match_inductor_ptxas``)."""
+    import json
+    import subprocess
+    import sys
+
+    from elsa_surgery.kernels import internals
+
+    if ops.attention_inline_op is None:
+        pytest.skip(ops.INLINE_UNAVAILABLE)
+    drop = ("TRITON_PTXAS_PATH", "TRITON_INTERPRET", "ELSA_COMPILE_OP", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", _WARM_START], capture_output=True, text=True, env=env, timeout=500)
+        assert p.returncode == 0, p.stderr[-4000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got["rel"] <= RTOL, got
+        return got
+
+    def elsa_entries():
+        return {d.name for d in (tmp_path / "triton").iterdir() if d.is_dir()
+                and any(f.suffix == ".json" and f.name.startswith(("elsa_fwd", "mask_tile")) for f in d.iterdir())}
+
+    cold = run()
+    compiled = elsa_entries()
+    assert compiled, "no ELSA kernel in Triton's cache after the cold start"
+    warm = run()
+    assert elsa_entries() == compiled, "the warm start compiled ELSA kernels again"
+    assert cold["ptxas"] == warm["ptxas"] == internals.torch_ptxas()
+
+
 def _block(x, w_qkv, w_out, heads):
     """An attention block as the adapters run it: one qkv projection viewed as ``[B, H, N, D]`` q, k, v (strided
     views of the projection's output, no copy), the op, heads back to channels, the output projection."""

@@ -167,3 +167,19 @@ def test_benchmark_sdpa_backends_runs_the_backends_that_can_and_says_why_not():
     assert all(errors.values())
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(calls["math"](), expected)
+
+
+def test_compile_cache_counts_the_kernels_a_warm_process_compiled(load_recipe, monkeypatch, tmp_path):
+    """``benchmarks/lab/compile_cache.py --side both`` reports the Triton cache entries each warm process added: the
+    kernels of every entry directory (``<name>.json``; Triton's ``__grp__`` files are not kernels)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
+    cc = load_recipe("compile_cache")
+    assert cc._triton_entries(str(tmp_path / "none")) == set()
+    for d, names in (("A", ("elsa_fwd", "__grp__elsa_fwd")), ("B", ("mask_tile_ranges",)), ("C", ())):
+        (tmp_path / d).mkdir()
+        for n in names:
+            (tmp_path / d / f"{n}.json").write_text("{}")
+        (tmp_path / d / "x.cubin").write_text("")
+    assert cc._triton_entries(str(tmp_path)) == {("A", "elsa_fwd"), ("B", "mask_tile_ranges")}

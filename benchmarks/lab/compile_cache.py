@@ -10,7 +10,8 @@ compiled call. ``--profile FILE`` writes a cProfile of that call (``pstats`` for
 ``--side both`` runs the processes itself and gives the ratio (session 41: single warm processes of Swin-T fp32 read
 1.06x and 1.36x on one machine kind): each side on fresh caches of its own, one cold process, then ``--warm`` warm
 ones, the two sides alternated (the host's drift falls on both); the summary holds every process's seconds and the
-ratio of the medians, converted over native. ``--profile`` is not passed on (cProfile slows the call).
+ratio of the medians, converted over native, and how many Triton cache entries each warm process added (kernels it
+compiled again). ``--profile`` is not passed on (cProfile slows the call).
 
     python benchmarks/lab/compile_cache.py --side both --workload swin_t --dtype fp32 [--warm 3]
 
@@ -114,6 +115,7 @@ def both_sides(a) -> int:
     sides = ("native", "converted")
     caches = {side: tempfile.mkdtemp(prefix=f"elsa_compile_{side}_") for side in sides}
     seconds = {(side, run): [] for side in sides for run in ("cold", "warm")}
+    compiled_again = {side: [] for side in sides}  # Triton cache entries each warm process added (kernels compiled)
     try:
         for run in ["cold"] + ["warm"] * a.warm:
             for side in sides:
@@ -121,8 +123,13 @@ def both_sides(a) -> int:
                            TRITON_CACHE_DIR=os.path.join(caches[side], "triton"))
                 cmd = [sys.executable, __file__, "--side", side, "--workload", a.workload, "--dtype", a.dtype,
                        "--batch", str(a.batch), *(["--full-path"] if a.full_path else [])]
+                before = _triton_entries(env["TRITON_CACHE_DIR"])
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, check=False)
-                print(f"==== {side} {run}\n{done.stdout}", flush=True)
+                added = sorted(_triton_entries(env["TRITON_CACHE_DIR"]) - before)
+                if run == "warm":
+                    compiled_again[side].append(len(added))
+                print(f"==== {side} {run}: {len(added)} Triton cache entries added "
+                      f"({', '.join(sorted({name for _, name in added})[:8])})\n{done.stdout}", flush=True)
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
                 if done.returncode or not lines:
                     print(done.stderr[-3000:], flush=True)
@@ -132,12 +139,25 @@ def both_sides(a) -> int:
         for cache in caches.values():
             shutil.rmtree(cache, ignore_errors=True)
     summary = {f"{side}_{run}_s": [round(x, 2) for x in xs] for (side, run), xs in seconds.items()}
+    summary.update({f"{side}_warm_triton_entries_added": n for side, n in compiled_again.items()})
     for run in ("cold", "warm"):
         if seconds[("native", run)] and seconds[("converted", run)]:
             summary[f"{run}_ratio_of_medians"] = round(statistics.median(seconds[("converted", run)])
                                                        / statistics.median(seconds[("native", run)]), 3)
     print("summary (compile seconds; ratio: converted / native):", json.dumps(summary), flush=True)
     return 0
+
+
+def _triton_entries(cache: str) -> set:
+    """``(directory, kernel name)`` of every compiled kernel in a Triton cache (a warm process that adds some compiled
+    them again: session 42 found the ELSA kernels compiled again in the first warm process, another ptxas)."""
+    found = set()
+    if os.path.isdir(cache):
+        for d in os.listdir(cache):
+            path = os.path.join(cache, d)
+            if os.path.isdir(path):
+                found.update((d, f[:-5]) for f in os.listdir(path) if f.endswith(".json") and not f.startswith("__"))
+    return found
 
 
 if __name__ == "__main__":
