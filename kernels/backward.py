@@ -222,7 +222,7 @@ def _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok
             dqt = _dot(kt, dst.to(qt.dtype), tl.zeros([kt.shape[0], BLOCK_M], dtype=tl.float32), DOT) * scale
             tl.atomic_add(DQ + b64 * stride_dqb + h64 * stride_dqh + r64[None, :] * stride_dqn
                           + offs_d[:, None] * stride_dqd, dqt, mask=row_ok[None, :] & (offs_d[:, None] < D),
-                          sem="relaxed")  # (acq_rel, the default, fences every add: see atomic_dq)
+                          sem="relaxed")  # (acq_rel, Triton's default, fences every add)
         if WRITE_DS:
             tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[None, :].to(tl.int64) * stride_sm
                      + cols[:, None].to(tl.int64) * stride_sn, dst, mask=row_ok[None, :] & col_ok[:, None])

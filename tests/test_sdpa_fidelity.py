@@ -243,9 +243,9 @@ def visible_rows(case, eff) -> torch.Tensor:
     return seen.any(-1).expand(shape)
 
 
-def logits(case, q, k, mask):
-    """``[B, Hq, Nq, Nk]`` float64: the scaled scores plus the mask under ELSA's semantics, -inf where hidden."""
-    eff = effective_mask(case, mask, q.device, torch.float64)
+def logits(case, q, k, eff):
+    """``[B, Hq, Nq, Nk]`` float64: the scaled scores plus ``eff`` (the float64 mask under ELSA's semantics,
+    :func:`effective_mask`), -inf where hidden."""
     g = case.Hq // case.Hkv
     scale = case.D ** -0.5 if case.scale is None else case.scale
     s = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2) * scale
@@ -262,7 +262,7 @@ def expected(case, q, k, v, mask):
     out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=eff, scale=case.scale, enable_gqa=case.Hq != case.Hkv)
     seen = visible_rows(case, eff).to(q.device)
     out = torch.where(seen.unsqueeze(-1), out, torch.zeros_like(out))  # no visible key: zeros (SDPA: NaN or 0)
-    return out, torch.logsumexp(logits(case, q, k, mask), dim=-1)
+    return out, torch.logsumexp(logits(case, qd, kd, eff), dim=-1)
 
 
 def rounding_allowance(case, q, k, v, mask) -> torch.Tensor:
@@ -275,7 +275,7 @@ def rounding_allowance(case, q, k, v, mask) -> torch.Tensor:
     far below it by luck where a row sees two keys (session 42's explore run: a row of -1e4 read SDPA 5.1e-5, ELSA
     3.3e-4, the bound 1e-2). Rows of ordinary logits get ~1e-5 at most, under the fp32 floor."""
     u = 2.0 ** -53 if q.dtype == torch.float64 else 2.0 ** -24
-    s = logits(case, q, k, mask)
+    s = logits(case, q, k, effective_mask(case, mask, q.device, torch.float64))
     mag = s.masked_fill(s == float("-inf"), 0.0).abs().amax(-1) if s.shape[-1] else s.new_zeros(s.shape[:-1])
     vmax = float(v.double().abs().max()) if v.numel() else 0.0
     return 6 * u * mag * vmax
