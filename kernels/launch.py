@@ -242,6 +242,18 @@ def _stage(stager, region: _Region, k, v, capacity: Optional[int] = None):
     return stager(k, v, region.carve(k.shape[0], stager.specs(k.shape[1], k.shape[2]), capacity))
 
 
+def _stage_whole(stager, q, k, v):
+    """``stager`` on the whole of ``k``/``v``, each piece a tensor of its own, registered with the plan being recorded
+    (a replay allocates them again): split calls replay. (Carving the pieces from one buffer, as the staged chunks
+    do, cost a replay twice the host time: a dtype view and an ``as_strided`` a piece.)"""
+    pieces = []
+    for i, (dtype, (heads, *inner)) in enumerate(stager.specs(k.shape[1], k.shape[2])):
+        piece = torch.empty((k.shape[0], heads, *inner), dtype=dtype, device=q.device)
+        replay.allocated(f"stage_{i}", piece)
+        pieces.append(piece)
+    return stager(k, v, pieces)
+
+
 def split_bytes_per_key(d: int, dv: int, block_n: int, split_v: bool = True) -> int:
     """Bytes ``_SplitKV`` stages per key and K/V head (fp16 hi + lo of K and V, K's scale, V's block scales;
     K's alone without ``split_v``)."""
@@ -629,7 +641,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             return out, lse, state
     if plan.n_mblocks == 0 or d.BH == 0:
         return out, lse, state
-    B, Hq, Hkv, Nq, Nk, D, Dv, groups = d.B, d.Hq, d.Hkv, d.Nq, d.Nk, d.D, d.Dv, d.groups
+    B, Hq, Nq, Nk, D, Dv, groups = d.B, d.Hq, d.Nq, d.Nk, d.D, d.Dv, d.groups
     BD, BDV, BH, varlen, cfg, parts, dot = d.BD, d.BDV, d.BH, d.varlen, plan.cfg, plan.parts, plan.dot
     blocked_pv = occ.blocked_pv(dot, min(plan.part_len, Nk) if parts > 1 else Nk)
     if varlen:
@@ -705,7 +717,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         return out, lse, state
     split_args = None
     if split:
-        k, v, split_args = _stage(stager, _Region.buffer(q, B, _specs_bytes(stager.specs(Hkv, Nk))), k, v)
+        k, v, split_args = _stage_whole(stager, q, k, v)
     elif plan.stage:
         staged = _stage_v(v, varlen)
         if staged is not v:

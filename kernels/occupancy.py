@@ -263,10 +263,17 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
     return rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE
 
 
-# The split adds two launches (~40 us each on the host in eager mode): calls of less work than this
-# (query rows x keys x head dim, every head) keep 3xTF32. H100, eager: H=8, D=64, N=1K (5.4e8) 0.156 ms split vs
-# 0.080 ms 3xTF32 (graph-replayed: 0.038 vs 0.063); H=32, D=128, N=1K (4.3e9) 0.174 vs 0.277 ms.
-MIN_SPLIT_WORK = 2e9
+# The split adds a launch and a staging buffer: calls of less work than this (query rows x keys x head dim, every
+# head) or fewer query rows per K/V head keep 3xTF32. Before session 43 the split's calls had no launch plan (the
+# planner ran on every call: 0.2-0.45 ms of host time eagerly) and the bounds were 2e9 and 1,024 rows. Session 43
+# (H200, B x H x N x 64, fp32, `benchmarks/lab/precise_short.py`; split vs 3xTF32 kernel time, graph-replayed):
+# 8x12x197 (2.4e8) 0.041 vs 0.046 ms, 8x6x197 (1.2e8) 0.024 vs 0.028, 64x6x197 (9.5e8) 0.112 vs 0.130, 8x16x257
+# (5.4e8) 0.064 vs 0.081, 8x16x577 (2.7e9) 0.159 vs 0.268. Below ~4e8 the few µs saved do not pay the extra launch's
+# host time: with the split, auto's race lost DeiT3-S fp32 b8 (8x6x197) to ME-SDPA; at 8x16x257 and above whole
+# models gained (eager, b8: CLIP ViT-L/14 336 px 1.047 -> 1.083x native, 224 px 1.024 -> 1.037x; DeiT3-S b64
+# 1.049 -> 1.063x). The rows bound keeps decode-like calls (few rows, long K/V: the split's cost is per key) out.
+MIN_SPLIT_WORK = 4e8
+MIN_ROWS_PER_KV_HEAD_TO_SPLIT = 128
 
 
 def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float = float("inf")) -> int:
@@ -278,7 +285,7 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
     MMAs run at twice the TF32 rate, and the error stays that of 3xTF32 (~1e-6 relative). Measured
     (H200, B=1, N=16K): H=8 D=64 8.41 -> 4.01 ms, H=32 D=128 57.8 -> 31.1 ms. It is used for dense calls with
     one partition, no state output, enough query rows per K/V head to pay the split
-    (``MIN_ROWS_PER_KV_HEAD_TO_STAGE``) and ``work`` (rows x keys x head dim) of at least ``MIN_SPLIT_WORK``;
+    (``MIN_ROWS_PER_KV_HEAD_TO_SPLIT``) and ``work`` (rows x keys x head dim) of at least ``MIN_SPLIT_WORK``;
     ``eligible`` is the launcher's check of the first two.
     ``ELSA_PRECISE_SPLIT=f16|f16k|tf32`` forces one kind (``f16``/``f16k`` only where eligible; ``f16k`` is
     ``DOT_F16X3V``, K split by the launcher and V in the kernel, which the launcher also picks for causal
@@ -292,7 +299,7 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
         return dot
     if env == "f16k":
         return DOT_F16X3V
-    if env == "f16" or (rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_STAGE and work >= MIN_SPLIT_WORK):
+    if env == "f16" or (rows_per_kv_head >= MIN_ROWS_PER_KV_HEAD_TO_SPLIT and work >= MIN_SPLIT_WORK):
         return DOT_F16X3
     return dot
 

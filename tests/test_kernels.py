@@ -595,7 +595,7 @@ def test_precise_f16_split(plan, launches, kind, monkeypatch):
         splits.clear()
         if not forced:  # chosen by shape: every other threshold let through
             monkeypatch.delenv(occ.ENV_PRECISE_SPLIT)
-            monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_STAGE", 0)
+            monkeypatch.setattr(occ, "MIN_ROWS_PER_KV_HEAD_TO_SPLIT", 0)
             monkeypatch.setattr(occ, "MIN_SPLIT_WORK", 0)
         out, lse = poisoned_run(q, k, v, precision="precise", is_causal=True)
         check(out, lse, *oracle(q, k, v, is_causal=True), TOL["precise"])
@@ -732,7 +732,7 @@ def test_precise_split_choice_and_split_kernel(monkeypatch):
     from elsa_surgery.kernels import occupancy as occ
 
     monkeypatch.delenv(occ.ENV_PRECISE_SPLIT, raising=False)
-    many = occ.MIN_ROWS_PER_KV_HEAD_TO_STAGE
+    many = occ.MIN_ROWS_PER_KV_HEAD_TO_SPLIT
     assert occ.precise_split(occ.DOT_TF32X3, many, True) == occ.DOT_F16X3
     assert occ.precise_split(occ.DOT_TF32X3, many - 1, True) == occ.DOT_TF32X3
     assert occ.precise_split(occ.DOT_TF32X3, many, False) == occ.DOT_TF32X3

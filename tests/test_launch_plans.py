@@ -236,6 +236,31 @@ def test_aliased_inputs_and_staged_calls(monkeypatch):
     assert "staged or sliced" in replay.why_not_replayable(key)
 
 
+@pytest.mark.parametrize("kind", ["f16", "f16k"])
+def test_precise_split_calls_replay(monkeypatch, kind):
+    """``precise``'s fp16 split (K and V split by the launcher into fp16 pieces, or K alone with ``f16k``) replays:
+    the pieces are allocated again and split from the replay's K and V (a replay that kept the first call's pieces,
+    or its K/V, fails the oracle). Session 43: the split was not
+    replayable, and its eager calls paid the planner's host time (0.2-0.45 ms a call on an H200)."""
+    monkeypatch.setenv("ELSA_HOPPER", "0")
+    monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)
+    q, k, v = rand(2, 2, 40, 16), rand(2, 2, 40, 16), rand(2, 2, 40, 16)
+    ref = elsa_surgery.attention(q.double(), k.double(), v.double(), scale=0.25, backend="reference")
+    sig = launch.call_signature(q, k, v, None, precision="precise")
+    assert launch.plan_launch(sig).dot == (occ.DOT_F16X3 if kind == "f16" else occ.DOT_F16X3V)
+
+    def call(first):
+        args = (decoy(q), decoy(k), decoy(v)) if first else (q, k, v)
+        return launch.attention(*args, scale=0.25, precision="precise")[0]
+
+    out, stats = replayed(call)
+    assert stats == {"recorded": 0, "replayed": 1, "not_replayable": 0}, stats
+    (plan,) = replay._plans.values()
+    pieces = 6 if kind == "f16" else 3
+    assert [name for name, _ in plan.prep] == ["out", "lse"] + [f"stage_{i}" for i in range(pieces)]
+    assert rel(out, ref) <= 2e-6
+
+
 def test_bad_switch_names_the_variable(monkeypatch):
     monkeypatch.setenv(replay.ENV, "yes")
     q = rand(1, 1, 8, 8)
