@@ -271,9 +271,11 @@ def stage_operands(dot: int, rows_per_kv_head: int) -> bool:
 # (5.4e8) 0.064 vs 0.081, 8x16x577 (2.7e9) 0.159 vs 0.268. Below ~4e8 the few µs saved do not pay the extra launch's
 # host time: with the split, auto's race lost DeiT3-S fp32 b8 (8x6x197) to ME-SDPA; at 8x16x257 and above whole
 # models gained (eager, b8: CLIP ViT-L/14 336 px 1.047 -> 1.083x native, 224 px 1.024 -> 1.037x; DeiT3-S b64
-# 1.049 -> 1.063x). The rows bound keeps decode-like calls (few rows, long K/V: the split's cost is per key) out.
+# 1.049 -> 1.063x). The rows bound: the split pass costs a read and a write of K/V per call, the attention reads them
+# once per row tile of each query head, so its share grows as the rows per K/V head shrink (chunked prefill on a long
+# cache, whatever the key count): 192 is just under the fewest rows measured to gain (197, ViT tokens).
 MIN_SPLIT_WORK = 4e8
-MIN_ROWS_PER_KV_HEAD_TO_SPLIT = 128
+MIN_ROWS_PER_KV_HEAD_TO_SPLIT = 192
 
 
 def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float = float("inf")) -> int:
