@@ -240,8 +240,8 @@ def test_aliased_inputs_and_staged_calls(monkeypatch):
 def test_precise_split_calls_replay(monkeypatch, kind):
     """``precise``'s fp16 split (K and V split by the launcher into fp16 pieces, or K alone with ``f16k``) replays:
     the pieces are allocated again and split from the replay's K and V (a replay that kept the first call's pieces,
-    or its K/V, fails the oracle). Session 43: the split was not
-    replayable, and its eager calls paid the planner's host time (0.2-0.45 ms a call on an H200)."""
+    or its K/V, fails the oracle). Before session 43 the split was not replayable, and its eager calls paid the
+    planner's host time (0.2-0.45 ms a call on an H200)."""
     monkeypatch.setenv("ELSA_HOPPER", "0")
     monkeypatch.setenv(occ.ENV_PRECISE_SPLIT, kind)
     q, k, v = rand(2, 2, 40, 16), rand(2, 2, 40, 16), rand(2, 2, 40, 16)
