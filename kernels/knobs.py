@@ -133,8 +133,9 @@ _DECLARED = (
     Knob(DEBUG, "flag", "any value (unset or empty: off)", False,
          "the CLI prints the full traceback of a failure instead of one line", _flag),
     Knob(PRECISE_SPLIT, "choice", _choices("f16", "f16k", "tf32"), None,
-         "how precise computes long dense calls: f16 (three fp16 products, K and V split by the launcher), f16k "
-         "(V split in the kernel), tf32 (3xTF32); unset: by shape", _choice("f16", "f16k", "tf32", lower=False),
+         "how precise computes dense calls: f16 (three fp16 products, K and V split by the launcher), f16k "
+         "(V split in the kernel), tf32 (3xTF32); unset: by shape (the split for calls with enough work and query rows "
+         "per K/V head, docs/kernels.md)", _choice("f16", "f16k", "tf32", lower=False),
          scope="tuning", choices=("f16", "f16k", "tf32")),
     Knob(STAGE_OPERANDS, "choice", _choices("0", "1"), "1",
          "0 turns off staging V transposed for the fp32 tensor-core modes on the portable kernel (slower)",
