@@ -166,8 +166,7 @@ class _Region:
             return self._views[key]
         if replay.wrapping():  # traced for Inductor: a kernel writing an as_strided view of a dtype view cannot be
             # functionalized (torch.compile refuses it); pieces of their own instead, the same bytes in all
-            self._views[key] = [torch.empty((batch, heads, *inner), dtype=dt, device=self.u8.device)
-                                for dt, (heads, *inner) in specs]
+            self._views[key] = _own_pieces(batch, specs, self.u8.device)
             return self._views[key]
         views, off = [], 0
         for dt, (heads, *inner) in specs:
@@ -247,12 +246,15 @@ def _stage_whole(stager, q, k, v):
     (a replay allocates them again): split calls replay. (Pieces carved from one registered buffer, as the staged
     chunks' are, replayed too, at 10-16 µs more host time a call on an H200 host: a dtype view and an ``as_strided``
     a piece, session 43.)"""
-    pieces = []
-    for i, (dtype, (heads, *inner)) in enumerate(stager.specs(k.shape[1], k.shape[2])):
-        piece = torch.empty((k.shape[0], heads, *inner), dtype=dtype, device=q.device)
+    pieces = _own_pieces(k.shape[0], stager.specs(k.shape[1], k.shape[2]), q.device)
+    for i, piece in enumerate(pieces):
         replay.allocated(f"stage_{i}", piece)
-        pieces.append(piece)
     return stager(k, v, pieces)
+
+
+def _own_pieces(batch: int, specs, device):
+    """A tensor of its own, ``[batch, heads, ...]`` and contiguous, for each ``(dtype, (heads, ...))`` of ``specs``."""
+    return [torch.empty((batch, heads, *inner), dtype=dtype, device=device) for dtype, (heads, *inner) in specs]
 
 
 def split_bytes_per_key(d: int, dv: int, block_n: int, split_v: bool = True) -> int:
