@@ -46,7 +46,7 @@ def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False, 
     _ROW_SWAP = bool(row_swap) and cfg is not None
 
 
-def _blocks(bd: int, wide: bool = False, strict: bool = False):
+def _blocks(bd: int, wide: bool = False, strict: bool = False, split: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``
     (``wide``: 4-byte operands, fp32 in any mode; ``strict``: IEEE fp32 products, no tensor cores): 32 under the
     interpreter (few programs); on a GPU, from the backward sweeps (bf16/fp32 precise, H=16, N=4K, causal;
@@ -60,11 +60,17 @@ def _blocks(bd: int, wide: bool = False, strict: bool = False):
       against 10.1-13.2 ms for the rest; 64x64 needs more shared memory than an H100/H200 has); ``strict``: 32x32, 4
       warps, 1 stage, bwd_kv rows-major (session 38, H200, D = 128 N = 2K non-causal, dQ by the row pass: 14.2 ms
       against 26.5 ms keys-major; the first 29 tiles of a sweep that ran out of time, see :func:`_keys_major`);
-    * larger: untuned first choices that ptxas compiles without spills (benchmarks/lab/bwd_spills.py)."""
+    * larger: untuned first choices that ptxas compiles without spills (benchmarks/lab/bwd_spills.py);
+    * ``split`` (``precise``'s fp16 split, keys-major): up to 128, 64x64, 4 warps, 2 stages (session 44, H200, H =
+      16, N = 4K, the backward alone: D = 64 non-causal 2.08 ms against 3.24 ms at 32x64 and ME-SDPA's 4.97, causal
+      1.41 against 2.13 and 3.06; D = 128 non-causal 5.25 ms against 6.68 at 32x64 and ME-SDPA's 9.33; 8 warps
+      slower than 4 in every tile)."""
     if _OVERRIDE is not None:
         return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
     if occ.interpreting():
         return 32, 32, 4, None
+    if split and bd <= 128:
+        return 64, 64, 4, 2
     if bd <= 64:
         return (32, 64, 4, 2) if wide else (64, 64, 4, 2)
     if bd <= 128:
@@ -155,13 +161,22 @@ class _Call:
                           HAS_KVLEN=kv_lengths is not None, VARLEN=self.varlen, DOT=self.dot,
                           DROPOUT=self.dropout_p > 0)
         self.BD, self.BDV = occ.block_dim(self.D), occ.block_dim(self.Dv)
-        bd, wide = max(self.BD, self.BDV), q.element_size() == 4
+        self._set_tiles()
+
+    def _set_tiles(self, split: bool = False):
+        bd, wide = max(self.BD, self.BDV), self.q.element_size() == 4
         strict = self.dot == occ.DOT_IEEE
-        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide, strict)
-        self.keys_major = _keys_major(bd, self.BM, self.BN, wide, strict)
+        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide, strict, split)
+        self.keys_major = split or _keys_major(bd, self.BM, self.BN, wide, strict)
         # the tiles each pass asks for (set_tiles_override's row_swap: the row pass's transposed)
         self.tiles = {"bwd_kv": (self.BM, self.BN, self.warps, self.stages),
                       "row_pass": ((self.BN, self.BM) if _ROW_SWAP else (self.BM, self.BN)) + (self.warps, self.stages)}
+
+    def use_split(self):
+        """The general passes with ``precise``'s fp16 split (``backward.py``'s dot kind 5), which runs ``bwd_kv``
+        keys-major (also under a forced tile: :func:`set_tiles_override`'s ``keys_major`` does not apply)."""
+        self.dot = self.flags["DOT"] = occ.DOT_F16X3
+        self._set_tiles(split=True)
 
     def strides(self, t):
         return launch._strides4(t, self.varlen)
@@ -238,19 +253,25 @@ class _Call:
             FITTED[key] = (bm, bn, warps, stages)
             return
 
-    def row_pass(self, what: int, res, res_strides, do=None, lse=None, delta=None):
-        """``backward.row_pass`` over every (query block, batch, query head)."""
+    def row_pass(self, what: int, res, res_strides, do=None, lse=None, delta=None, split=None):
+        """``backward.row_pass`` over every (query block, batch, query head); ``split``: K and V's fp16 parts
+        (:func:`_split_operands`' ``(pieces, strides)``) for dot kind 5."""
         if self.Nq == 0 or self.B * self.Hq == 0:
             return res
         do_ = do if do is not None else self.q
         bh = self.B * self.Hq
+        if split is not None:
+            (kh, kl, ki, vh, vl, vi), (sk, sv, si) = split
+        else:
+            kh, kl, ki, vh, vl, vi = self.k, self.q, self.q, self.v, self.q, self.q
+            sk, sv, si = self.strides(self.k), self.strides(self.v), (0, 0)
         self.launch(
             "row_pass", lambda bm, bn: -(-self.Nq // bm) * bh,
-            lambda n, rg: (self.q, self.k, self.v, *self.ptrs, do_, lse, delta if delta is not None else lse,
-                           self.seed, res, rg[0] if rg else self.q, *self.scalars(n // bh, bh, True),
-                           *self.strides(self.q), *self.strides(self.k), *self.strides(self.v), *self.sm,
+            lambda n, rg: (self.q, kh, vh, *self.ptrs, do_, lse, delta if delta is not None else lse,
+                           self.seed, res, rg[0] if rg else self.q, kl, ki, vl, vi, *self.scalars(n // bh, bh, True),
+                           *self.strides(self.q), *sk, *sv, *self.sm,
                            *(rg[1] if rg else (0, 0)), *(self.strides(do) if do is not None else (0, 0, 0, 0)),
-                           *self.lse_strides(lse), *res_strides),
+                           *self.lse_strides(lse), *res_strides, *si),
             WHAT=what)
         return res
 
@@ -343,18 +364,65 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
         if dense_short:  # the general passes leave rows past the lengths alone
             dq = _zeros("dq", q.shape, dq_dtype, q.device)
     delta = _delta(c, do, out, lse, dlse)
+    bufs = None
+    if not atomic and has_keys and occ.backward_split(c.dot, float(q.numel()) * c.Nk):
+        c.use_split()
+        bufs = _split_buffers(q, k, v, out)
     if has_keys:
         bh = c.B * c.Hkv
+        if bufs is not None:  # q and dO split for the key-block pass
+            pieces, (sq, so, si) = _split_operands(c, q, do, c.Hq, bufs)
+            qh, ql, qi, oh, ol, oi = pieces
+        else:
+            qh, ql, qi, oh, ol, oi = q, q, q, do, q, q
+            sq, so, si = c.strides(q), c.strides(do), (0, 0)
         c.launch("bwd_kv", lambda bm, bn: -(-c.Nk // bn) * bh,
-                 lambda n, rg: (q, k, v, *c.ptrs, do, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
-                                rg[0] if rg else q, *c.scalars(n // bh, bh, False), *c.strides(q), *c.strides(k),
-                                *c.strides(v), *c.sm, *(rg[1] if rg else (0, 0)), *c.strides(do), *c.lse_strides(lse),
-                                *c.strides(dq), *c.strides(dk), *c.strides(dv),
-                                *(ds.stride() if ds is not None else (0, 0, 0, 0))),
+                 lambda n, rg: (qh, k, v, *c.ptrs, oh, lse, delta, c.seed, dq, dk, dv, ds if ds is not None else q,
+                                rg[0] if rg else q, ql, qi, ol, oi, *c.scalars(n // bh, bh, False), *sq,
+                                *c.strides(k), *c.strides(v), *c.sm, *(rg[1] if rg else (0, 0)), *so,
+                                *c.lse_strides(lse), *c.strides(dq), *c.strides(dk), *c.strides(dv),
+                                *(ds.stride() if ds is not None else (0, 0, 0, 0)), *si),
                  ATOMIC_DQ=atomic, WRITE_DS=ds is not None, KEYS_MAJOR=c.keys_major)
-    if not atomic:
-        c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta)
+    if not atomic:  # (with the split: K and V into the same buffers, after the key-block pass read q's and dO's)
+        split = _split_operands(c, k, v, c.Hkv, bufs) if bufs is not None else None
+        c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta, split=split)
     return (dq, dk, dv) + ((ds,) if ds is not None else ())
+
+
+def _split_buffers(q, k, v, out):
+    """Six flat tensors, registered with the plan being recorded, that hold two operands' fp16 hi and lo parts and
+    inverse row scales (:func:`_split_operands`): q and dO for the key-block pass, then K and V for the row pass
+    (extra memory: two fp32 copies of the larger of q and K, and of dO (out's size) and V)."""
+    d = q.shape[-1]
+    rows = max(q.numel() // max(d, 1), k.numel() // max(d, 1))
+    sizes = (max(q.numel(), k.numel()), max(out.numel(), v.numel()))
+    bufs = []
+    for part, n in (("a", sizes[0]), ("b", sizes[1])):
+        bufs += [_empty(f"split_hi_{part}", (n,), torch.float16, q.device),
+                 _empty(f"split_lo_{part}", (n,), torch.float16, q.device),
+                 _empty(f"split_inv_{part}", (rows,), torch.float32, q.device)]
+    return bufs
+
+
+def _split_operands(c: _Call, x, y, heads: int, bufs):
+    """``x`` (``[B, heads, rows, D]``, packed ``[rows, heads, D]``) and ``y`` (the same with Dv) split by rows into
+    ``bufs`` (``scan.split_f16``, scales per row): ``((x_hi, x_lo, x_inv, y_hi, y_lo, y_inv), (x's strides, y's
+    strides, the scales' (batch, head) strides))``, the parts ``[B, heads, rows, C]`` contiguous from each buffer's
+    start (packed: ``[heads, rows, C]``, batch stride 0), the scales ``[B, heads, rows]``."""
+    d, dv = x.shape[-1], y.shape[-1]
+    rows = x.shape[0] if c.varlen else x.shape[2]
+    batch = 1 if c.varlen else c.B
+    bd, bdv = occ.block_dim(d), occ.block_dim(dv)
+    rk = max(1, 4096 // max(bd, bdv))  # rows per program
+    n_rblocks = -(-rows // rk)
+    sx, sy, si = (heads * rows * d, rows * d), (heads * rows * dv, rows * dv), (heads * rows, rows)
+    if n_rblocks * batch * heads:
+        xh, xl, xi, yh, yl, yi = bufs
+        replay.launch(launch._scan().split_f16, (n_rblocks * batch * heads, 2), x, xh, xl, xi, y, yh, yl, yi, rows,
+                      heads, n_rblocks, *c.strides(x), *sx, *si, *c.strides(y), *sy, *si,
+                      D=d, DV=dv, BLOCK_RK=rk, BLOCK_D=bd, BLOCK_RV=rk, BLOCK_DV=bdv, V_ROWS=True, num_warps=4)
+    nb = 0 if c.varlen else 1  # (packed: the kernels' batch index is the sequence; its rows are offsets)
+    return tuple(bufs), ((sx[0] * nb, sx[1], d, 1), (sy[0] * nb, sy[1], dv, 1), (si[0] * nb, si[1]))
 
 
 # bwd_short takes calls of at most this many query rows and keys (one tile each) and head dims up to this

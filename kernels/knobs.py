@@ -39,6 +39,7 @@ TEST_RANDOM_CASES = "ELSA_TEST_RANDOM_CASES"
 BLOCKED_PV_KEYS = "ELSA_BLOCKED_PV_KEYS"
 BWD_DQ = "ELSA_BWD_DQ"
 BWD_SHORT = "ELSA_BWD_SHORT"
+BWD_SPLIT = "ELSA_BWD_SPLIT"
 MASK_TILES = "ELSA_MASK_TILES"
 COMPILE_OP = "ELSA_COMPILE_OP"
 
@@ -167,6 +168,10 @@ _DECLARED = (
     Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",
          "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
          "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),
+    Knob(BWD_SPLIT, "choice", _choices("f16", "tf32"), None,
+         "how precise's backward computes its products (the general passes): f16 (three fp16 products, the "
+         "streamed operands split by the launcher), tf32 (3xTF32); unset: by work (docs/kernels.md)",
+         _choice("f16", "tf32", lower=False), scope="tuning", choices=("f16", "tf32")),
     Knob(MASK_TILES, "choice", _choices("0", "forward", "all"), "all",
          "masked calls with lines of many blocks: classify the mask's tiles first (one pass over it) so that the "
          "kernels skip the blocks a tile's rows never see and fold those they wholly see unmasked; all: the forward "

@@ -306,6 +306,26 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
     return dot
 
 
+# precise's backward takes the fp16 split (backward.py's dot kind 5) from this much work (query rows x keys x head
+# dim of the whole call). Session 44, H200, forward + backward, B = 1, D = 64, split / 3xTF32: H = 96 at N = 256
+# (4.0e8) 0.558 / 0.507 ms, N = 320 (6.3e8) 0.560 / 0.550, N = 577 (2.0e9) 0.625 / 1.011, H = 16 at N = 4K (1.1e10)
+# 2.59 / 6.32: below ~1e9 these calls are host-bound, and the split's two extra launches cost host time
+MIN_BWD_SPLIT_WORK = 1e9
+
+
+def backward_split(dot: int, work: float) -> bool:
+    """Whether a ``precise`` backward (``dot`` 3xTF32) runs its general passes with the fp16 split (``backward.py``'s
+    dot kind 5: every product from three fp16 tensor-core products, Q and dO split by the launcher for the key-block
+    pass, K and V for the row pass): from ``MIN_BWD_SPLIT_WORK`` of ``work`` (rows x keys x head dim), or as
+    ``ELSA_BWD_SPLIT=f16|tf32`` forces."""
+    if dot != DOT_TF32X3:
+        return False
+    env = knobs.get(knobs.BWD_SPLIT) or ""
+    if env:
+        return env == "f16"
+    return work >= MIN_BWD_SPLIT_WORK
+
+
 def _precise_split_env() -> str:
     return knobs.get(ENV_PRECISE_SPLIT) or ""
 

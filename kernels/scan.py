@@ -702,14 +702,15 @@ def split_f16(
     stride_kb, stride_kh, stride_kr, stride_kc, stride_khb, stride_khh, stride_kib, stride_kih,
     stride_vb, stride_vh, stride_vr, stride_vc, stride_vhb, stride_vhh, stride_vib, stride_vih,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_RV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_RV: tl.constexpr, BLOCK_DV: tl.constexpr, V_ROWS: tl.constexpr = False,
 ):
     """fp32 ``K [B, H, R, D]`` and ``V [B, H, R, DV]`` (any strides) -> fp16 ``HI``, ``LO`` parts (``[B, H, R, C]``,
     each head's ``[R, C]`` contiguous, batch/head strides given) and inverse power-of-two scales ``INV``,
     ``X = (HI + LO) * INV``: K's per row (``KI [B, H, R]``), V's per column of each block of ``BLOCK_RV`` rows
     (``VI [B, H, ceil(R / BLOCK_RV), DV]``, ``BLOCK_RV`` being the attention kernel's ``BLOCK_N``). One launch:
     programs ``(bh * n_rblocks + r, 0)`` split K's row blocks, ``(bh * n_rblocks + r, 1)`` V's (grid ``y = 1``:
-    K alone); batch and heads share grid axis x, whose limit is 2^31 - 1 (axis y's is 65,535)."""
+    K alone); batch and heads share grid axis x, whose limit is 2^31 - 1 (axis y's is 65,535). ``V_ROWS``: V's scales
+    per row as K's (``VI [B, H, R]``; the backward's split operands, ``backward_launch``)."""
     pid_r = tl.program_id(0) % n_rblocks
     pid_bh = tl.program_id(0) // n_rblocks
     if tl.program_id(1) == 0:
@@ -719,4 +720,4 @@ def split_f16(
     else:
         if pid_r * BLOCK_RV < R:
             _split_tile(V, VH, VL, VI, R, H, pid_r, pid_bh, stride_vb, stride_vh, stride_vr, stride_vc,
-                        stride_vhb, stride_vhh, stride_vib, stride_vih, DV, BLOCK_RV, BLOCK_DV, False)
+                        stride_vhb, stride_vhh, stride_vib, stride_vih, DV, BLOCK_RV, BLOCK_DV, V_ROWS)

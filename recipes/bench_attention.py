@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import elsa_surgery
 from elsa_surgery import benchmark
-from elsa_surgery.kernels import launch, occupancy
+from elsa_surgery.kernels import knobs, launch, occupancy
 
 DTYPES = {"fp32-strict": (torch.float32, "strict"), "fp32-precise": (torch.float32, "precise"),
           "fp32-turbo": (torch.float32, "turbo"), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None)}
@@ -417,12 +417,15 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
     out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=prec)
     res = []
     saved = torch.are_deterministic_algorithms_enabled()
+    split_only = prec == "precise" and knobs.get(knobs.BWD_SPLIT) == "f16"
     try:
         for bm, bn, w, st, det, km, hg, rt in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
                                                                  (False, True), (False, True), head_groups, row_tiles):
             if rt == "swapped" and (not det or bm == bn):  # no row pass (atomic dQ), or the same tile
                 continue
             if not km and bn >= 4 * bm:  # runs keys-major (backward_launch._keys_major): timed on its keys-major line
+                continue
+            if split_only and not (det and km):  # the fp16 split runs keys-major with dQ by rows
                 continue
             backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st), keys_major=km,
                                                row_swap=rt == "swapped")

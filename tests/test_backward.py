@@ -52,13 +52,15 @@ def test_dq_mode_defaults_to_the_row_pass(monkeypatch):
 
 
 def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
-           **kw):
-    """Kernel grads (backend='elsa', strict fp32) vs the oracle's; returns the kernel's grads. ``deterministic``:
-    dQ by the row pass, else by atomics (:func:`_dq_mode`)."""
-    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+           precision="strict", go=None, **kw):
+    """Kernel grads (backend='elsa', ``precision``: strict fp32 unless given) vs the oracle's; returns the kernel's
+    grads. ``deterministic``: dQ by the row pass, else by atomics (:func:`_dq_mode`); ``go``: the output's gradient
+    (float64, on the CPU; random when None)."""
+    if go is None:
+        go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
     gl = torch.randn(q.shape[:-1], dtype=torch.float64)
     with _dq_mode(deterministic):
-        out, lse = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa", precision="strict",
+        out, lse = elsa_surgery.attention(q, k, v, attn_mask=mask, backend="elsa", precision=precision,
                                           return_lse=True, enable_gqa=True, **kw)
         loss = (out.double() * go.to(DEV)).sum()
         if grad_lse:
@@ -282,13 +284,17 @@ def test_low_precision(dtype, backward_path):
 
 
 def test_packed_varlen(backward_path):
+    _check_packed_varlen("strict")
+
+
+def _check_packed_varlen(precision: str):
     """Packed sequences (lengths 13, 0, 30 queries; 20, 7, 30 keys), causal, GQA: against the oracle per sequence."""
     cq, ck = [0, 13, 13, 43], [0, 20, 27, 57]
     q, k, v = _leaf(43, 4, 16), _leaf(57, 2, 16), _leaf(57, 2, 24)
     go = torch.randn(43, 4, 24, dtype=torch.float64)
     out = elsa_surgery.attention_varlen(q, k, v, torch.tensor(cq, dtype=torch.int32, device=DEV),
                                         torch.tensor(ck, dtype=torch.int32, device=DEV), 30, 30, is_causal=True,
-                                        backend="elsa", precision="strict")
+                                        backend="elsa", precision=precision)
     (out.double() * go.to(DEV)).sum().backward()
     for b in range(3):
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
@@ -304,6 +310,125 @@ def test_packed_varlen(backward_path):
                 assert rel_err(g, r.grad) <= TOL[torch.float32], b
             else:
                 assert torch.count_nonzero(g) == 0
+
+
+@pytest.fixture
+def split_backward(monkeypatch):
+    """``precise``'s backward with the fp16 split forced (``ELSA_BWD_SPLIT=f16``) on the general passes; checks
+    that the test's backwards split their operands (``backward_launch._split_operands``: q and dO, then K and V)."""
+    from elsa_surgery.kernels import backward_launch
+
+    monkeypatch.setenv("ELSA_BWD_SPLIT", "f16")
+    monkeypatch.setenv("ELSA_BWD_SHORT", "0")
+    calls = []
+    real = backward_launch._split_operands
+    monkeypatch.setattr(backward_launch, "_split_operands", lambda *a: calls.append(a[3]) or real(*a))
+    yield calls
+    assert calls and len(calls) % 2 == 0, calls
+
+
+def _precise(q, k, v, mask=None, **kw):
+    return _check(q, k, v, mask, precision="precise", deterministic=True, **kw)
+
+
+def test_split_gqa_dv_ne_d_d_not_pow2(split_backward):
+    """The split (dot kind 5) against the oracle: GQA (4 query heads on 2 K/V heads), Dv != D, D = 40 (padded)."""
+    _precise(_leaf(2, 4, 37, 40), _leaf(2, 2, 45, 40), _leaf(2, 2, 45, 24))
+    assert split_backward == [4, 2]  # q and dO over the query heads, then K and V over the K/V heads
+
+
+@pytest.mark.parametrize("nq,nk", [(20, 70), (70, 20)])
+def test_split_causal_bottom_right(nq, nk, split_backward):
+    _precise(_leaf(1, 2, nq, 32), _leaf(1, 2, nk, 32), _leaf(1, 2, nk, 32), is_causal=True)
+
+
+def test_split_padded_lengths_with_empty_rows(split_backward):
+    q, k, v = _leaf(3, 2, 33, 16), _leaf(3, 2, 41, 16), _leaf(3, 2, 41, 16)
+    dq, dk, dv = _precise(q, k, v, is_causal=True, q_lengths=torch.tensor([33, 10, 5]),
+                          kv_lengths=torch.tensor([41, 0, 30]))
+    assert dq[1].abs().max() == 0 and dk[1].abs().max() == 0 and dv[1].abs().max() == 0
+    assert dq[2, :, 5:].abs().max() == 0 and dk[2, :, 30:].abs().max() == 0
+
+
+def test_split_masks_and_the_mask_gradient(split_backward):
+    """A bool mask with a row that sees nothing (zero gradient, not NaN), then a learned float mask at a broadcast
+    shape (its gradient from the split's dS tiles)."""
+    q, k, v = _leaf(2, 2, 40, 16), _leaf(2, 2, 50, 16), _leaf(2, 2, 50, 16)
+    mask = torch.rand(2, 1, 40, 50, device=DEV) > 0.5
+    mask[:, :, 3] = False
+    dq, _, _ = _precise(q, k, v, mask)
+    assert dq[:, :, 3].abs().max() == 0
+    for t in (q, k, v):
+        t.grad = None
+    _precise(q, k, v, _leaf(1, 2, 40, 50))
+
+
+def test_split_packed_varlen(split_backward):
+    """The split's row offsets per packed sequence (batch stride 0, rows from cu_seqlens)."""
+    _check_packed_varlen("precise")
+
+
+def test_split_scales_each_row(split_backward):
+    """Rows of q, K and V whose magnitudes span 10^-2 to 10 and of dO 10^-10 to 10^6 (shuffled): each row of dQ, dK
+    and dV within 1e-5 of float64's, relative to the size of the terms that row sums (``scale·Σ_j p_ij (|dP_ij| +
+    |delta_i|) |k_j|`` for dQ; dK and dV alike over the rows): the split's scales are per row. One scale per tile
+    fails this: a row more than ~2^17 below the tile's largest loses its lo part to fp16's range. (Not relative to
+    the rows' own size: where a row's softmax is near one-hot its dQ is a cancellation, far below its terms.)"""
+    q, k, v = _leaf(1, 2, 70, 32), _leaf(1, 2, 80, 32), _leaf(1, 2, 80, 32)
+    with torch.no_grad():
+        for t, n in ((q, 70), (k, 80), (v, 80)):
+            t.mul_(torch.logspace(-2, 1, n, dtype=t.dtype, device=DEV)[torch.randperm(n)][:, None])
+    go = torch.randn(1, 2, 70, 32, dtype=torch.float64) * torch.logspace(-10, 6, 70, dtype=torch.float64)[
+        torch.randperm(70)][:, None]
+    grads = _precise(q, k, v, go=go, scale=0.05)
+    q64, k64, v64 = (t.detach().cpu().double() for t in (q, k, v))
+    p = (0.05 * q64 @ k64.transpose(-1, -2)).softmax(-1)
+    dp = go @ v64.transpose(-1, -2)
+    delta = (go * (p @ v64)).sum(-1, keepdim=True)
+    terms = p * (dp.abs() + delta.abs())
+    bounds = (0.05 * terms @ k64.abs(), 0.05 * terms.transpose(-1, -2) @ q64.abs(),
+              p.transpose(-1, -2) @ go.abs())
+    ref = [t.requires_grad_() for t in (q64, k64, v64)]
+    ro, _ = naive_attention(*ref, scale=0.05)
+    rg = torch.autograd.grad((ro * go).sum(), ref)
+    for name, g, r, bound in zip("qkv", grads, rg, bounds):
+        err = (g.cpu().double() - r).norm(dim=-1) / bound.norm(dim=-1)
+        assert err.max() <= 1e-5, (name, err.max())
+
+
+def test_split_dropout_matches_3xtf32(monkeypatch, split_backward):
+    """With dropout the split and the 3xTF32 backward draw the same keep mask: the same gradients, within fp32
+    rounding; the split is deterministic run to run (bitwise)."""
+    q, k, v = _leaf(2, 2, 45, 16), _leaf(2, 2, 70, 16), _leaf(2, 2, 70, 16)
+    go = torch.randn(2, 2, 45, 16, dtype=torch.float64).to(DEV)
+    runs = []
+    for split in ("f16", "f16", "tf32"):
+        monkeypatch.setenv("ELSA_BWD_SPLIT", split)
+        torch.manual_seed(11)
+        out = elsa_surgery.attention(q, k, v, backend="elsa", precision="precise", dropout_p=0.3)
+        runs.append(torch.autograd.grad((out.double() * go).sum(), (q, k, v)))
+    for a, b, c in zip(*runs):
+        assert torch.equal(a, b)
+        assert rel_err(a.cpu(), c.cpu()) <= 1e-5
+
+
+def test_backward_split_rule(monkeypatch):
+    """precise's backward splits from MIN_BWD_SPLIT_WORK of work; strict, turbo and 2-byte dtypes never;
+    ``ELSA_BWD_SPLIT`` forces either way and is validated."""
+    from elsa_surgery.kernels import occupancy as occ
+
+    monkeypatch.delenv("ELSA_BWD_SPLIT", raising=False)
+    assert occ.backward_split(occ.DOT_TF32X3, occ.MIN_BWD_SPLIT_WORK)
+    assert not occ.backward_split(occ.DOT_TF32X3, occ.MIN_BWD_SPLIT_WORK / 2)
+    for dot in (occ.DOT_IEEE, occ.DOT_TF32, occ.DOT_LOWP):
+        assert not occ.backward_split(dot, 1e12)
+    monkeypatch.setenv("ELSA_BWD_SPLIT", "f16")
+    assert occ.backward_split(occ.DOT_TF32X3, 1.0) and not occ.backward_split(occ.DOT_IEEE, 1e12)
+    monkeypatch.setenv("ELSA_BWD_SPLIT", "tf32")
+    assert not occ.backward_split(occ.DOT_TF32X3, 1e12)
+    monkeypatch.setenv("ELSA_BWD_SPLIT", "fp16")
+    with pytest.raises(ValueError, match="ELSA_BWD_SPLIT"):
+        occ.backward_split(occ.DOT_TF32X3, 1e12)
 
 
 def test_second_order_backward_raises():

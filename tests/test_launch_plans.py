@@ -410,6 +410,7 @@ BWD_CASES = {
     "bf16 gqa": dict(shape=(2, 4, 33, 24), hkv=2, dtype=torch.bfloat16),
     "additive mask with its gradient": dict(shape=(2, 2, 40, 16), mask="grad"),
     "atomic dq": dict(shape=(1, 2, 45, 16), atomic=True),
+    "precise's fp16 split": dict(shape=(2, 4, 70, 24), hkv=2, split=True, is_causal=True),
 }
 
 
@@ -422,6 +423,10 @@ def test_backward_replays_match_the_oracle(monkeypatch, case):
     c = BWD_CASES[case]
     if c.get("atomic"):
         monkeypatch.setenv("ELSA_BWD_DQ", "atomic")
+    precision = None
+    if c.get("split"):  # q/dO and K/V split into the plan's registered buffers (backward_launch._split_buffers)
+        monkeypatch.setenv("ELSA_BWD_SPLIT", "f16")
+        precision = "precise"
     B, H, N, D = c["shape"]
     dtype = c.get("dtype", torch.float32)
     nk, hkv = c.get("nk", N), c.get("hkv", H)
@@ -434,7 +439,7 @@ def test_backward_replays_match_the_oracle(monkeypatch, case):
         leaves = [t(x).detach().requires_grad_() for x in (q, k, v)]
         m = None if mask is None else t(mask).detach().requires_grad_()
         out = elsa_surgery.attention(*leaves, m, scale=0.3, is_causal=c.get("is_causal", False), enable_gqa=True,
-                                     backend="elsa")
+                                     backend="elsa", precision=precision)
         out.backward(t(go))
         return [x.grad for x in leaves] + ([m.grad] if m is not None else [])
 
