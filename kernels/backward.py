@@ -33,7 +33,8 @@ maxima, never on the lengths or contents of the sequences packed with it (as a d
 Head dims that are not powers of two are padded with masked loads. Dot kinds as ``scan._dot`` (0 fp16/bf16,
 1 IEEE fp32, 2 TF32, 3 3xTF32, 4 interpreter bf16), and 5 (``precise``'s fp16 split, :func:`bwd_kv` keys-major and
 :func:`row_pass`'s dQ): every fp32 product from three fp16 tensor-core products (hi·hi + hi·lo + lo·hi) of operands
-scaled by powers of two per row. The launcher splits the operands each pass streams (Q and dO for ``bwd_kv``, K and
+scaled by powers of two per row; 7 (``turbo``'s) the same with ``hi·hi`` alone, TF32's accuracy (11 significant
+bits a factor, rounded to nearest) at fp16's rate. The launcher splits the operands each pass streams (Q and dO for ``bwd_kv``, K and
 V for the row pass: ``scan.split_f16``, scales per row); the resident ones (K, V; Q, dO) are split once per
 program here. A product that sums over query rows or keys takes the other operand's inverse row scales into the
 computed tile (``dV = (p / s_dO)^T · dO_split``, ``dK = (dS / s_q)^T · q_split``, ``dQ = (dS / s_k) · K_split``), and
@@ -152,11 +153,13 @@ def _split_rows(x):
 
 
 @triton.jit
-def _dot3(a, a_lo, b, b_lo):
+def _dot3(a, a_lo, b, b_lo, ONE: tl.constexpr):
     """``(a + a_lo) · (b + b_lo)`` of fp16 parts as ``hi·hi + hi·lo + lo·hi`` in a fresh fp32 accumulator, the small
-    products first."""
-    acc = tl.dot(a_lo, b, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32))
-    acc = tl.dot(a, b_lo, acc)
+    products first; ``ONE`` (dot kind 7, turbo): ``hi·hi`` alone (the lo parts are then never read)."""
+    acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
+    if not ONE:
+        acc = tl.dot(a_lo, b, acc)
+        acc = tl.dot(a, b_lo, acc)
     return tl.dot(a, b, acc)
 
 
@@ -174,8 +177,9 @@ def _kv_step_split(q_base, ql_base, qi_base, o_base, ol_base, oi_base, m_base, D
                    seed, qk_scale, p_drop, keep_scale, crb, crh, Nkc, stride_qn, stride_qd, stride_on, stride_od,
                    stride_ln, stride_mm, stride_mn, stride_sb, stride_sh, stride_sm, stride_sn, offs_d, offs_dv,
                    D: tl.constexpr, DV_: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, MASKED: tl.constexpr):
-    """One query block of :func:`bwd_kv` with the fp16 split (dot kind 5), keys-major as :func:`_kv_step`'s
+                   IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, MASKED: tl.constexpr,
+                   ONE: tl.constexpr):
+    """One query block of :func:`bwd_kv` with the fp16 split (dot kinds 5 and 7: :func:`_dot3`), keys-major as :func:`_kv_step`'s
     ``KEYS_MAJOR`` form: q and dO come split (``*_base`` the hi parts, ``ql``/``ol`` the lo parts, ``qi``/``oi``
     the inverse row scales); K and V were split by the program (``k_hi [BLOCK_N, BLOCK_D]``, ``k_inv [BLOCK_N]``)."""
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -188,19 +192,19 @@ def _kv_step_split(q_base, ql_base, qi_base, o_base, ol_base, oi_base, m_base, D
     do, do_lo, do_inv = _load_split(o_base + o_off, ol_base + o_off, oi_base + r64,
                                     row_ok[:, None] & (offs_dv[None, :] < DV_), row_ok)  # [BLOCK_M, BLOCK_DV]
     lse2, delta = _row_stats(LSE, DELTA, l_off, rows, row_ok, stride_ln, True)
-    st = _dot3(k_hi, k_lo, qt, qt_lo) * k_inv[:, None] * (q_inv * qk_scale)[None, :]
+    st = _dot3(k_hi, k_lo, qt, qt_lo, ONE) * k_inv[:, None] * (q_inv * qk_scale)[None, :]
     mask_ptrs = m_base + rows[None, :].to(tl.int64) * stride_mm + cols[:, None].to(tl.int64) * stride_mn
     st = _masked_logits(st, rows[None, :], cols[:, None], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL,
                         MASK_KIND, MASKED)
     pt = tl.exp2(st - lse2[None, :])
-    dpt = _dot3(v_hi, v_lo, tl.trans(do), tl.trans(do_lo)) * v_inv[:, None] * do_inv[None, :]
+    dpt = _dot3(v_hi, v_lo, tl.trans(do), tl.trans(do_lo), ONE) * v_inv[:, None] * do_inv[None, :]
     pdt, dpt = _dropped_keys_major(pt, dpt, seed, b64 * crb + h64 * crh + rows.to(tl.int64), cols, Nkc, p_drop,
                                    keep_scale, DROPOUT)
     a_hi, a_lo, a_inv = _split_rows(pdt * do_inv[None, :])
-    dv += _dot3(a_hi, a_lo, do, do_lo) * a_inv[:, None]
+    dv += _dot3(a_hi, a_lo, do, do_lo, ONE) * a_inv[:, None]
     dst = pt * (dpt - delta[None, :])
     b_hi, b_lo, b_inv = _split_rows(dst * q_inv[None, :])
-    dk += _dot3(b_hi, b_lo, tl.trans(qt), tl.trans(qt_lo)) * b_inv[:, None]
+    dk += _dot3(b_hi, b_lo, tl.trans(qt), tl.trans(qt_lo), ONE) * b_inv[:, None]
     if WRITE_DS:
         tl.store(DS + b64 * stride_sb + h64 * stride_sh + rows[None, :].to(tl.int64) * stride_sm
                  + cols[:, None].to(tl.int64) * stride_sn, dst, mask=row_ok[None, :] & col_ok[:, None])
@@ -399,11 +403,11 @@ def bwd_kv(
     ``DO`` shares ``OUT``'s strides (``stride_o*``), ``DELTA`` ``LSE``'s. ``KEYS_MAJOR``: each query block by
     :func:`_kv_step`'s keys-major form (no transposes of computed tiles). ``HAS_RANGES``: the mask's row-block ranges
     of each key tile (``scan.mask_tile_ranges`` by keys): query blocks the mask hides the tile from are skipped (their
-    dS is zero: ``DS`` comes zero-filled), those it hides nothing of run without visibility tests. ``DOT = 5``
+    dS is zero: ``DS`` comes zero-filled), those it hides nothing of run without visibility tests. ``DOT`` 5 or 7
     (the fp16 split, keys-major, dQ by the row pass): ``Q``/``DO`` are the hi parts of q and dO (strides
     ``stride_q*``, ``stride_o*``), ``QL``/``OL`` their lo parts (the same strides), ``QI``/``OI`` their inverse row
     scales (strides ``stride_ib``, ``stride_ih`` and 1 a row); K and V are split here."""
-    tl.static_assert(DOT != 5 or (KEYS_MAJOR and not ATOMIC_DQ), "the fp16 split runs keys-major, dQ by rows")
+    tl.static_assert(DOT < 5 or (DOT != 6 and KEYS_MAJOR and not ATOMIC_DQ), "the fp16 split: keys-major, dQ by rows")
     pid = tl.program_id(0)
     Hkv = Hq // GROUPS
     if IS_CAUSAL:  # the key blocks that most query blocks see first (scan.heaviest_first)
@@ -429,7 +433,7 @@ def bwd_kv(
     vt = tl.load(v_ptrs, mask=col_ok[None, :] & (offs_dv[:, None] < DV_), other=0.0)  # [BLOCK_DV, BLOCK_N]
     k_rows = tl.trans(kt)  # [BLOCK_N, BLOCK_D]
     v_rows = tl.trans(vt)  # [BLOCK_N, BLOCK_DV] (keys-major only)
-    if DOT == 5:
+    if DOT >= 5:
         k_hi, k_lo, k_inv = _split_rows(k_rows)
         v_hi, v_lo, v_inv = _split_rows(v_rows)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -471,7 +475,7 @@ def bwd_kv(
             lo, hi = _span_of(phase, p0, m_end, p1, p2)
             for m_it in range(lo, hi, BLOCK_M):
                 m0 = _skip_gap(m_it, run_end, gap, HAS_RANGES and phase == 0)
-                if DOT == 5:
+                if DOT >= 5:
                     i_off = b64 * stride_ib + h64 * stride_ih
                     dk, dv = _kv_step_split(q_base, QL + b64 * stride_qb + h64 * stride_qh, QI + i_off, o_base,
                                             OL + b64 * stride_ob + h64 * stride_oh, OI + i_off, m_base, DS, LSE,
@@ -480,7 +484,7 @@ def bwd_kv(
                                             p_drop, keep_scale, crb, crh, Nkc, stride_qn, stride_qd, stride_on,
                                             stride_od, stride_ln, stride_mm, stride_mn, stride_sb, stride_sh,
                                             stride_sm, stride_sn, offs_d, offs_dv, D, DV_, BLOCK_M, MASK_KIND,
-                                            IS_CAUSAL, DROPOUT, WRITE_DS, phase != 1)
+                                            IS_CAUSAL, DROPOUT, WRITE_DS, phase != 1, DOT == 7)
                 else:
                     dk, dv = _kv_step(q_base, o_base, m_base, DQ, DS, LSE, DELTA, l_off, m0, cols, col_ok, kt,
                                       k_rows, vt, v_rows, dk, dv, b64, h64, q_row0, q_len, kv_len, causal_off, seed,
@@ -539,8 +543,8 @@ def _row_step_split(n0, q, q_lo, q_inv, do, do_lo, do_inv, lse2, delta, acc, see
                     offs_dv, k_base, kl_base, ki_base, v_base, vl_base, vi_base, m_base, k_row0, q_len, kv_len,
                     causal_off, qk_scale, keep_scale, p_drop, Nkc, stride_kn, stride_kd, stride_vn, stride_vd,
                     stride_mm, stride_mn, D: tl.constexpr, DV_: tl.constexpr, MASK_KIND: tl.constexpr,
-                    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr):
-    """Key block ``[n0, n0 + BLOCK_N)`` of :func:`row_pass`'s dQ with the fp16 split (dot kind 5): K and V come split
+                    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, ONE: tl.constexpr):
+    """Key block ``[n0, n0 + BLOCK_N)`` of :func:`row_pass`'s dQ with the fp16 split (dot kinds 5 and 7): K and V come split
     (``*_base`` the hi parts, ``kl``/``vl`` the lo parts, ``ki``/``vi`` the inverse row scales); q and dO were split
     by the program."""
     cols = n0 + offs_n
@@ -549,7 +553,7 @@ def _row_step_split(n0, q, q_lo, q_inv, do, do_lo, do_inv, lse2, delta, acc, see
     k_off = c64[None, :] * stride_kn + offs_d[:, None] * stride_kd
     kt, kt_lo, k_inv = _load_split(k_base + k_off, kl_base + k_off, ki_base + c64,
                                    col_ok[None, :] & (offs_d[:, None] < D), col_ok)  # [BLOCK_D, BLOCK_N]
-    s = _dot3(q, q_lo, kt, kt_lo) * (q_inv * qk_scale)[:, None] * k_inv[None, :]
+    s = _dot3(q, q_lo, kt, kt_lo, ONE) * (q_inv * qk_scale)[:, None] * k_inv[None, :]
     mask_ptrs = m_base + rows[:, None].to(tl.int64) * stride_mm + cols[None, :].to(tl.int64) * stride_mn
     s = _masked_logits(s, rows[:, None], cols[None, :], q_len, kv_len, causal_off, mask_ptrs, IS_CAUSAL, MASK_KIND,
                        MASKED)
@@ -557,13 +561,13 @@ def _row_step_split(n0, q, q_lo, q_inv, do, do_lo, do_inv, lse2, delta, acc, see
     v_off = c64[None, :] * stride_vn + offs_dv[:, None] * stride_vd
     vt, vt_lo, v_inv = _load_split(v_base + v_off, vl_base + v_off, vi_base + c64,
                                    col_ok[None, :] & (offs_dv[:, None] < DV_), col_ok)  # [BLOCK_DV, BLOCK_N]
-    dp = _dot3(do, do_lo, vt, vt_lo) * do_inv[:, None] * v_inv[None, :]
+    dp = _dot3(do, do_lo, vt, vt_lo, ONE) * do_inv[:, None] * v_inv[None, :]
     if DROPOUT:
         keep = _keep(seed, crow[:, None], cols[None, :], Nkc, p_drop)
         dp = tl.where(keep, dp * keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
     c_hi, c_lo, c_inv = _split_rows(ds * k_inv[None, :])
-    return acc + _dot3(c_hi, c_lo, tl.trans(kt), tl.trans(kt_lo)) * c_inv[:, None]
+    return acc + _dot3(c_hi, c_lo, tl.trans(kt), tl.trans(kt_lo), ONE) * c_inv[:, None]
 
 
 @triton.jit
@@ -602,11 +606,11 @@ def row_pass(
     (``WHAT = 0``, fp32 or q's dtype), the dropout output (``1``, ``[.., Dv]``), the keep mask (``2``, ``[B, Hq,
     Nq, Nk]`` uint8, ``stride_rd`` the key stride: pairs in skipped blocks are not written). ``DO`` shares ``OUT``'s
     strides (``stride_o*``). ``HAS_RANGES``: the mask's key-block ranges of each row tile (``scan.mask_tile_ranges``,
-    strides ``stride_gp``, ``stride_gh``), as the forward reads them. ``DOT = 5`` (the fp16 split, dQ only): ``K``/``V``
+    strides ``stride_gp``, ``stride_gh``), as the forward reads them. ``DOT`` 5 or 7 (the fp16 split, dQ only): ``K``/``V``
     are the hi parts of K and V (strides ``stride_k*``, ``stride_v*``), ``KL``/``VL`` their lo parts (the same
     strides), ``KI``/``VI`` their inverse row scales (strides ``stride_ib``, ``stride_ih`` and 1 a key); q and dO
     are split here."""
-    tl.static_assert(DOT != 5 or WHAT == 0, "the fp16 split computes dQ only")
+    tl.static_assert(DOT < 5 or (DOT != 6 and WHAT == 0), "the fp16 split computes dQ only")
     pid = tl.program_id(0)
     if IS_CAUSAL:  # the row blocks that see the most keys first (scan.heaviest_first)
         pid_m, pid_bh = heaviest_first(pid, n_blocks, n_bh, head_group, True)
@@ -668,7 +672,7 @@ def row_pass(
     else:
         p0, p1, p2, p3 = 0, nf, nf, n_hi
         run_end, gap = p3, 0
-    if DOT == 5:
+    if DOT >= 5:
         q, q_lo, q_inv = _split_rows(q)
         do, do_lo, do_inv = _split_rows(do)
         i_off = b64 * stride_ib + hk.to(tl.int64) * stride_ih
@@ -676,12 +680,13 @@ def row_pass(
         lo, hi = _span_of(phase, p0, p1, p2, p3)
         for n_it in range(lo, hi, BLOCK_N):
             n0 = _skip_gap(n_it, run_end, gap, HAS_RANGES and phase == 1)
-            if DOT == 5:
+            if DOT >= 5:
                 acc = _row_step_split(n0, q, q_lo, q_inv, do, do_lo, do_inv, lse2, delta, acc, seed, crow, rows,
                                       offs_n, offs_d, offs_dv, k_base, KL + k_head, KI + i_off, v_base,
                                       VL + v_head, VI + i_off, m_base, k_row0, q_len, kv_len, causal_off,
                                       qk_scale, keep_scale, p_drop, Nkc, stride_kn, stride_kd, stride_vn, stride_vd,
-                                      stride_mm, stride_mn, D, DV_, MASK_KIND, IS_CAUSAL, DROPOUT, phase == 1)
+                                      stride_mm, stride_mn, D, DV_, MASK_KIND, IS_CAUSAL, DROPOUT, phase == 1,
+                                      DOT == 7)
             else:
                     acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv,
                                 k_base, v_base, m_base, k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale,

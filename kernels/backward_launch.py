@@ -64,7 +64,7 @@ def _blocks(bd: int, wide: bool = False, strict: bool = False, split: bool = Fal
     * ``split`` (``precise``'s fp16 split, keys-major): up to 128, 64x64, 4 warps, 2 stages (session 44, H200, H =
       16, N = 4K, the backward alone: D = 64 non-causal 2.08 ms against 3.24 ms at 32x64 and ME-SDPA's 4.97, causal
       1.41 against 2.13 and 3.06; D = 128 non-causal 5.25 ms against 6.68 at 32x64 and ME-SDPA's 9.33; 8 warps
-      slower than 4 in every tile)."""
+      slower than 4 in every tile); turbo's split (one product) takes the same tiles, unswept."""
     if _OVERRIDE is not None:
         return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
     if occ.interpreting():
@@ -172,10 +172,11 @@ class _Call:
         self.tiles = {"bwd_kv": (self.BM, self.BN, self.warps, self.stages),
                       "row_pass": ((self.BN, self.BM) if _ROW_SWAP else (self.BM, self.BN)) + (self.warps, self.stages)}
 
-    def use_split(self):
-        """The general passes with ``precise``'s fp16 split (``backward.py``'s dot kind 5), which runs ``bwd_kv``
-        keys-major (also under a forced tile: :func:`set_tiles_override`'s ``keys_major`` does not apply)."""
-        self.dot = self.flags["DOT"] = occ.DOT_F16X3
+    def use_split(self, dot: int):
+        """The general passes with the fp16 split (``backward.py``'s dot kinds 5 and 7, ``occupancy.backward_dot``),
+        which runs ``bwd_kv`` keys-major (also under a forced tile: :func:`set_tiles_override`'s ``keys_major`` does
+        not apply)."""
+        self.dot = self.flags["DOT"] = dot
         self._set_tiles(split=True)
 
     def strides(self, t):
@@ -255,7 +256,7 @@ class _Call:
 
     def row_pass(self, what: int, res, res_strides, do=None, lse=None, delta=None, split=None):
         """``backward.row_pass`` over every (query block, batch, query head); ``split``: K and V's fp16 parts
-        (:func:`_split_operands`' ``(pieces, strides)``) for dot kind 5."""
+        (:func:`_split_operands`' ``(pieces, strides)``) for dot kinds 5 and 7."""
         if self.Nq == 0 or self.B * self.Hq == 0:
             return res
         do_ = do if do is not None else self.q
@@ -365,8 +366,9 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
             dq = _zeros("dq", q.shape, dq_dtype, q.device)
     delta = _delta(c, do, out, lse, dlse)
     bufs = None
-    if not atomic and has_keys and occ.backward_split(c.dot, float(q.numel()) * c.Nk):
-        c.use_split()
+    split_dot = occ.backward_dot(c.dot, float(q.numel()) * c.Nk) if not atomic and has_keys else c.dot
+    if split_dot != c.dot:
+        c.use_split(split_dot)
         bufs = _split_buffers(q, k, v, out)
     if has_keys:
         bh = c.B * c.Hkv

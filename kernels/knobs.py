@@ -169,8 +169,9 @@ _DECLARED = (
          "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
          "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),
     Knob(BWD_SPLIT, "choice", _choices("f16", "tf32"), None,
-         "how precise's backward computes its products (the general passes): f16 (three fp16 products, the "
-         "streamed operands split by the launcher), tf32 (3xTF32); unset: by work (docs/kernels.md)",
+         "how precise's and turbo's backward compute their products (the general passes): f16 (three fp16 "
+         "products, turbo one, of operands split by powers of two per row), tf32 (3xTF32, turbo TF32); unset: by "
+         "work (docs/kernels.md)",
          _choice("f16", "tf32", lower=False), scope="tuning", choices=("f16", "tf32")),
     Knob(MASK_TILES, "choice", _choices("0", "forward", "all"), "all",
          "masked calls with lines of many blocks: classify the mask's tiles first (one pass over it) so that the "

@@ -19,6 +19,7 @@ from . import knobs, replay
 
 # Dot-product kinds understood by the kernels (see scan.py).
 DOT_LOWP, DOT_IEEE, DOT_TF32, DOT_TF32X3, DOT_INTERP_BF16, DOT_F16X3, DOT_F16X3V = 0, 1, 2, 3, 4, 5, 6
+DOT_F16X1 = 7  # the backward's turbo: one fp16 product of operands split as DOT_F16X3's (backward_dot)
 DOT_OF_PRECISION = {"strict": DOT_IEEE, "turbo": DOT_TF32, "precise": DOT_TF32X3}
 SPLIT_DOTS = (DOT_F16X3, DOT_F16X3V)  # kinds whose K (and V) the launcher splits into fp16 hi/lo parts
 
@@ -306,24 +307,28 @@ def precise_split(dot: int, rows_per_kv_head: int, eligible: bool, work: float =
     return dot
 
 
-# precise's backward takes the fp16 split (backward.py's dot kind 5) from this much work (query rows x keys x head
-# dim of the whole call). Session 44, H200, forward + backward, B = 1, D = 64, split / 3xTF32: H = 96 at N = 256
-# (4.0e8) 0.558 / 0.507 ms, N = 320 (6.3e8) 0.560 / 0.550, N = 577 (2.0e9) 0.625 / 1.011, H = 16 at N = 4K (1.1e10)
-# 2.59 / 6.32: below ~1e9 these calls are host-bound, and the split's two extra launches cost host time
+# precise's and turbo's backward take the fp16 split (backward.py's dot kinds 5 and 7) from this much work (query
+# rows x keys x head dim of the whole call). Session 44, H200, precise forward + backward, B = 1, D = 64, split /
+# 3xTF32: H = 96 at N = 256 (4.0e8) 0.558 / 0.507 ms, N = 320 (6.3e8) 0.560 / 0.550, N = 577 (2.0e9) 0.625 / 1.011,
+# H = 16 at N = 4K (1.1e10) 2.59 / 6.32: below ~1e9 these calls are host-bound, and the split's two extra launches
+# cost host time
 MIN_BWD_SPLIT_WORK = 1e9
+_BWD_SPLIT_OF = {DOT_TF32X3: DOT_F16X3, DOT_TF32: DOT_F16X1}
 
 
-def backward_split(dot: int, work: float) -> bool:
-    """Whether a ``precise`` backward (``dot`` 3xTF32) runs its general passes with the fp16 split (``backward.py``'s
-    dot kind 5: every product from three fp16 tensor-core products, Q and dO split by the launcher for the key-block
-    pass, K and V for the row pass): from ``MIN_BWD_SPLIT_WORK`` of ``work`` (rows x keys x head dim), or as
-    ``ELSA_BWD_SPLIT=f16|tf32`` forces."""
-    if dot != DOT_TF32X3:
-        return False
+def backward_dot(dot: int, work: float) -> int:
+    """The dot kind of a backward's general passes: ``precise`` (3xTF32) and ``turbo`` (TF32) take the fp16 split
+    (``backward.py``'s dot kinds 5 and 7: each product from three fp16 tensor-core products, or ``turbo``'s one, of
+    operands split with power-of-two scales per row, q and dO by the launcher for the key-block pass, K and V for the
+    row pass) from ``MIN_BWD_SPLIT_WORK`` of ``work`` (rows x keys x head dim), or as ``ELSA_BWD_SPLIT=f16|tf32``
+    forces; other kinds pass through."""
+    split = _BWD_SPLIT_OF.get(dot)
+    if split is None:
+        return dot
     env = knobs.get(knobs.BWD_SPLIT) or ""
     if env:
-        return env == "f16"
-    return work >= MIN_BWD_SPLIT_WORK
+        return split if env == "f16" else dot
+    return split if work >= MIN_BWD_SPLIT_WORK else dot
 
 
 def _precise_split_env() -> str:
