@@ -30,15 +30,15 @@ drawn from PyTorch's generator of the tensors' device (training.py), the counter
 count within the sequence, also for packed varlen, whose counters are those of the padded dense call
 ``[B, Hq, max_seqlen_q, max_seqlen_k]``: a sequence's mask depends on the seed, its index ``b`` and the two
 maxima, never on the lengths or contents of the sequences packed with it (as a dense batch row's).
-Head dims that are not powers of two are padded with masked loads. Dot kinds as ``scan._dot`` (0 fp16/bf16,
-1 IEEE fp32, 2 TF32, 3 3xTF32, 4 interpreter bf16), and 5 (``precise``'s fp16 split, :func:`bwd_kv` keys-major and
-:func:`row_pass`'s dQ): every fp32 product from three fp16 tensor-core products (hi·hi + hi·lo + lo·hi) of operands
-scaled by powers of two per row; 7 (``turbo``'s) the same with ``hi·hi`` alone, TF32's accuracy (11 significant
-bits a factor, rounded to nearest) at fp16's rate. The launcher splits the operands each pass streams (Q and dO for ``bwd_kv``, K and
-V for the row pass: ``scan.split_f16``, scales per row); the resident ones (K, V; Q, dO) are split once per
-program here. A product that sums over query rows or keys takes the other operand's inverse row scales into the
-computed tile (``dV = (p / s_dO)^T · dO_split``, ``dK = (dS / s_q)^T · q_split``, ``dQ = (dS / s_k) · K_split``), and
-that tile is split with a scale per row of its own (:func:`_split_rows`).
+Head dims that are not powers of two are padded with masked loads. Dot kinds as ``scan._dot`` (0 fp16/bf16, 1 IEEE fp32,
+2 TF32, 3 3xTF32, 4 interpreter bf16), and 5 (``precise``'s fp16 split, :func:`bwd_kv` keys-major and :func:`row_pass`'s
+dQ): every fp32 product from three fp16 tensor-core products (hi·hi + hi·lo + lo·hi) of operands scaled by powers of two
+per row; 7 (``turbo``'s) the same with ``hi·hi`` alone, TF32's accuracy (11 significant bits a factor, rounded to
+nearest) at fp16's rate. The launcher splits the operands each pass streams (Q and dO for ``bwd_kv``, K and V for the
+row pass: ``scan.split_f16``, scales per row); the resident ones (K, V; Q, dO) are split once per program here. A
+product that sums over query rows or keys takes the other operand's inverse row scales into the computed tile
+(``dV = (p / s_dO)^T · dO_split``, ``dK = (dS / s_q)^T · q_split``, ``dQ = (dS / s_k) · K_split``), and that tile is
+split with a scale per row of its own (:func:`_split_rows`).
 """
 
 import triton
@@ -179,9 +179,10 @@ def _kv_step_split(q_base, ql_base, qi_base, o_base, ol_base, oi_base, m_base, D
                    D: tl.constexpr, DV_: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, MASKED: tl.constexpr,
                    ONE: tl.constexpr):
-    """One query block of :func:`bwd_kv` with the fp16 split (dot kinds 5 and 7: :func:`_dot3`), keys-major as :func:`_kv_step`'s
-    ``KEYS_MAJOR`` form: q and dO come split (``*_base`` the hi parts, ``ql``/``ol`` the lo parts, ``qi``/``oi``
-    the inverse row scales); K and V were split by the program (``k_hi [BLOCK_N, BLOCK_D]``, ``k_inv [BLOCK_N]``)."""
+    """One query block of :func:`bwd_kv` with the fp16 split (dot kinds 5 and 7: :func:`_dot3`), keys-major as
+    :func:`_kv_step`'s ``KEYS_MAJOR`` form: q and dO come split (``*_base`` the hi parts, ``ql``/``ol`` the lo parts,
+    ``qi``/``oi`` the inverse row scales); K and V were split by the program (``k_hi [BLOCK_N, BLOCK_D]``,
+    ``k_inv [BLOCK_N]``)."""
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len
     r64 = q_row0 + rows.to(tl.int64)
@@ -544,9 +545,9 @@ def _row_step_split(n0, q, q_lo, q_inv, do, do_lo, do_inv, lse2, delta, acc, see
                     causal_off, qk_scale, keep_scale, p_drop, Nkc, stride_kn, stride_kd, stride_vn, stride_vd,
                     stride_mm, stride_mn, D: tl.constexpr, DV_: tl.constexpr, MASK_KIND: tl.constexpr,
                     IS_CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, ONE: tl.constexpr):
-    """Key block ``[n0, n0 + BLOCK_N)`` of :func:`row_pass`'s dQ with the fp16 split (dot kinds 5 and 7): K and V come split
-    (``*_base`` the hi parts, ``kl``/``vl`` the lo parts, ``ki``/``vi`` the inverse row scales); q and dO were split
-    by the program."""
+    """Key block ``[n0, n0 + BLOCK_N)`` of :func:`row_pass`'s dQ with the fp16 split (dot kinds 5 and 7): K and V come
+    split (``*_base`` the hi parts, ``kl``/``vl`` the lo parts, ``ki``/``vi`` the inverse row scales); q and dO were
+    split by the program."""
     cols = n0 + offs_n
     col_ok = cols < kv_len
     c64 = k_row0 + cols.to(tl.int64)
@@ -602,14 +603,14 @@ def row_pass(
     HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     DROPOUT: tl.constexpr, WHAT: tl.constexpr, HAS_RANGES: tl.constexpr = False,
 ):
-    """Rows ``[m0, m0 + BLOCK_M)`` of one (batch, query head) over their visible key blocks. ``RES``: dQ
-    (``WHAT = 0``, fp32 or q's dtype), the dropout output (``1``, ``[.., Dv]``), the keep mask (``2``, ``[B, Hq,
-    Nq, Nk]`` uint8, ``stride_rd`` the key stride: pairs in skipped blocks are not written). ``DO`` shares ``OUT``'s
-    strides (``stride_o*``). ``HAS_RANGES``: the mask's key-block ranges of each row tile (``scan.mask_tile_ranges``,
-    strides ``stride_gp``, ``stride_gh``), as the forward reads them. ``DOT`` 5 or 7 (the fp16 split, dQ only): ``K``/``V``
-    are the hi parts of K and V (strides ``stride_k*``, ``stride_v*``), ``KL``/``VL`` their lo parts (the same
-    strides), ``KI``/``VI`` their inverse row scales (strides ``stride_ib``, ``stride_ih`` and 1 a key); q and dO
-    are split here."""
+    """Rows ``[m0, m0 + BLOCK_M)`` of one (batch, query head) over their visible key blocks. ``RES``: dQ (``WHAT = 0``,
+    fp32 or q's dtype), the dropout output (``1``, ``[.., Dv]``), the keep mask (``2``, ``[B, Hq, Nq, Nk]`` uint8,
+    ``stride_rd`` the key stride: pairs in skipped blocks are not written). ``DO`` shares ``OUT``'s strides
+    (``stride_o*``). ``HAS_RANGES``: the mask's key-block ranges of each row tile (``scan.mask_tile_ranges``, strides
+    ``stride_gp``, ``stride_gh``), as the forward reads them. ``DOT`` 5 or 7 (the fp16 split, dQ only): ``K``/``V`` are
+    the hi parts of K and V (strides ``stride_k*``, ``stride_v*``), ``KL``/``VL`` their lo parts (the same strides),
+    ``KI``/``VI`` their inverse row scales (strides ``stride_ib``, ``stride_ih`` and 1 a key); q and dO are split
+    here."""
     tl.static_assert(DOT < 5 or (DOT != 6 and WHAT == 0), "the fp16 split computes dQ only")
     pid = tl.program_id(0)
     if IS_CAUSAL:  # the row blocks that see the most keys first (scan.heaviest_first)
@@ -688,7 +689,7 @@ def row_pass(
                                       stride_mm, stride_mn, D, DV_, MASK_KIND, IS_CAUSAL, DROPOUT, phase == 1,
                                       DOT == 7)
             else:
-                    acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv,
+                acc = _row_step(n0, q, do, lse2, delta, acc, seed, crow, rows, row_ok, offs_n, offs_d, offs_dv,
                                 k_base, v_base, m_base, k_row0, q_len, kv_len, causal_off, qk_scale, keep_scale,
                                 p_drop, Nkc, RES, b64, h64, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
                                 stride_mn, stride_rb, stride_rh, stride_rn, stride_rd, D, DV_, MASK_KIND, IS_CAUSAL,
