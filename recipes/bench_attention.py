@@ -417,7 +417,7 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
     out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision=prec)
     res = []
     saved = torch.are_deterministic_algorithms_enabled()
-    split_only = prec == "precise" and knobs.get(knobs.BWD_SPLIT) == "f16"
+    split_only = prec in ("precise", "turbo") and knobs.get(knobs.BWD_SPLIT) == "f16"
     try:
         for bm, bn, w, st, det, km, hg, rt in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
                                                                  (False, True), (False, True), head_groups, row_tiles):

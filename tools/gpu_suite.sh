@@ -2,7 +2,7 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
-#   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-questions | fuzz | s32m-fuzz |
+#   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | bwd-questions | fuzz | s32m-fuzz |
 #   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline | races |
 #   exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
@@ -128,6 +128,17 @@ case "$part" in
       --shapes "${2:-16x64}" --causal 1 --space "${4:-bm=32,64;bn=32,64,128;w=4,8;s=2}" --baselines flash,cudnn \
       --bwd-head-groups "${3:-auto}" --bwd-row-tiles "${5:-same}" \
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline|WRONG" ;;
+  bwd-split)  # issue 25's fp32 cells left by session 44's split backward (precise D = 128 non-causal 1.97x ME-SDPA,
+    # turbo D = 64 causal 3.76x): the split's tiles swept with more stages and wider key blocks, then forward +
+    # backward by the rule against ME-SDPA; written without a GPU run (session 44): timings are estimates, ~8 min
+    for cell in "fp32-precise 16x128 0" "fp32-turbo 16x64 1" "fp32-turbo 16x128 0"; do
+      set -- $cell
+      ELSA_BWD_SPLIT=f16 timeout 170 python3 recipes/bench_attention.py --backward --sweep --dtypes "$1" --n 4096 \
+        --shapes "$2" --causal "$3" --space 'bm=32,64,128;bn=64,128;w=4;s=2,3' --baselines efficient 2>&1 \
+        | tee "$out/bwd_split_sweep_${1}_${2}_$3.log" | grep -E "BEST|baseline|WRONG"
+    done
+    timeout 100 python3 recipes/bench_attention.py --backward --no-varlen --dtypes fp32-precise,fp32-turbo \
+      --n 4096 --shapes 16x64,16x128 --causal 0,1 --baselines efficient 2>&1 | tee "$out/bwd_split.log" | grep '^{' ;;
   bwd-questions)  # session 29's two open backward questions in one call (args: HxD [16x64]; ~7 min, untimed
     # estimate): the per-kernel profile of forward + backward, causal and not, then the sweep of the causal
     # backward with the head-group order (auto vs 1: heaviest first over groups of heads vs one head after another)
