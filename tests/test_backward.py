@@ -421,6 +421,21 @@ def test_split_dropout_matches_3xtf32(monkeypatch, split_backward):
         assert rel_err(a.cpu(), c.cpu()) <= 1e-5
 
 
+def test_split_output_gradient_in_the_modules_layout(split_backward):
+    """dO as attention modules hand it back: the gradient of ``out.transpose(1, 2).reshape(B, N, H * Dv)``, a
+    ``[B, H, N, Dv]`` view with ``[B, N, H, Dv]`` strides, which the launcher splits as it is (no copy)."""
+    q, k, v = _leaf(2, 3, 40, 24), _leaf(2, 3, 70, 24), _leaf(2, 3, 70, 16)
+    w = torch.randn(2, 40, 48, dtype=torch.float64)
+    out = elsa_surgery.attention(q, k, v, backend="elsa", precision="precise")
+    loss = (out.transpose(1, 2).reshape(2, 40, 48).double() * w.to(DEV)).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ro, _ = naive_attention(*ref)
+    rg = torch.autograd.grad((ro.transpose(1, 2).reshape(2, 40, 48) * w).sum(), ref)
+    for g, r in zip(grads, rg):
+        assert rel_err(g.cpu(), r) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_split_random_calls(seed, split_backward):
     """Random calls through the split: batch, GQA grouping, lengths, head dims (Dv != D, not powers of two), causal
