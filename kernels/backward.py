@@ -38,13 +38,13 @@ nearest) at fp16's rate. The launcher splits the operands each pass streams (Q a
 row pass: ``scan.split_f16``, scales per row); the resident ones (K, V; Q, dO) are split once per program here. A
 product that sums over query rows or keys takes the other operand's inverse row scales into the computed tile
 (``dV = (p / s_dO)^T · dO_split``, ``dK = (dS / s_q)^T · q_split``, ``dQ = (dS / s_k) · K_split``), and that tile is
-split with a scale per row of its own (:func:`_split_rows`).
+split with a scale per row of its own (``scan._split_rows``).
 """
 
 import triton
 import triton.language as tl
 
-from .scan import MASK_FLOOR, _dot, _pow2_scale, _split16, heaviest_first
+from .scan import MASK_FLOOR, _dot, _split_rows, heaviest_first
 
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -141,15 +141,6 @@ def _rows_major_grads(p, q, do, vt, delta, dk, dv, seed, crow, cols, Nkc, p_drop
     ds = p * (dp - delta[:, None])
     dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT)
     return ds, dk, dv
-
-
-@triton.jit
-def _split_rows(x):
-    """``x [R, C]`` (fp32) as fp16 ``(hi, lo)`` and the inverse scale of each row: ``x = (hi + lo) * inv[:, None]``,
-    each row scaled by a power of two into fp16's range (``scan._pow2_scale``)."""
-    sc = _pow2_scale(tl.max(tl.abs(x), 1))
-    hi, lo = _split16(x * sc[:, None])
-    return hi, lo, 1.0 / sc
 
 
 @triton.jit

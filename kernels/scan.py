@@ -84,6 +84,15 @@ def _split16(x):
 
 
 @triton.jit
+def _split_rows(x):
+    """``x [R, C]`` (fp32) as fp16 ``(hi, lo)`` and the inverse scale of each row: ``x = (hi + lo) * inv[:, None]``,
+    each row scaled by a power of two into fp16's range (:func:`_pow2_scale`)."""
+    sc = _pow2_scale(tl.max(tl.abs(x), 1))
+    hi, lo = _split16(x * sc[:, None])
+    return hi, lo, 1.0 / sc
+
+
+@triton.jit
 def _pow2_scale(amax):
     """A power of two taking ``amax`` into [2^14, 2^15) (far below fp16's 65504); zero rows get 2^14. Rows
     whose maximum is below 2^-100 (fp32's subnormal territory) keep an absolute error under ~2^-124."""
@@ -684,9 +693,8 @@ def _split_tile(
     x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None].to(tl.int64) * stride_xr + cols[None, :] * stride_xc,
                 mask=ok, other=0.0)
     if PER_ROW:
-        sc = _pow2_scale(tl.max(tl.abs(x), 1))
-        tl.store(INV + b * stride_ib + h * stride_ih + rows, 1.0 / sc, mask=rows < R)
-        hi, lo = _split16(x * sc[:, None])
+        hi, lo, inv = _split_rows(x)
+        tl.store(INV + b * stride_ib + h * stride_ih + rows, inv, mask=rows < R)
     else:
         sc = _pow2_scale(tl.max(tl.abs(x), 0))
         tl.store(INV + b * stride_ib + h * stride_ih + pid_r * C + cols, 1.0 / sc, mask=cols < C)
