@@ -46,7 +46,7 @@ def set_tiles_override(cfg: Optional[occ.TileConfig], keys_major: bool = False, 
     _ROW_SWAP = bool(row_swap) and cfg is not None
 
 
-def _blocks(bd: int, wide: bool = False, strict: bool = False, split: bool = False):
+def _blocks(bd: int, wide: bool = False, strict: bool = False, split: bool = False, one: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages or None for Triton's default) for padded head dim ``bd``
     (``wide``: 4-byte operands, fp32 in any mode; ``strict``: IEEE fp32 products, no tensor cores): 32 under the
     interpreter (few programs); on a GPU, from the backward sweeps (bf16/fp32 precise, H=16, N=4K, causal;
@@ -64,13 +64,15 @@ def _blocks(bd: int, wide: bool = False, strict: bool = False, split: bool = Fal
     * ``split`` (``precise``'s fp16 split, keys-major): up to 128, 64x64, 4 warps, 2 stages (session 44, H200, H =
       16, N = 4K, the backward alone: D = 64 non-causal 2.08 ms against 3.24 ms at 32x64 and ME-SDPA's 4.97, causal
       1.41 against 2.13 and 3.06; D = 128 non-causal 5.25 ms against 6.68 at 32x64 and ME-SDPA's 9.33; 8 warps
-      slower than 4 in every tile); turbo's split (one product) takes the same tiles, unswept."""
+      slower than 4 in every tile); turbo's split (``one``: one product) at ``bd <= 64``: 128x64 (session 45, H200,
+      the backward alone at D = 64: non-causal 1.258 ms against 1.335 at 64x64, causal 0.892 against 0.910; 64x128
+      0.885 causal but 1.336 non-causal), past 64 as precise's (D = 128 causal: 64x64 1.18 ms, 128x64 2.34)."""
     if _OVERRIDE is not None:
         return _OVERRIDE.block_m, _OVERRIDE.block_n, _OVERRIDE.num_warps, _OVERRIDE.num_stages
     if occ.interpreting():
         return 32, 32, 4, None
     if split and bd <= 128:
-        return 64, 64, 4, 2
+        return (128 if one and bd <= 64 else 64), 64, 4, 2
     if bd <= 64:
         return (32, 64, 4, 2) if wide else (64, 64, 4, 2)
     if bd <= 128:
@@ -166,7 +168,7 @@ class _Call:
     def _set_tiles(self, split: bool = False):
         bd, wide = max(self.BD, self.BDV), self.q.element_size() == 4
         strict = self.dot == occ.DOT_IEEE
-        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide, strict, split)
+        self.BM, self.BN, self.warps, self.stages = _blocks(bd, wide, strict, split, self.dot == occ.DOT_F16X1)
         self.keys_major = split or _keys_major(bd, self.BM, self.BN, wide, strict)
         # the tiles each pass asks for (set_tiles_override's row_swap: the row pass's transposed)
         self.tiles = {"bwd_kv": (self.BM, self.BN, self.warps, self.stages),
@@ -369,7 +371,7 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     split_dot = occ.backward_dot(c.dot, float(q.numel()) * c.Nk) if not atomic and has_keys else c.dot
     if split_dot != c.dot:
         c.use_split(split_dot)
-        bufs = _split_buffers(q, k, v, out)
+        bufs = _split_buffers(q, k, v, out, hi_only=split_dot == occ.DOT_F16X1)
     if has_keys:
         bh = c.B * c.Hkv
         if bufs is not None:  # q and dO split for the key-block pass
@@ -391,17 +393,18 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     return (dq, dk, dv) + ((ds,) if ds is not None else ())
 
 
-def _split_buffers(q, k, v, out):
+def _split_buffers(q, k, v, out, hi_only: bool = False):
     """Six flat tensors, registered with the plan being recorded, that hold two operands' fp16 hi and lo parts and
     inverse row scales (:func:`_split_operands`): q and dO for the key-block pass, then K and V for the row pass
-    (extra memory: two fp32 copies of the larger of q and K, and of dO (out's size) and V)."""
+    (extra memory: two fp32 copies of the larger of q and K, and of dO (out's size) and V). ``hi_only`` (dot kind 7,
+    which reads hi parts alone): each lo entry is its hi buffer, left as the hi part (half the extra memory)."""
     d = q.shape[-1]
     rows = max(q.numel() // max(d, 1), k.numel() // max(d, 1))
     sizes = (max(q.numel(), k.numel()), max(out.numel(), v.numel()))
     bufs = []
     for part, n in (("a", sizes[0]), ("b", sizes[1])):
-        bufs += [_empty(f"split_hi_{part}", (n,), torch.float16, q.device),
-                 _empty(f"split_lo_{part}", (n,), torch.float16, q.device),
+        hi = _empty(f"split_hi_{part}", (n,), torch.float16, q.device)
+        bufs += [hi, hi if hi_only else _empty(f"split_lo_{part}", (n,), torch.float16, q.device),
                  _empty(f"split_inv_{part}", (rows,), torch.float32, q.device)]
     return bufs
 
@@ -422,7 +425,8 @@ def _split_operands(c: _Call, x, y, heads: int, bufs):
         xh, xl, xi, yh, yl, yi = bufs
         replay.launch(launch._scan().split_f16, (n_rblocks * batch * heads, 2), x, xh, xl, xi, y, yh, yl, yi, rows,
                       heads, n_rblocks, *c.strides(x), *sx, *si, *c.strides(y), *sy, *si,
-                      D=d, DV=dv, BLOCK_RK=rk, BLOCK_D=bd, BLOCK_RV=rk, BLOCK_DV=bdv, V_ROWS=True, num_warps=4)
+                      D=d, DV=dv, BLOCK_RK=rk, BLOCK_D=bd, BLOCK_RV=rk, BLOCK_DV=bdv, V_ROWS=True,
+                      HI_ONLY=xl is xh, num_warps=4)
     nb = 0 if c.varlen else 1  # (packed: the kernels' batch index is the sequence; its rows are offsets)
     return tuple(bufs), ((sx[0] * nb, sx[1], d, 1), (sy[0] * nb, sy[1], dv, 1), (si[0] * nb, si[1]))
 

@@ -682,9 +682,10 @@ def elsa_merge_rows(
 def _split_tile(
     X, HI, LO, INV, R, H, pid_r, pid_bh,
     stride_xb, stride_xh, stride_xr, stride_xc, stride_ob, stride_oh, stride_ib, stride_ih,
-    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PER_ROW: tl.constexpr,
+    C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PER_ROW: tl.constexpr, HI_ONLY: tl.constexpr,
 ):
-    """Rows ``[pid_r * BLOCK_R, ...)`` of head ``pid_bh`` of ``X`` into ``HI``/``LO``/``INV`` (see split_f16)."""
+    """Rows ``[pid_r * BLOCK_R, ...)`` of head ``pid_bh`` of ``X`` into ``HI``/``LO``/``INV`` (see split_f16;
+    ``HI_ONLY``: ``LO`` left unwritten)."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -701,7 +702,8 @@ def _split_tile(
         hi, lo = _split16(x * sc[None, :])
     o = b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * C + cols[None, :]
     tl.store(HI + o, hi, mask=ok)
-    tl.store(LO + o, lo, mask=ok)
+    if not HI_ONLY:
+        tl.store(LO + o, lo, mask=ok)
 
 
 @triton.jit(do_not_specialize=["R", "H", "n_rblocks"])
@@ -710,7 +712,7 @@ def split_f16(
     stride_kb, stride_kh, stride_kr, stride_kc, stride_khb, stride_khh, stride_kib, stride_kih,
     stride_vb, stride_vh, stride_vr, stride_vc, stride_vhb, stride_vhh, stride_vib, stride_vih,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_RV: tl.constexpr, BLOCK_DV: tl.constexpr, V_ROWS: tl.constexpr = False,
+    BLOCK_RV: tl.constexpr, BLOCK_DV: tl.constexpr, V_ROWS: tl.constexpr = False, HI_ONLY: tl.constexpr = False,
 ):
     """fp32 ``K [B, H, R, D]`` and ``V [B, H, R, DV]`` (any strides) -> fp16 ``HI``, ``LO`` parts (``[B, H, R, C]``,
     each head's ``[R, C]`` contiguous, batch/head strides given) and inverse power-of-two scales ``INV``,
@@ -718,14 +720,15 @@ def split_f16(
     (``VI [B, H, ceil(R / BLOCK_RV), DV]``, ``BLOCK_RV`` being the attention kernel's ``BLOCK_N``). One launch:
     programs ``(bh * n_rblocks + r, 0)`` split K's row blocks, ``(bh * n_rblocks + r, 1)`` V's (grid ``y = 1``:
     K alone); batch and heads share grid axis x, whose limit is 2^31 - 1 (axis y's is 65,535). ``V_ROWS``: V's scales
-    per row as K's (``VI [B, H, R]``; the backward's split operands, ``backward_launch``)."""
+    per row as K's (``VI [B, H, R]``; the backward's split operands, ``backward_launch``). ``HI_ONLY``: the ``LO``
+    parts left unwritten (the backward's dot kind 7, which reads hi parts alone)."""
     pid_r = tl.program_id(0) % n_rblocks
     pid_bh = tl.program_id(0) // n_rblocks
     if tl.program_id(1) == 0:
         if pid_r * BLOCK_RK < R:
             _split_tile(K, KH, KL, KI, R, H, pid_r, pid_bh, stride_kb, stride_kh, stride_kr, stride_kc,
-                        stride_khb, stride_khh, stride_kib, stride_kih, D, BLOCK_RK, BLOCK_D, True)
+                        stride_khb, stride_khh, stride_kib, stride_kih, D, BLOCK_RK, BLOCK_D, True, HI_ONLY)
     else:
         if pid_r * BLOCK_RV < R:
             _split_tile(V, VH, VL, VI, R, H, pid_r, pid_bh, stride_vb, stride_vh, stride_vr, stride_vc,
-                        stride_vhb, stride_vhh, stride_vib, stride_vih, DV, BLOCK_RV, BLOCK_DV, V_ROWS)
+                        stride_vhb, stride_vhh, stride_vib, stride_vih, DV, BLOCK_RV, BLOCK_DV, V_ROWS, HI_ONLY)

@@ -135,9 +135,9 @@ def test_forced_backward_tiles_give_the_oracle_gradients(tiles, keys_major, row_
 
 
 def test_default_backward_tiles_on_a_gpu(monkeypatch):
-    """The compiled kernels' defaults (sessions 28, 29, 31 and 38's sweeps): 2-byte operands 64x64, 4 warps, 2
+    """The compiled kernels' defaults (sessions 28, 29, 31, 38, 44 and 45's sweeps): 2-byte operands 64x64, 4 warps, 2
     stages, rows-major up to D = 128; fp32 32x64 keys-major up to D = 64, 32x32 keys-major up to 128 (strict: one
-    stage, rows-major); the interpreter keeps 32x32 rows-major."""
+    stage, rows-major; the fp16 split: 64x64, turbo's 128x64 up to D = 64); the interpreter keeps 32x32 rows-major."""
     from elsa_surgery.kernels import backward_launch, occupancy
 
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
@@ -152,6 +152,11 @@ def test_default_backward_tiles_on_a_gpu(monkeypatch):
     assert not backward_launch._keys_major(128, 32, 32, wide=True, strict=True)
     assert backward_launch._blocks(64, wide=True, strict=True) == (32, 64, 4, 2)
     assert backward_launch._keys_major(64, 32, 64, wide=True, strict=True)
+    # the fp16 split (sessions 44-45): 64x64 up to D = 128; turbo's (one product) 128x64 up to D = 64
+    for d in (64, 128):
+        assert backward_launch._blocks(d, wide=True, split=True) == (64, 64, 4, 2)
+    assert backward_launch._blocks(64, wide=True, split=True, one=True) == (128, 64, 4, 2)
+    assert backward_launch._blocks(128, wide=True, split=True, one=True) == (64, 64, 4, 2)
     monkeypatch.setattr(occupancy, "interpreting", lambda: True)
     assert backward_launch._blocks(64) == (32, 32, 4, None) and not backward_launch._keys_major(64, 32, 32)
 
@@ -434,6 +439,31 @@ def test_split_output_gradient_in_the_modules_layout(split_backward):
     rg = torch.autograd.grad((ro.transpose(1, 2).reshape(2, 40, 48) * w).sum(), ref)
     for g, r in zip(grads, rg):
         assert rel_err(g.cpu(), r) <= TOL[torch.float32]
+
+
+def test_turbo_split_writes_hi_parts_alone(monkeypatch):
+    """turbo's split (dot kind 7) reads hi parts alone: its buffers alias each lo entry to its hi buffer (half the
+    extra memory) and ``split_f16`` with ``HI_ONLY`` leaves a lo buffer as it was, writing the same hi parts and
+    scales as the full split; turbo's backward then matches the oracle (``test_split_gqa_dv_ne_d_d_not_pow2``)."""
+    from elsa_surgery.kernels import backward_launch as bl
+
+    q, k, v = (torch.randn(2, 3, 40, 24, device=DEV) for _ in range(3))
+    turbo, full = bl._split_buffers(q, k, v, q, hi_only=True), bl._split_buffers(q, k, v, q)
+    assert turbo[1] is turbo[0] and turbo[4] is turbo[3] and full[1] is not full[0]
+    got = []
+    for hi_only in (True, False):
+        bufs = [torch.empty(b.numel(), dtype=b.dtype, device=DEV) for b in full]
+        for b in bufs[1], bufs[4]:
+            b.fill_(7.0)
+        kw = dict(D=24, DV=24, BLOCK_RK=16, BLOCK_D=32, BLOCK_RV=16, BLOCK_DV=32, V_ROWS=True, HI_ONLY=hi_only)
+        st = (3 * 40 * 24, 40 * 24, 3 * 40, 40)
+        bl.launch._scan().split_f16[(3 * 2 * 3, 2)](k, bufs[0], bufs[1], bufs[2], v, bufs[3], bufs[4], bufs[5], 40, 3,
+                                                    3, *k.stride(), *st[:2], *st[2:], *v.stride(), *st[:2], *st[2:],
+                                                    **kw)
+        got.append(bufs)
+        assert (bufs[1] == 7).all() == hi_only and (bufs[4] == 7).all() == hi_only
+    for i in (0, 2, 3, 5):
+        assert torch.equal(got[0][i], got[1][i]), i
 
 
 @pytest.mark.parametrize("seed", range(6))

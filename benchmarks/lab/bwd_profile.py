@@ -2,6 +2,7 @@
 causal bf16 16x64 at N = 4K costing as much as non-causal (1.63 vs 1.55 ms), where it should cost about half.
 
     python benchmarks/lab/bwd_profile.py [--dtype bf16] [--shape 16x64] [--n 4096] [--mask random --tiles all,forward]
+    python benchmarks/lab/bwd_profile.py --dtype fp32 --precision turbo   # an fp32 mode (default: the dispatch's)
 
 ``--mask random|causal``: a boolean mask ``[1, 1, N, N]`` (i.i.d. keys visible with probability 1/2, or
 lower-triangular) instead of ``is_causal``, profiled once for each ``ELSA_MASK_TILES`` value of ``--tiles`` (session
@@ -28,6 +29,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--mask", choices=["random", "causal"], help="a boolean mask instead of is_causal")
     ap.add_argument("--tiles", default="all,forward", help="ELSA_MASK_TILES values (with --mask)")
+    ap.add_argument("--precision", choices=["strict", "precise", "turbo"], help="fp32's mode")
     a = ap.parse_args()
     H, D = (int(x) for x in a.shape.split("x"))
     dt = DTYPES[a.dtype]
@@ -42,7 +44,8 @@ def main():
     for causal, tiles in cases:
         def step():
             with benchmark.environ({"ELSA_MASK_TILES": tiles} if tiles else {}):
-                out = elsa_surgery.attention(q, k, v, attn_mask=mask, is_causal=causal, backend="elsa")
+                out = elsa_surgery.attention(q, k, v, attn_mask=mask, is_causal=causal, backend="elsa",
+                                           precision=a.precision)
                 out.backward(go)
         for _ in range(3):
             step()
