@@ -1087,7 +1087,8 @@ def test_causal_row_blocks_ordered_by_head_group(group, varlen, monkeypatch):
 def test_causal_head_group_rule_and_knob(monkeypatch):
     """The group is the number of query heads whose K/V (of this launch's keys) fit in CAUSAL_L2_SHARE of L2, or,
     when more, enough heads to balance the grid's tail (CAUSAL_BALANCE_PROGRAMS_PER_SM x SMs / row blocks); at
-    least one and at most the launch's batch-heads. ELSA_CAUSAL_HEAD_GROUP forces it and is validated."""
+    least one and at most the launch's batch-heads; evened out over them (occupancy.even_groups).
+    ELSA_CAUSAL_HEAD_GROUP forces it and is validated."""
     from elsa_surgery.kernels import occupancy
 
     monkeypatch.delenv(occupancy.ENV_HEAD_GROUP, raising=False)
@@ -1095,13 +1096,20 @@ def test_causal_head_group_rule_and_knob(monkeypatch):
     share = int(occupancy.DEFAULT_L2_BYTES * occupancy.CAUSAL_L2_SHARE)
     per = 4096 * 2 * (128 + 128)  # bf16 K and V of one head, N = 4K
     kw = dict(kv_bytes_per_key=512, m_blocks=32)
-    assert occupancy.causal_head_group(cpu, n_k=4096, groups=1, bh=32, **kw) == share // per
+    assert share // per == 12  # three groups of 32 heads: 11, 11 and 10 (12, 12, 8 before evening them)
+    assert occupancy.causal_head_group(cpu, n_k=4096, groups=1, bh=32, **kw) == 11
+    assert occupancy.causal_head_group(cpu, n_k=4096, groups=1, bh=24, **kw) == 12  # two groups of 12 as they were
     assert occupancy.causal_head_group(cpu, n_k=4096, groups=4, bh=32, **kw) == 32  # GQA: 4 heads per K/V head
     assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, **kw) == 1
     assert occupancy.causal_head_group(cpu, n_k=128, groups=1, bh=6, **kw) == 6
     monkeypatch.setattr(occupancy, "_sms", lambda device: 132)  # an H100's balance term
     assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, kv_bytes_per_key=512, m_blocks=32) == 16
     assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, kv_bytes_per_key=512, m_blocks=512) == 1
+    # evened groups: as many as before, the last one never smaller (session 45: 16 heads in 12 + 4 -> 8 + 8)
+    for bh, group, even in ((16, 12, 8), (32, 12, 11), (16, 16, 16), (16, 5, 4), (7, 3, 3), (5, 1, 1), (1, 1, 1)):
+        assert occupancy.even_groups(bh, group) == even, (bh, group)
+        n = -(-bh // group)
+        assert -(-bh // even) == n and bh - (n - 1) * even >= bh - (n - 1) * group
     monkeypatch.setenv(occupancy.ENV_HEAD_GROUP, "5")
     assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, **kw) == 5
     for bad in ("0", "two", "-1"):
