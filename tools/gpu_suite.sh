@@ -2,9 +2,9 @@
 # The GPU measurements and GPU tests behind docs/PERF.md, as run on the device machine (H100). Each part
 # fits one 10-minute call. Usage (from the repository root): bash tools/gpu_suite.sh PART [OUTDIR]
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
-#   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | bwd-questions | fuzz | s32m-fuzz |
-#   tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline | races |
-#   exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
+#   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
+#   races | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -130,7 +130,7 @@ case "$part" in
       2>&1 | tee "$out/bwd_sweep.log" | grep -E "BEST|baseline|WRONG" ;;
   bwd-split)  # issue 25's fp32 cells left by session 44's split backward (precise D = 128 non-causal 1.97x ME-SDPA,
     # turbo D = 64 causal 3.76x): the split's tiles swept with more stages and wider key blocks, then forward +
-    # backward by the rule against ME-SDPA; written without a GPU run (session 44): timings are estimates, ~8 min
+    # backward by the rule against ME-SDPA; the sweeps ran 71-145 s each on an H200 (session 45), ~8 min in all
     for cell in "fp32-precise 16x128 0" "fp32-turbo 16x64 1" "fp32-turbo 16x128 0"; do
       set -- $cell
       ELSA_BWD_SPLIT=f16 timeout 170 python3 recipes/bench_attention.py --backward --sweep --dtypes "$1" --n 4096 \
@@ -139,6 +139,9 @@ case "$part" in
     done
     timeout 100 python3 recipes/bench_attention.py --backward --no-varlen --dtypes fp32-precise,fp32-turbo \
       --n 4096 --shapes 16x64,16x128 --causal 0,1 --baselines efficient 2>&1 | tee "$out/bwd_split.log" | grep '^{' ;;
+  head-groups)  # causal launches' head groups evened out against the groups before (session 45; ~90 s on an
+    # H200): forward and forward + backward A/B in one process, fp32 precise/turbo and bf16
+    timeout 300 python3 benchmarks/lab/head_groups.py --rounds 3 2>&1 | grep -v -i warn | tee "$out/head_groups.log" ;;
   bwd-questions)  # session 29's two open backward questions in one call (args: HxD [16x64]; ~7 min, untimed
     # estimate): the per-kernel profile of forward + backward, causal and not, then the sweep of the causal
     # backward with the head-group order (auto vs 1: heaviest first over groups of heads vs one head after another)
