@@ -511,17 +511,18 @@ def causal_head_group(device: torch.device, *, n_k: int, kv_bytes_per_key: int, 
     l2 = DEFAULT_L2_BYTES if device.type != "cuda" else _l2_bytes(_cuda_index(device))
     kv_heads = int(l2 * CAUSAL_L2_SHARE) // max(1, n_k * kv_bytes_per_key)
     balance = CAUSAL_BALANCE_PROGRAMS_PER_SM * _sms(device) // max(1, m_blocks)
-    return even_groups(bh, max(1, min(bh, max(kv_heads * groups, balance))))
+    return even_groups(bh, max(1, min(bh, max(kv_heads * groups, balance))), groups)
 
 
-def even_groups(bh: int, group: int) -> int:
-    """``group`` evened out over ``bh`` heads: the same number of groups, ``ceil(bh / n)`` heads each, so the last
-    group is never smaller than with ``group`` (16 heads in groups of 12 -> two of 8). A short last group runs its
+def even_groups(bh: int, group: int, unit: int = 1) -> int:
+    """``group`` evened out over ``bh`` heads: the same number of groups ``n`` (or fewer), ``ceil(bh / n)`` heads
+    each rounded up to whole ``unit``s (the query heads of one K/V head stay in one group), so the last group is
+    never smaller than with ``group`` (16 heads in groups of 12 -> two of 8). A short last group runs its
     heaviest blocks last, alone on a GPU that empties (session 45, H200, the fp32 split backward at H = 16, N = 4K,
     D = 64, causal, kernel time: groups of 12 (the second of 4 heads) 0.897 ms for turbo and 1.420 for precise;
     groups of 16 0.763 / 1.104, of 4 0.870 / 1.094)."""
-    n = -(-bh // max(1, group))
-    return -(-bh // max(1, n))
+    n, unit = -(-bh // max(1, group)), max(1, unit)
+    return min(bh, -(-(-(-bh // unit)) // n) * unit)
 
 
 _ETA_RANGE = knobs.KNOBS[knobs.LEAN_ETA].allowed

@@ -1110,6 +1110,12 @@ def test_causal_head_group_rule_and_knob(monkeypatch):
         assert occupancy.even_groups(bh, group) == even, (bh, group)
         n = -(-bh // group)
         assert -(-bh // even) == n and bh - (n - 1) * even >= bh - (n - 1) * group
+    # GQA: whole K/V heads' query heads a group (units of 4: 32 heads in groups of 12 stay 12, 12, 8, not 11s)
+    for bh, group, unit, even in ((32, 12, 4, 12), (32, 8, 4, 8), (64, 24, 8, 24), (48, 20, 4, 16), (8, 3, 2, 4)):
+        assert occupancy.even_groups(bh, group, unit) == even, (bh, group, unit)
+        assert even % unit == 0 and -(-bh // even) <= -(-bh // group)
+    # 12 K/V heads fit (24 query heads in pairs): two groups of 32, evened to 16 + 16
+    assert occupancy.causal_head_group(cpu, n_k=4096, groups=2, bh=32, **kw) == 16
     monkeypatch.setenv(occupancy.ENV_HEAD_GROUP, "5")
     assert occupancy.causal_head_group(cpu, n_k=65536, groups=1, bh=32, **kw) == 5
     for bad in ("0", "two", "-1"):
