@@ -493,7 +493,8 @@ def _l2_bytes(device_index: int) -> int:
 # fit (bf16 N=65K H=32 D=128: 0.95 -> 0.82x cuDNN; turbo N=16K H=32 D=128: 4.44 -> 4.06x ME-SDPA). So a group
 # holds the heads whose K/V fit in this share of L2, and at least enough heads that the heaviest row block of
 # the last group is short next to the group's work per resident program (the tail): group >= 2 x (resident
-# programs, ~2 a SM) / row blocks a head, i.e. CAUSAL_BALANCE_PROGRAMS_PER_SM x SMs / row blocks.
+# programs, ~2 a SM) / row blocks a head, i.e. CAUSAL_BALANCE_PROGRAMS_PER_SM x SMs / row blocks. The groups are then
+# evened out (even_groups): a short last group was the same tail again (session 45).
 CAUSAL_L2_SHARE = 0.5
 CAUSAL_BALANCE_PROGRAMS_PER_SM = 4
 # the CPU interpreter (and a torch without ``L2_cache_size``): an H100's L2, so that CPU tests take the same groups
