@@ -367,6 +367,18 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
         if dense_short:  # the general passes leave rows past the lengths alone
             dq = _zeros("dq", q.shape, dq_dtype, q.device)
     delta = _delta(c, do, out, lse, dlse)
+    if has_keys and c.dot == occ.DOT_IEEE and _OVERRIDE is None:
+        from . import hopper_backward
+
+        why_not = hopper_backward.eligible(q, k, v, do, dot=c.dot, mask=c.mask_t, q_lengths=call["q_lengths"],
+                                           kv_lengths=call["kv_lengths"], varlen=c.varlen, dropout_p=c.dropout_p,
+                                           mask_grad=mask_grad)
+        if why_not is None:  # strict on Hopper: the Gluon FMA passes (dQ by rows, deterministic)
+            hopper_backward.backward(do, q, k, v, lse, delta, dq, dk, dv, scale=c.scale, is_causal=c.is_causal)
+            return dq, dk, dv
+        if why_not not in _STRICT_PORTABLE:
+            _STRICT_PORTABLE.add(why_not)
+            log.debug("elsa backward: strict runs the portable passes (%s)", why_not)
     bufs = None
     split_dot = occ.backward_dot(c.dot, float(q.numel()) * c.Nk) if not atomic and has_keys else c.dot
     if split_dot != c.dot:
@@ -391,6 +403,9 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
         split = _split_operands(c, k, v, c.Hkv, bufs) if bufs is not None else None
         c.row_pass(ROW_DQ, dq, c.strides(dq), do=do, lse=lse, delta=delta, split=split)
     return (dq, dk, dv) + ((ds,) if ds is not None else ())
+
+
+_STRICT_PORTABLE: set = set()  # why strict backward calls ran the portable passes, not the Gluon ones (logged once)
 
 
 def _split_buffers(q, k, v, out, hi_only: bool = False):

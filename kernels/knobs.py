@@ -32,6 +32,7 @@ NUM_PARTITIONS = "ELSA_NUM_PARTITIONS"
 CAUSAL_HEAD_GROUP = "ELSA_CAUSAL_HEAD_GROUP"
 HOPPER = "ELSA_HOPPER"
 HOPPER_TILES = "ELSA_HOPPER_TILES"
+HOPPER_BWD_TILES = "ELSA_HOPPER_BWD_TILES"
 HOPPER_LAZY = "ELSA_HOPPER_LAZY"
 DEBUG = "ELSA_DEBUG"
 NCU_CHILD = "ELSA_NCU_CHILD"
@@ -153,6 +154,9 @@ _DECLARED = (
          _int_at_least(1), scope="tuning"),
     Knob(HOPPER_TILES, "tiles", "'BLOCK_M,BLOCK_N,STAGES,num_warps' (integers)", None,
          "forces the Hopper kernels' tiles (tile sweeps)", _tiles, scope="tuning"),
+    Knob(HOPPER_BWD_TILES, "tiles", "'RESIDENT,STREAMED,STAGES,num_warps' (integers)", None,
+         "forces the tiles of strict's Hopper backward, both passes (each pass's resident block first)", _tiles,
+         scope="tuning"),
     Knob(HOPPER_LAZY, "choice", _choices("0", "1", "force") + " (never, from 16 key tiles a row block, always)", "1",
          "lazy rescaling of the fp16/bf16 Hopper kernel's accumulator: 0 never, 1 from 16 key tiles a row block "
          "(8 causal), force always", _choice("0", "1", "force"), scope="tuning", choices=("0", "1", "force")),

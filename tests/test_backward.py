@@ -551,6 +551,46 @@ def test_gpu_backward_against_float64_reference(dtype, precision, D, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [None, "32,64,2,4", "64,32,1,8"])
+def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
+    """strict's backward on a Hopper GPU runs the Gluon FMA passes (kernels/hopper_backward.py) for dense calls:
+    gradients against the float64 oracle as close as the portable passes' (``ELSA_HOPPER=0``), over ragged lengths,
+    GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key) and Nq < Nk, and forced tiles."""
+    from elsa_surgery.kernels import hopper_backward
+
+    if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.eligible(
+            *(torch.empty(1, 1, 16, 64, device="cuda"),) * 4, dot=1, mask=None, q_lengths=None, kv_lengths=None,
+            varlen=False, dropout_p=0.0, mask_grad=False) is not None:
+        pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
+    if tiles:
+        monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", tiles)
+    ran = []
+    real = hopper_backward.backward
+    monkeypatch.setattr(hopper_backward, "backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    for b, hq, hkv, nq, nk, d, dv, causal in [(2, 4, 2, 333, 517, 64, 64, False), (1, 8, 2, 700, 300, 64, 32, True),
+                                               (2, 2, 2, 257, 1025, 128, 128, True), (1, 4, 1, 200, 200, 16, 32, True),
+                                               (1, 2, 2, 130, 130, 32, 128, False)]:
+        q, k, v = _leaf(b, hq, nq, d), _leaf(b, hkv, nk, d), _leaf(b, hkv, nk, dv)
+        go = torch.randn(b, hq, nq, dv, device=DEV)
+        ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        rg = torch.autograd.grad(elsa_surgery.attention(*ref, is_causal=causal, backend="reference",
+                                                        enable_gqa=True), ref, go.double())
+        errs = {}
+        for hopper in ("1", "0"):
+            n = len(ran)
+            with benchmark.environ({"ELSA_HOPPER": hopper}):
+                out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision="strict",
+                                             enable_gqa=True)
+                g = torch.autograd.grad(out, (q, k, v), go)
+            assert (len(ran) > n) == (hopper == "1")
+            assert all(torch.isfinite(t).all() for t in g)
+            errs[hopper] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
+        case = (b, hq, hkv, nq, nk, d, dv, causal)
+        assert max(errs["1"]) <= 1e-5, (case, errs)
+        assert all(e1 <= 1.5 * e0 + 1e-7 for e1, e0 in zip(errs["1"], errs["0"])), (case, errs)
+
+
+@pytest.mark.gpu
 def test_gpu_dropout_and_mask_grad_large():
     """Dropout (keep rate) and a learned bias's gradient at N = 512 on the compiled kernels, bf16."""
     q, k, v = (_leaf(2, 4, 512, 64, dtype=torch.bfloat16) for _ in range(3))

@@ -1,0 +1,316 @@
+"""``strict``'s backward on Hopper (sm_90), in Gluon: every product an IEEE fp32 FMA (no tensor cores), blocked in
+registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and TMA tiles.
+
+Triton's FMA dot ran the portable backward (``backward.py``, dot kind 1) at ~5-6 TFLOP/s on an H200, 0.21-0.22x
+ME-SDPA's forward + backward (docs/perf/history.md, sessions 39 and 45), where the forward's Gluon FMA kernel reaches
+72-77 % of the GPU's IEEE SGEMM. Two kernels, deterministic (no atomics), as the portable passes with dQ by rows:
+
+* :func:`_strict_bwd_kv` one program per (key block, batch, K/V head): K and V stay in shared memory; the query and
+  output-gradient tiles of every query head of its group (GQA reduced here) stream through a TMA ring, from the
+  causal diagonal on. Keys-major: ``s^T = K·q^T``, ``p^T = exp2(s^T·scale·log2e - lse2)``, ``dP^T = V·dO^T``,
+  ``dS^T = p^T (dP^T - delta)``; ``p^T`` and ``dS^T`` go through shared memory to become the left operands of
+  ``dV += p^T·dO`` and ``dK += dS^T·q``. Each query tile's two products are summed in a fresh accumulator and then
+  added (blocked summation, as the forward's P·V).
+* :func:`_strict_bwd_dq` one program per (query block, batch, query head): q and dO stay in shared memory; K/V tiles
+  stream; ``dS`` as above, rows-major, through shared memory into ``dQ += dS·K``.
+
+``delta = rowsum(dO * out)`` comes from ``backward.bwd_delta`` (the launcher's). Scope (:func:`eligible`; other calls
+run the portable passes): fp32 ``strict``, dense calls without a mask, lengths, varlen, dropout or a mask gradient,
+head dims D, Dv in ``hopper.HEAD_DIMS``, TMA-compatible q, k, v and dO, a CUDA device of compute capability 9.x with
+Gluon. The interpreter cannot run Gluon: tests/test_backward_gpu.py checks these kernels against float64 on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import hopper, knobs, replay
+from .hopper import HEAD_DIMS, LOG2E, gl, gluon
+from .occupancy import _cuda_index, capability, causal_head_group
+
+if gluon is not None:
+    from .hopper import _issue_kv, _kv_tile, _program_block, _release, _start, _visible_scores
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+    _LOG2E = gl.constexpr(LOG2E)
+
+    @gluon.jit
+    def _fma_products(a_smem, b_smem, acc, K: gl.constexpr, KC: gl.constexpr, a_layout: gl.constexpr,
+                      b_layout: gl.constexpr, B_ROWS: gl.constexpr):
+        """``acc + a·b`` over ``K`` in steps of ``KC`` as IEEE FMAs: ``a_smem [M, K]``; ``b_smem [K, N]`` when
+        ``B_ROWS`` (sliced by rows), else ``[N, K]`` (read transposed)."""
+        for c in gl.static_range(0, K, KC):
+            if B_ROWS:
+                b = b_smem.slice(c, KC, 0).load(b_layout)
+            else:
+                b = b_smem.slice(c, KC, 1).permute((1, 0)).load(b_layout)
+            acc = gl.dot_fma(a_smem.slice(c, KC, 1).load(a_layout), b, acc)
+        return acc
+
+    @gluon.jit
+    def _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq):
+        """A tile's ``lse`` in base 2 (+inf where the row sees no key or is past Nq: its probabilities are 0, never
+        NaN) and ``delta``."""
+        off = b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln
+        ok = rows < Nq
+        lse = gl.load(lse_ptr + off, mask=ok, other=float("-inf"))
+        delta = gl.load(delta_ptr + off, mask=ok, other=0.0)
+        return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E), delta
+
+    @gluon.jit
+    def _store_rows(ptr, x, b, h, s_b, s_h, s_n, rows, Nrows, COLS: gl.constexpr, layout: gl.constexpr):
+        """``x [R, COLS]`` (``layout``) into rows ``rows`` (< Nrows) of ``ptr[b, h]`` (inner stride 1)."""
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        ptrs = (ptr + b.to(gl.int64) * s_b + h.to(gl.int64) * s_h + gl.expand_dims(rows.to(gl.int64) * s_n, 1)
+                + gl.expand_dims(cols, 0))
+        gl.store(ptrs, x, mask=gl.expand_dims(rows < Nrows, 1))
+
+    @gluon.jit
+    def _strict_bwd_kv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
+                       s_kn, dv_ptr, s_vb, s_vh, s_vn, Nq, Nk, Hkv, G, qk_scale, scale, n_nblocks, head_group,
+                       BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
+                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dK, dV of one key block (``BLOCK_N`` keys) of one (batch, K/V head), over the ``BLOCK_M``-row query tiles
+        of its group's ``G`` query heads that see it. Causal grids run the key blocks with the most query rows (the
+        first) first across groups of ``head_group`` (batch, K/V head) pairs."""
+        TC: gl.constexpr = 8  # threads of a warp along a tile's columns, 4 along its rows (as the forward)
+        KC: gl.constexpr = 16  # columns per outer-product step (dot_fma needs K >= 16)
+        CK: gl.constexpr = 4 if HEAD_D >= 32 else HEAD_D // TC
+        CV: gl.constexpr = 4 if HEAD_DV >= 32 else HEAD_DV // TC
+        WK: gl.constexpr = 2 if HEAD_D > 64 else 1
+        WV: gl.constexpr = 2 if HEAD_DV > 64 else 1
+        s_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TC, TC], [num_warps, 1], [1, 0])
+        # accumulators past 64 columns: two warps along the columns, so that a thread holds at most 8 of them (the
+        # right operand of one KC step, 16 x 8, stays 128 registers; ptxas spilled at D = 128 with 16 columns)
+        k_layout: gl.constexpr = gl.BlockedLayout([1, CK], [32 // TC, TC], [num_warps // WK, WK], [1, 0])
+        v_layout: gl.constexpr = gl.BlockedLayout([1, CV], [32 // TC, TC], [num_warps // WV, WV], [1, 0])
+        sa: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=0)
+        sb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_layout, k_width=0)
+        ka: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=k_layout, k_width=0)
+        kb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=k_layout, k_width=0)
+        va: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v_layout, k_width=0)
+        vb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=v_layout, k_width=0)
+        keys_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        t_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+
+        # (b, hk, n0): the causal order puts the heaviest key blocks (the first: every later row sees them) first
+        pid = gl.program_id(0)
+        if IS_CAUSAL:
+            n_bh = gl.num_programs(0) // n_nblocks
+            per_group = n_nblocks * head_group
+            g = pid // per_group
+            gh = gl.minimum(head_group, n_bh - g * head_group)
+            r = pid - g * per_group
+            nb = r // gh
+            bh = g * head_group + r % gh
+        else:
+            bh = pid // n_nblocks
+            nb = pid % n_nblocks
+        b = bh // Hkv
+        hk = bh % Hkv
+        n0 = nb * BLOCK_N
+        off = Nk - Nq
+        n_mb = gl.cdiv(Nq, BLOCK_M)
+        mb_lo = 0
+        if IS_CAUSAL:  # row i sees key j when j <= i + off: the first row that sees key n0 is n0 - off
+            mb_lo = gl.minimum(gl.maximum(n0 - off, 0) // BLOCK_M, n_mb)
+        per_head = n_mb - mb_lo
+        n_tiles = per_head * G
+        # query tiles from this row on see every key of the block (no causal test)
+        m_full = n0 + BLOCK_N - 1 - off
+
+        dtype: gl.constexpr = q_desc.dtype
+        k_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+        v_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DV], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DV], do_desc.layout)
+        pt_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], t_shared)
+        dst_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], t_shared)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_tile)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_tile)
+        for i in gl.static_range(STAGES):
+            if i < n_tiles:
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + i // per_head,
+                          (mb_lo + i % per_head) * BLOCK_M, i)
+        mbarrier.wait(kv_bar, 0)
+        k_smem = k_tile.reshape([BLOCK_N, HEAD_D])
+        v_smem = v_tile.reshape([BLOCK_N, HEAD_DV])
+
+        keys = n0 + gl.arange(0, BLOCK_N, layout=keys_s)
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, k_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, v_layout)
+        for j in range(0, n_tiles):
+            h = hk * G + j // per_head
+            m0 = (mb_lo + j % per_head) * BLOCK_M
+            st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=rows_s)
+            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
+            st_ = _fma_products(k_smem, q_smem, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), HEAD_D, KC,
+                                sa, sb, False)
+            pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
+            if IS_CAUSAL:
+                if m0 < m_full:
+                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
+            dpt = _fma_products(v_smem, do_smem, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), HEAD_DV, KC,
+                                sa, sb, False)
+            pt_smem.store(pt)
+            dst_smem.store(pt * (dpt - gl.expand_dims(delta, 0)))
+            dv += _fma_products(pt_smem, do_smem, gl.zeros([BLOCK_N, HEAD_DV], gl.float32, v_layout), BLOCK_M, KC,
+                                va, vb, True)
+            dk += _fma_products(dst_smem, q_smem, gl.zeros([BLOCK_N, HEAD_D], gl.float32, k_layout), BLOCK_M, KC,
+                                ka, kb, True)
+            nxt = j + STAGES
+            if nxt < n_tiles:
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + nxt // per_head,
+                          (mb_lo + nxt % per_head) * BLOCK_M, st)
+
+        _release(kv_bar, bars, STAGES)
+        _store_rows(dk_ptr, dk * scale, b, hk, s_kb, s_kh, s_kn,
+                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_layout)), Nk, HEAD_D, k_layout)
+        _store_rows(dv_ptr, dv, b, hk, s_vb, s_vh, s_vn, n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout)),
+                    Nk, HEAD_DV, v_layout)
+
+    @gluon.jit
+    def _strict_bwd_dq(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dq_ptr, s_qb, s_qh,
+                       s_qn, Nq, Nk, Hq, G, qk_scale, scale, n_mblocks, head_group, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, STAGES: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dQ of one query block (``BLOCK_M`` rows) of one (batch, query head), over the key tiles its rows see
+        (the forward's walk: ``hopper._start``, heaviest row blocks first when causal)."""
+        TC: gl.constexpr = 8
+        KC: gl.constexpr = 16
+        CQ: gl.constexpr = 4 if HEAD_D >= 32 else HEAD_D // TC
+        s_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TC, TC], [num_warps, 1], [1, 0])
+        WQ: gl.constexpr = 2 if HEAD_D > 64 else 1  # as the kv pass's accumulators
+        q_layout: gl.constexpr = gl.BlockedLayout([1, CQ], [32 // TC, TC], [num_warps // WQ, WQ], [1, 0])
+        sa: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=0)
+        sb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_layout, k_width=0)
+        qa: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=0)
+        qb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=q_layout, k_width=0)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        ds_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+
+        b, h, hk, m0 = _program_block(n_mblocks, Hq, G, head_group, BLOCK_M, IS_CAUSAL)
+        off = Nk - Nq
+        q_smem, k_ring, v_ring, bars, q_bar, n_full, n_tiles = _start(
+            q_desc, k_desc, v_desc, b, h, hk, m0, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)
+        dtype: gl.constexpr = q_desc.dtype
+        do_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DV], do_desc.layout)
+        ds_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], ds_shared)
+        do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(do_bar, count=1)
+        fence_async_shared()
+        mbarrier.expect(do_bar, do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], do_bar, do_tile)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+        cols = gl.arange(0, BLOCK_N, layout=col_s)
+        lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
+        mbarrier.wait(do_bar, 0)
+        do_smem = do_tile.reshape([BLOCK_M, HEAD_DV])
+
+        dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, q_layout)
+        for j in range(0, n_tiles):
+            n0 = j * BLOCK_N
+            st, k_smem, v_smem = _kv_tile(k_ring, v_ring, bars, j, STAGES)
+            s = _fma_products(q_smem, k_smem, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), HEAD_D, KC,
+                              sa, sb, False)
+            s = _visible_scores(s * qk_scale, n0, n_full, rows, cols, Nk, off, IS_CAUSAL)
+            p = gl.exp2(s - gl.expand_dims(lse2, 1))
+            dp = _fma_products(do_smem, v_smem, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), HEAD_DV, KC,
+                               sa, sb, False)
+            ds_smem.store(p * (dp - gl.expand_dims(delta, 1)))
+            dq += _fma_products(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, q_layout), BLOCK_N, KC,
+                                qa, qb, True)
+            if j + STAGES < n_tiles:
+                _issue_kv(k_desc, v_desc, k_ring, v_ring, bars, b, hk, (j + STAGES) * BLOCK_N, st)
+
+        _release(q_bar, bars, STAGES)
+        mbarrier.invalidate(do_bar)
+        _store_rows(dq_ptr, dq * scale, b, h, s_qb, s_qh, s_qn,
+                    m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, q_layout)), Nq, HEAD_D, q_layout)
+
+
+def eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool, dropout_p: float,
+             mask_grad: bool) -> Optional[str]:
+    """``None`` when this backward call runs on the Gluon FMA kernels, else why not (the portable passes run)."""
+    from .occupancy import DOT_IEEE
+
+    if dot != DOT_IEEE:
+        return "not an fp32 strict call"
+    how = hopper.mode()
+    if how == "0":
+        return f"{hopper.ENV}=0"
+    if hopper._IMPORT_ERROR is not None:
+        return hopper._IMPORT_ERROR
+    if q.device.type != "cuda" or capability(_cuda_index(q.device))[0] != 9:
+        return "not a Hopper (sm_90) device"
+    if varlen or mask is not None or q_lengths is not None or kv_lengths is not None or dropout_p > 0 or mask_grad:
+        return "masks, lengths, varlen and dropout run on the portable passes"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D not in HEAD_DIMS or Dv not in HEAD_DIMS:
+        return f"head dims D={D}, Dv={Dv} (one of {HEAD_DIMS})"
+    if not all(hopper._descriptor_ok(t) for t in (q, k, v, do)):
+        return "strides not TMA-compatible (inner dim contiguous, others 16-byte multiples, 16-byte base)"
+    return None
+
+
+ENV_TILES = knobs.HOPPER_BWD_TILES
+
+
+def tiles(d: int, dv: int) -> tuple:
+    """``((kv pass: BLOCK_N keys, BLOCK_M rows, STAGES, num_warps), (dQ pass: BLOCK_M rows, BLOCK_N keys, STAGES,
+    num_warps))``; ``ELSA_HOPPER_BWD_TILES`` forces both (each pass's resident block first). Measured on an H200
+    (session 46, ``benchmarks/lab/strict_bwd_tiles.py``, H = 16, N = 4K, non-causal, the backward alone): D = 64,
+    kv 64 x 32 with four warps (6.5-6.8 ms, against 17.2 at 64 x 64 and 7.7-9.4 for 64 x 16, 32 x 16, 128 x 16;
+    128 x 32 or two warps 17.9), dQ 64 x 64 (6.51 against 6.80 at 64 x 32 and 7.4-8.1 for 64 x 16, 32 x 32,
+    32 x 64); D = 128 (accumulators with two warps along their columns): 32 x 32 for both passes (17.1 ms against
+    17.2-17.3 at 64 x 32 with eight warps, 18.2-18.9 at 32 x 16, 64 x 16, 32 x 64, 23.4-37.7 at 32 x 32 with eight
+    warps or 64 x 32 with four)."""
+    forced = knobs.get(ENV_TILES)
+    if forced:
+        return forced, forced
+    if max(d, dv) <= 64:
+        return (64, 32, 2, 4), (64, 64, 2, 4)
+    return (32, 32, 2, 4), (32, 32, 2, 4)
+
+
+def backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, kv_tiles=None, dq_tiles=None):
+    """dK, dV and dQ (``dq``/``dk``/``dv``: fp32 ``[B, H, N, D]``, inner stride 1) of a dense strict call from the
+    forward's ``lse`` and ``delta`` (both ``[B, Hq, Nq]``, one layout). ``kv_tiles``/``dq_tiles``: as :func:`tiles`
+    (benchmarks/lab/strict_bwd_tiles.py)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    auto_kv, auto_dq = tiles(D, Dv)
+    bn, bm, stages, warps = kv_tiles or auto_kv
+    desc = hopper._desc
+    if Nk and B * Hkv:
+        n_nb = -(-Nk // bn)
+        group = (causal_head_group(q.device, n_k=Nq, kv_bytes_per_key=q.element_size() * (D + Dv) * G, groups=1,
+                                   bh=B * Hkv, m_blocks=n_nb) if is_causal else 1)
+        replay.launch(_strict_bwd_kv, (n_nb * B * Hkv,), desc(q, [1, 1, bm, D]), desc(do, [1, 1, bm, Dv]),
+                      desc(k, [1, 1, bn, D]), desc(v, [1, 1, bn, Dv]), lse, delta, *lse.stride(), dk,
+                      *dk.stride()[:3], dv, *dv.stride()[:3], Nq, Nk, Hkv, G, float(scale) * LOG2E, float(scale),
+                      n_nb, group, BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv, STAGES=stages,
+                      IS_CAUSAL=bool(is_causal), num_warps=warps)
+    bm, bn, stages, warps = dq_tiles or auto_dq
+    if Nq and B * Hq:
+        n_mb = -(-Nq // bm)
+        group = (causal_head_group(q.device, n_k=Nk, kv_bytes_per_key=q.element_size() * (D + Dv), groups=G,
+                                   bh=B * Hq, m_blocks=n_mb) if is_causal else 1)
+        replay.launch(_strict_bwd_dq, (n_mb * B * Hq,), desc(q, [1, 1, bm, D]), desc(k, [1, 1, bn, D]),
+                      desc(v, [1, 1, bn, Dv]), desc(do, [1, 1, bm, Dv]), lse, delta, *lse.stride(), dq,
+                      *dq.stride()[:3], Nq, Nk, Hq, G, float(scale) * LOG2E, float(scale), n_mb, group,
+                      BLOCK_M=bm, BLOCK_N=bn, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
+                      num_warps=warps)
+    return dq, dk, dv
+
