@@ -550,6 +550,27 @@ def test_gpu_backward_against_float64_reference(dtype, precision, D, causal):
             assert rel_err(a.double().cpu(), b.cpu()) <= GPU_TOL[(dtype, precision)], (name, det)
 
 
+def test_strict_gluon_backward_scope_and_tiles(monkeypatch):
+    """Which backward calls the Gluon FMA passes take (the rest run the portable passes) and their tiles' knob; the
+    kernels themselves run on a Hopper GPU only (test_gpu_strict_backward_runs_the_gluon_kernels) and compile for
+    sm_90 in tests/test_kernels_compile.py."""
+    from elsa_surgery.kernels import hopper, hopper_backward as hb, occupancy as occ
+
+    t = torch.zeros(1, 1, 8, 64)
+    scope = dict(mask=None, q_lengths=None, kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False)
+    assert hb.eligible(t, t, t, t, dot=occ.DOT_TF32X3, **scope) == "not an fp32 strict call"
+    monkeypatch.setenv("ELSA_HOPPER", "0")
+    assert hb.eligible(t, t, t, t, dot=occ.DOT_IEEE, **scope) == "ELSA_HOPPER=0"
+    monkeypatch.delenv("ELSA_HOPPER")
+    assert hb.eligible(t, t, t, t, dot=occ.DOT_IEEE, **scope) == (hopper._IMPORT_ERROR or "not a Hopper (sm_90) device")
+    assert hb.tiles(64, 64) == ((64, 32, 2, 4), (64, 64, 2, 4)) and hb.tiles(128, 64) == ((32, 32, 2, 4),) * 2
+    monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", "32,16,1,8")
+    assert hb.tiles(64, 64) == ((32, 16, 1, 8),) * 2
+    monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", "32,16")
+    with pytest.raises(ValueError, match="ELSA_HOPPER_BWD_TILES"):
+        hb.tiles(64, 64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [None, "32,64,2,4", "64,32,1,8"])
 def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):

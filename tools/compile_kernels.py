@@ -1,7 +1,8 @@
 """Compile the portable Triton kernels for a GPU without one: Triton's own compiler, from the kernels' source to PTX
 for sm_90 (no launch, no driver), for the variants the interpreter cannot vouch for (its semantics are Python's; the
 compiler's type rules, loop-carried values and layouts are not checked there). Session 27: written to check the
-backward's full-tile loops and the forward's ``BLOCKED_PV`` before any GPU saw them.
+backward's full-tile loops and the forward's ``BLOCKED_PV`` before any GPU saw them. Also strict's Gluon backward
+(kernels/hopper_backward.py, :func:`gluon_variants`), whose code the interpreter cannot run at all.
 
 Run with the interpreter off (``TRITON_INTERPRET`` unset): ``python tools/compile_kernels.py [--ptxas]``. Prints one
 line per variant and exits 1 if any fails to compile. ``--ptxas``: also assemble each with Triton's bundled ptxas and
@@ -80,6 +81,49 @@ def variants():
            dict(bwd, MASK_KIND=2, IS_CAUSAL=True, DROPOUT=False, WHAT=0, HAS_RANGES=True), 4)
 
 
+def gluon_variants():
+    """(name, Gluon kernel, {descriptor argument: block rows, cols}, constexprs, num_warps): strict's backward on
+    Hopper (kernels/hopper_backward.py), fp32, at its default tiles."""
+    from elsa_surgery.kernels import hopper_backward as hb
+
+    if hb.gluon is None:
+        return
+    for d, dv, causal in ((64, 64, True), (128, 128, False), (16, 32, True)):
+        (kn, km, ks, kw), (qm, qn, qs, qw) = hb.tiles(d, dv)
+        yield (f"gluon strict_bwd_kv D={d} Dv={dv} causal={causal}", hb._strict_bwd_kv,
+               dict(q_desc=(km, d), do_desc=(km, dv), k_desc=(kn, d), v_desc=(kn, dv)),
+               dict(BLOCK_N=kn, BLOCK_M=km, HEAD_D=d, HEAD_DV=dv, STAGES=ks, IS_CAUSAL=causal), kw)
+        yield (f"gluon strict_bwd_dq D={d} Dv={dv} causal={causal}", hb._strict_bwd_dq,
+               dict(q_desc=(qm, d), do_desc=(qm, dv), k_desc=(qn, d), v_desc=(qn, dv)),
+               dict(BLOCK_M=qm, BLOCK_N=qn, HEAD_D=d, HEAD_DV=dv, STAGES=qs, IS_CAUSAL=causal), qw)
+
+
+def gluon_source(fn, descs: dict, const: dict, warps: int):
+    """Gluon's ``GluonASTSource`` of ``fn``: fp32 TMA descriptors ``[1, 1, rows, cols]`` for ``descs``, fp32
+    pointers for ``*_ptr``, fp32 ``qk_scale``/``scale``, int32 for the rest."""
+    import torch
+    import triton.runtime.jit as jit
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in descs:
+            block = [1, 1, *descs[p.name]]
+            t = torch.empty(block)
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+            sig[p.name] = jit.mangle_type(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = "*fp32"
+        else:
+            sig[p.name] = "fp32" if p.name in _FLOATS else "i32"
+    const = dict(const, num_warps=warps)
+    return GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ptxas", action="store_true", help="assemble with Triton's ptxas and print registers")
@@ -96,9 +140,14 @@ def main(argv=None) -> int:
         return 3
     failed = 0
     ptx = {}
-    for name, fn, dtype, const, warps in variants():
+    gluon = []
+    try:
+        gluon = list(gluon_variants())
+    except ImportError as e:  # pragma: no cover - a Triton without Gluon's Hopper API
+        print(f"no Gluon kernels compiled: {e}")
+    for name, fn, dtype, const, warps in list(variants()) + gluon:
         try:
-            src = source(fn, dtype, const)
+            src = gluon_source(fn, dtype, const, warps) if isinstance(dtype, dict) else source(fn, dtype, const)
         except TypeError as e:  # pragma: no cover - another Triton's ASTSource
             print(f"skip: this Triton's ASTSource takes other arguments ({e})")
             return 3
