@@ -373,8 +373,9 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
         why_not = hopper_backward.eligible(q, k, v, do, dot=c.dot, mask=c.mask_t, q_lengths=call["q_lengths"],
                                            kv_lengths=call["kv_lengths"], varlen=c.varlen, dropout_p=c.dropout_p,
                                            mask_grad=mask_grad)
-        if why_not is None:  # strict on Hopper: the Gluon FMA passes (dQ by rows, deterministic)
-            hopper_backward.backward(do, q, k, v, lse, delta, dq, dk, dv, scale=c.scale, is_causal=c.is_causal)
+        if why_not is None:  # strict on Hopper: the Gluon FMA passes (dQ by rows unless atomic)
+            hopper_backward.backward(do, q, k, v, lse, delta, dq, dk, dv, scale=c.scale, is_causal=c.is_causal,
+                                     atomic=atomic)
             return dq, dk, dv
         if why_not not in _STRICT_PORTABLE:
             _STRICT_PORTABLE.add(why_not)

@@ -67,12 +67,14 @@ if gluon is not None:
 
     @gluon.jit
     def _strict_bwd_kv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
-                       s_kn, dv_ptr, s_vb, s_vh, s_vn, Nq, Nk, Hkv, G, qk_scale, scale, n_nblocks, head_group,
-                       BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
-                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                       s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
+                       n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                       HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                       ATOMIC_DQ: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of one key block (``BLOCK_N`` keys) of one (batch, K/V head), over the ``BLOCK_M``-row query tiles
         of its group's ``G`` query heads that see it. Causal grids run the key blocks with the most query rows (the
-        first) first across groups of ``head_group`` (batch, K/V head) pairs."""
+        first) first across groups of ``head_group`` (batch, K/V head) pairs. ``ATOMIC_DQ``: also ``dQ += dS·K``
+        added into the fp32 ``dq`` with atomics (no dQ pass; not deterministic)."""
         TC: gl.constexpr = 8  # threads of a warp along a tile's columns, 4 along its rows (as the forward)
         KC: gl.constexpr = 16  # columns per outer-product step (dot_fma needs K >= 16)
         CK: gl.constexpr = 4 if HEAD_D >= 32 else HEAD_D // TC
@@ -127,6 +129,8 @@ if gluon is not None:
         do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DV], do_desc.layout)
         pt_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], t_shared)
         dst_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], t_shared)
+        if ATOMIC_DQ:  # dS as computed rows-major too: the left operand of dS·K
+            ds_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], t_shared)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
@@ -161,12 +165,23 @@ if gluon is not None:
                     pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
             dpt = _fma_products(v_smem, do_smem, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), HEAD_DV, KC,
                                 sa, sb, False)
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
             pt_smem.store(pt)
-            dst_smem.store(pt * (dpt - gl.expand_dims(delta, 0)))
+            dst_smem.store(dst)
+            if ATOMIC_DQ:
+                ds_smem.permute((1, 0)).store(dst)
             dv += _fma_products(pt_smem, do_smem, gl.zeros([BLOCK_N, HEAD_DV], gl.float32, v_layout), BLOCK_M, KC,
                                 va, vb, True)
             dk += _fma_products(dst_smem, q_smem, gl.zeros([BLOCK_N, HEAD_D], gl.float32, k_layout), BLOCK_M, KC,
                                 ka, kb, True)
+            if ATOMIC_DQ:
+                dq = _fma_products(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, k_layout), BLOCK_N, KC,
+                                   ka, kb, True)
+                qrows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, k_layout))
+                qcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, k_layout))
+                gl.atomic_add(dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh
+                              + gl.expand_dims(qrows.to(gl.int64) * s_qn, 1) + gl.expand_dims(qcols, 0), dq * scale,
+                              mask=gl.expand_dims(qrows < Nq, 1), sem="relaxed")
             nxt = j + STAGES
             if nxt < n_tiles:
                 _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + nxt // per_head,
@@ -271,22 +286,24 @@ def tiles(d: int, dv: int) -> tuple:
     num_warps))``; ``ELSA_HOPPER_BWD_TILES`` forces both (each pass's resident block first). Measured on an H200
     (session 46, ``benchmarks/lab/strict_bwd_tiles.py``, H = 16, N = 4K, non-causal, the backward alone): D = 64,
     kv 64 x 32 with four warps (6.5-6.8 ms, against 17.2 at 64 x 64 and 7.7-9.4 for 64 x 16, 32 x 16, 128 x 16;
-    128 x 32 or two warps 17.9), dQ 64 x 64 (6.51 against 6.80 at 64 x 32 and 7.4-8.1 for 64 x 16, 32 x 32,
-    32 x 64); D = 128 (accumulators with two warps along their columns): 32 x 32 for both passes (17.1 ms against
+    128 x 32 or two warps 17.9), dQ 128 x 64 with eight warps (6.53, 64 x 64 6.51, 64 x 32 6.80, 7.4-8.1 for 64 x 16,
+    32 x 32, 32 x 64; causal 3.42 against 3.52-3.55 at 64 x 64, 64 x 32, 128 x 32); D = 128 (accumulators with two warps along their columns): 32 x 32 for both passes (17.1 ms against
     17.2-17.3 at 64 x 32 with eight warps, 18.2-18.9 at 32 x 16, 64 x 16, 32 x 64, 23.4-37.7 at 32 x 32 with eight
     warps or 64 x 32 with four)."""
     forced = knobs.get(ENV_TILES)
     if forced:
         return forced, forced
     if max(d, dv) <= 64:
-        return (64, 32, 2, 4), (64, 64, 2, 4)
+        return (64, 32, 2, 4), (128, 64, 2, 8)
     return (32, 32, 2, 4), (32, 32, 2, 4)
 
 
-def backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, kv_tiles=None, dq_tiles=None):
+def backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, atomic: bool = False,
+             kv_tiles=None, dq_tiles=None):
     """dK, dV and dQ (``dq``/``dk``/``dv``: fp32 ``[B, H, N, D]``, inner stride 1) of a dense strict call from the
-    forward's ``lse`` and ``delta`` (both ``[B, Hq, Nq]``, one layout). ``kv_tiles``/``dq_tiles``: as :func:`tiles`
-    (benchmarks/lab/strict_bwd_tiles.py)."""
+    forward's ``lse`` and ``delta`` (both ``[B, Hq, Nq]``, one layout). ``atomic``: dQ added by the kv pass with
+    atomics into ``dq`` (zero-filled), no dQ pass (``backward_launch.atomic_dq``). ``kv_tiles``/``dq_tiles``: as
+    :func:`tiles` (benchmarks/lab/strict_bwd_tiles.py)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -299,11 +316,11 @@ def backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bo
                                    bh=B * Hkv, m_blocks=n_nb) if is_causal else 1)
         replay.launch(_strict_bwd_kv, (n_nb * B * Hkv,), desc(q, [1, 1, bm, D]), desc(do, [1, 1, bm, Dv]),
                       desc(k, [1, 1, bn, D]), desc(v, [1, 1, bn, Dv]), lse, delta, *lse.stride(), dk,
-                      *dk.stride()[:3], dv, *dv.stride()[:3], Nq, Nk, Hkv, G, float(scale) * LOG2E, float(scale),
-                      n_nb, group, BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv, STAGES=stages,
-                      IS_CAUSAL=bool(is_causal), num_warps=warps)
+                      *dk.stride()[:3], dv, *dv.stride()[:3], dq, *dq.stride()[:3], Nq, Nk, Hkv, G,
+                      float(scale) * LOG2E, float(scale), n_nb, group, BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv,
+                      STAGES=stages, IS_CAUSAL=bool(is_causal), ATOMIC_DQ=bool(atomic), num_warps=warps)
     bm, bn, stages, warps = dq_tiles or auto_dq
-    if Nq and B * Hq:
+    if Nq and B * Hq and not atomic:
         n_mb = -(-Nq // bm)
         group = (causal_head_group(q.device, n_k=Nk, kv_bytes_per_key=q.element_size() * (D + Dv), groups=G,
                                    bh=B * Hq, m_blocks=n_mb) if is_causal else 1)

@@ -563,7 +563,7 @@ def test_strict_gluon_backward_scope_and_tiles(monkeypatch):
     assert hb.eligible(t, t, t, t, dot=occ.DOT_IEEE, **scope) == "ELSA_HOPPER=0"
     monkeypatch.delenv("ELSA_HOPPER")
     assert hb.eligible(t, t, t, t, dot=occ.DOT_IEEE, **scope) == (hopper._IMPORT_ERROR or "not a Hopper (sm_90) device")
-    assert hb.tiles(64, 64) == ((64, 32, 2, 4), (64, 64, 2, 4)) and hb.tiles(128, 64) == ((32, 32, 2, 4),) * 2
+    assert hb.tiles(64, 64) == ((64, 32, 2, 4), (128, 64, 2, 8)) and hb.tiles(128, 64) == ((32, 32, 2, 4),) * 2
     monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", "32,16,1,8")
     assert hb.tiles(64, 64) == ((32, 16, 1, 8),) * 2
     monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", "32,16")
@@ -574,8 +574,9 @@ def test_strict_gluon_backward_scope_and_tiles(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [None, "32,64,2,4", "64,32,1,8"])
 def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
-    """strict's backward on a Hopper GPU runs the Gluon FMA passes (kernels/hopper_backward.py) for dense calls:
-    gradients against the float64 oracle as close as the portable passes' (``ELSA_HOPPER=0``), over ragged lengths,
+    """strict's backward on a Hopper GPU runs the Gluon FMA passes (kernels/hopper_backward.py) for dense calls, dQ by
+    rows and with atomics: gradients against the float64 oracle as close as the portable passes' (``ELSA_HOPPER=0``),
+    over ragged lengths,
     GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key) and Nq < Nk, and forced tiles."""
     from elsa_surgery.kernels import hopper_backward
 
@@ -597,18 +598,19 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
         rg = torch.autograd.grad(elsa_surgery.attention(*ref, is_causal=causal, backend="reference",
                                                         enable_gqa=True), ref, go.double())
         errs = {}
-        for hopper in ("1", "0"):
+        for hopper, det in (("1", True), ("1", False), ("0", True)):  # Gluon: dQ by rows, then atomic; portable
             n = len(ran)
-            with benchmark.environ({"ELSA_HOPPER": hopper}):
+            with benchmark.environ({"ELSA_HOPPER": hopper}), _dq_mode(det):
                 out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", precision="strict",
                                              enable_gqa=True)
                 g = torch.autograd.grad(out, (q, k, v), go)
             assert (len(ran) > n) == (hopper == "1")
             assert all(torch.isfinite(t).all() for t in g)
-            errs[hopper] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
+            errs[(hopper, det)] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
         case = (b, hq, hkv, nq, nk, d, dv, causal)
-        assert max(errs["1"]) <= 1e-5, (case, errs)
-        assert all(e1 <= 1.5 * e0 + 1e-7 for e1, e0 in zip(errs["1"], errs["0"])), (case, errs)
+        for det in (True, False):
+            assert max(errs[("1", det)]) <= 1e-5, (case, errs)
+            assert all(e1 <= 1.5 * e0 + 1e-7 for e1, e0 in zip(errs[("1", det)], errs[("0", True)])), (case, errs)
 
 
 @pytest.mark.gpu

@@ -83,7 +83,7 @@ def variants():
 
 def gluon_variants():
     """(name, Gluon kernel, {descriptor argument: block rows, cols}, constexprs, num_warps): strict's backward on
-    Hopper (kernels/hopper_backward.py), fp32, at its default tiles."""
+    Hopper (kernels/hopper_backward.py), fp32, at its default tiles (the kv pass with atomic dQ where causal)."""
     from elsa_surgery.kernels import hopper_backward as hb
 
     if hb.gluon is None:
@@ -92,7 +92,8 @@ def gluon_variants():
         (kn, km, ks, kw), (qm, qn, qs, qw) = hb.tiles(d, dv)
         yield (f"gluon strict_bwd_kv D={d} Dv={dv} causal={causal}", hb._strict_bwd_kv,
                dict(q_desc=(km, d), do_desc=(km, dv), k_desc=(kn, d), v_desc=(kn, dv)),
-               dict(BLOCK_N=kn, BLOCK_M=km, HEAD_D=d, HEAD_DV=dv, STAGES=ks, IS_CAUSAL=causal), kw)
+               dict(BLOCK_N=kn, BLOCK_M=km, HEAD_D=d, HEAD_DV=dv, STAGES=ks, IS_CAUSAL=causal, ATOMIC_DQ=causal),
+               kw)
         yield (f"gluon strict_bwd_dq D={d} Dv={dv} causal={causal}", hb._strict_bwd_dq,
                dict(q_desc=(qm, d), do_desc=(qm, dv), k_desc=(qn, d), v_desc=(qn, dv)),
                dict(BLOCK_M=qm, BLOCK_N=qn, HEAD_D=d, HEAD_DV=dv, STAGES=qs, IS_CAUSAL=causal), qw)

@@ -3,9 +3,10 @@
 For each shape (B = 1, fp32): the forward's ``lse`` and ``delta`` once, then ``hopper_backward.backward`` timed
 (``triton.testing.do_bench``, ms) for each kv-pass tile with the dQ pass at its default, and each dQ-pass tile with the
 kv pass at its default; every configuration's gradients against float64 (relative L2, the worst of dQ, dK, dV).
+With atomic dQ (``ELSA_BWD_DQ=atomic``): the kv pass alone at its default tile and at ``--atomic-tiles``.
 Beside them: the public backward on the Gluon passes and on the portable ones (``ELSA_HOPPER=0``), and ME-SDPA's
 backward (autograd.grad of one saved forward, timed alone). TFLOP/s counts the seven products (kv pass four, dQ
-pass three), halved when causal::
+pass three; five with atomic dQ), halved when causal::
 
     python benchmarks/lab/strict_bwd_tiles.py [--shapes 16x4096x64,16x4096x128] [--quick]
 """
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--portable", action="store_true", help="also time the portable passes (slow)")
     p.add_argument("--kv-tiles", help="kv-pass tiles to sweep, 'BN,BM,STAGES,WARPS;...' (default: KV_TILES)")
     p.add_argument("--dq-tiles", help="dQ-pass tiles to sweep, 'BM,BN,STAGES,WARPS;...' (default: DQ_TILES)")
+    p.add_argument("--atomic-tiles", help="kv-pass tiles to time with atomic dQ, as --kv-tiles")
     p.add_argument("--fix-kv", help="the kv pass's tile while the dQ tiles are swept (default: hopper_backward's)")
     p.add_argument("--fix-dq", help="the dQ pass's tile while the kv tiles are swept (default: hopper_backward's)")
     args = p.parse_args(argv)
@@ -69,10 +71,15 @@ def main(argv=None) -> int:
             work = 7 * 2 * H * N * N * D * (0.5 if causal else 1.0)
             rows = []
 
-            def direct(kv=None, dq=None):
+            def direct(kv=None, dq=None, atomic=False):
                 dq_, dk_, dv_ = (torch.empty_like(t) for t in (q, k, v))
-                fn = lambda: hb.backward(go, q.detach(), k.detach(), v.detach(), lse, delta, dq_, dk_, dv_,  # noqa
-                                         scale=scale, is_causal=causal, kv_tiles=kv, dq_tiles=dq)
+
+                def fn():
+                    if atomic:  # (the launcher's dQ is zero-filled)
+                        dq_.zero_()
+                    return hb.backward(go, q.detach(), k.detach(), v.detach(), lse, delta, dq_, dk_, dv_,
+                                       scale=scale, is_causal=causal, atomic=atomic, kv_tiles=kv, dq_tiles=dq)
+
                 try:
                     g = fn()
                     torch.cuda.synchronize()
@@ -80,10 +87,14 @@ def main(argv=None) -> int:
                     return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
                 err = _err(g, ref)
                 ms = do_bench(fn, warmup=5, rep=50)
-                return dict(ms=round(ms, 3), tflops=round(work / ms * 1e-9, 1), err=f"{err:.1e}")
+                done = work * (5 / 7 if atomic else 1)  # atomic dQ: the kv pass's five products alone
+                return dict(ms=round(ms, 3), tflops=round(done / ms * 1e-9, 1), err=f"{err:.1e}")
 
             auto_kv, auto_dq = hb.tiles(D, D)
             rows.append(dict(what="gluon default", kv=auto_kv, dq=auto_dq, **direct()))
+            rows.append(dict(what="gluon atomic dQ", kv=auto_kv, **direct(atomic=True)))
+            for t in tiles_of(args.atomic_tiles, []):
+                rows.append(dict(what="gluon atomic dQ", kv=t, **direct(kv=t, atomic=True)))
             if not args.quick:
                 for t in kv_tiles:
                     if t != auto_kv or fix_dq:
