@@ -303,7 +303,23 @@ def backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bo
     """dK, dV and dQ (``dq``/``dk``/``dv``: fp32 ``[B, H, N, D]``, inner stride 1) of a dense strict call from the
     forward's ``lse`` and ``delta`` (both ``[B, Hq, Nq]``, one layout). ``atomic``: dQ added by the kv pass with
     atomics into ``dq`` (zero-filled), no dQ pass (``backward_launch.atomic_dq``). ``kv_tiles``/``dq_tiles``: as
-    :func:`tiles` (benchmarks/lab/strict_bwd_tiles.py)."""
+    :func:`tiles` (benchmarks/lab/strict_bwd_tiles.py). Tiles forced by ``ELSA_HOPPER_BWD_TILES`` that need more
+    shared memory than the GPU has raise a ValueError naming the knob."""
+    try:
+        return _backward(do, q, k, v, lse, delta, dq, dk, dv, scale=scale, is_causal=is_causal, atomic=atomic,
+                         kv_tiles=kv_tiles, dq_tiles=dq_tiles)
+    except Exception as e:
+        from triton.runtime.errors import OutOfResources
+
+        if isinstance(e, OutOfResources) and knobs.get(ENV_TILES):
+            # (dq, dk, dv are the launcher's new tensors: the caller's are untouched)
+            raise ValueError(f"{ENV_TILES}={knobs.raw(ENV_TILES)!r} does not fit this GPU's {e.name} for strict's "
+                             f"backward at D={q.shape[-1]}, Dv={v.shape[-1]}: {e.required} needed, {e.limit} "
+                             "available; use smaller tiles or unset it") from e
+        raise
+
+
+def _backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale, is_causal, atomic, kv_tiles, dq_tiles):
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv

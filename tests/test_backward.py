@@ -569,6 +569,23 @@ def test_strict_gluon_backward_scope_and_tiles(monkeypatch):
     monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", "32,16")
     with pytest.raises(ValueError, match="ELSA_HOPPER_BWD_TILES"):
         hb.tiles(64, 64)
+    if hb.gluon is None:
+        return
+    # forced tiles that need more shared memory than the GPU has: a ValueError naming the knob, as the forward's
+    from triton.runtime.errors import OutOfResources
+
+    def too_big(*a, **kw):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(hb.replay, "launch", too_big)
+    monkeypatch.setenv("ELSA_HOPPER_BWD_TILES", "128,128,3,8")
+    t = torch.zeros(1, 2, 64, 64)
+    lse = torch.zeros(1, 2, 64)
+    with pytest.raises(ValueError, match="ELSA_HOPPER_BWD_TILES='128,128,3,8' does not fit .*300000 needed"):
+        hb.backward(t, t, t, t, lse, lse, t.clone(), t.clone(), t.clone(), scale=0.125, is_causal=False)
+    monkeypatch.delenv("ELSA_HOPPER_BWD_TILES")
+    with pytest.raises(OutOfResources):  # default tiles: Triton's own error
+        hb.backward(t, t, t, t, lse, lse, t.clone(), t.clone(), t.clone(), scale=0.125, is_causal=False)
 
 
 @pytest.mark.gpu
