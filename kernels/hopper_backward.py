@@ -287,9 +287,9 @@ def tiles(d: int, dv: int) -> tuple:
     (session 46, ``benchmarks/lab/strict_bwd_tiles.py``, H = 16, N = 4K, non-causal, the backward alone): D = 64,
     kv 64 x 32 with four warps (6.5-6.8 ms, against 17.2 at 64 x 64 and 7.7-9.4 for 64 x 16, 32 x 16, 128 x 16;
     128 x 32 or two warps 17.9), dQ 128 x 64 with eight warps (6.53, 64 x 64 6.51, 64 x 32 6.80, 7.4-8.1 for 64 x 16,
-    32 x 32, 32 x 64; causal 3.42 against 3.52-3.55 at 64 x 64, 64 x 32, 128 x 32); D = 128 (accumulators with two warps along their columns): 32 x 32 for both passes (17.1 ms against
-    17.2-17.3 at 64 x 32 with eight warps, 18.2-18.9 at 32 x 16, 64 x 16, 32 x 64, 23.4-37.7 at 32 x 32 with eight
-    warps or 64 x 32 with four)."""
+    32 x 32, 32 x 64; causal 3.42 against 3.52-3.55 at 64 x 64, 64 x 32, 128 x 32); D = 128 (accumulators with two
+    warps along their columns): 32 x 32 for both passes (17.1 ms against 17.2-17.3 at 64 x 32 with eight warps,
+    18.2-18.9 at 32 x 16, 64 x 16, 32 x 64, 23.4-37.7 at 32 x 32 with eight warps or 64 x 32 with four)."""
     forced = knobs.get(ENV_TILES)
     if forced:
         return forced, forced
