@@ -531,6 +531,10 @@ def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=Fal
     if mask_grad and (mask is None or mask.dtype == torch.bool):
         raise ValueError("mask_grad: only an additive float mask has a gradient")
     lse = lse.contiguous()  # delta takes lse's layout (the forward's lse is contiguous: a no-op)
+    if 0 in do.stride() and do.numel() > 1:
+        # an expanded output gradient (``out.sum().backward()``): one copy, so that strict's Gluon passes can read it
+        # through a TMA descriptor (hopper_backward.eligible; the portable passes read any strides)
+        do = do.contiguous()
     short = hit = None
     if key_memo is not None and _OVERRIDE is None:
         g = launch._geometry

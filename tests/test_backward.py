@@ -550,6 +550,32 @@ def test_gpu_backward_against_float64_reference(dtype, precision, D, causal):
             assert rel_err(a.double().cpu(), b.cpu()) <= GPU_TOL[(dtype, precision)], (name, det)
 
 
+def test_expanded_output_gradient(monkeypatch):
+    """``out.sum().backward()`` hands the backward an expanded (stride 0) output gradient: the passes get one
+    contiguous copy (TMA-readable for strict's Gluon passes), with the oracle's gradients, also when the second call
+    replays the first one's launch plan."""
+    from elsa_surgery.kernels import backward_launch
+
+    monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")
+    seen = []
+    real = backward_launch._launches
+
+    def spy(do, *a, **kw):
+        seen.append(do.stride())
+        return real(do, *a, **kw)
+
+    monkeypatch.setattr(backward_launch, "_launches", spy)
+    for _ in range(2):
+        q, k, v = _leaf(1, 2, 40, 16), _leaf(1, 2, 56, 16), _leaf(1, 2, 56, 16)
+        out = elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa", precision="strict")
+        out.sum().backward()
+        ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+        naive_attention(*ref, None, is_causal=True)[0].sum().backward()
+        for name, t, r in zip("qkv", (q, k, v), ref):
+            assert rel_err(t.grad.cpu(), r.grad) <= TOL[torch.float32], name
+    assert seen and all(0 not in st for st in seen), seen
+
+
 def test_strict_gluon_backward_scope_and_tiles(monkeypatch):
     """Which backward calls the Gluon FMA passes take (the rest run the portable passes) and their tiles' knob; the
     kernels themselves run on a Hopper GPU only (test_gpu_strict_backward_runs_the_gluon_kernels) and compile for
