@@ -3,7 +3,9 @@ registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and T
 
 Triton's FMA dot ran the portable backward (``backward.py``, dot kind 1) at ~5-6 TFLOP/s on an H200, 0.21-0.22x
 ME-SDPA's forward + backward (docs/perf/history.md, sessions 39 and 45), where the forward's Gluon FMA kernel reaches
-72-77 % of the GPU's IEEE SGEMM. Two kernels, deterministic (no atomics), as the portable passes with dQ by rows:
+72-77 % of the GPU's IEEE SGEMM. Two kernels, deterministic (no atomics) as the portable passes with dQ by rows;
+under ``ELSA_BWD_DQ=atomic`` (``backward_launch.atomic_dq``) the kv pass also adds dQ with atomics and the dQ pass
+is skipped:
 
 * :func:`_strict_bwd_kv` one program per (key block, batch, K/V head): K and V stay in shared memory; the query and
   output-gradient tiles of every query head of its group (GQA reduced here) stream through a TMA ring, from the
@@ -17,7 +19,8 @@ ME-SDPA's forward + backward (docs/perf/history.md, sessions 39 and 45), where t
 ``delta = rowsum(dO * out)`` comes from ``backward.bwd_delta`` (the launcher's). Scope (:func:`eligible`; other calls
 run the portable passes): fp32 ``strict``, dense calls without a mask, lengths, varlen, dropout or a mask gradient,
 head dims D, Dv in ``hopper.HEAD_DIMS``, TMA-compatible q, k, v and dO, a CUDA device of compute capability 9.x with
-Gluon. The interpreter cannot run Gluon: tests/test_backward_gpu.py checks these kernels against float64 on the GPU.
+Gluon. The interpreter cannot run Gluon: tests/test_backward.py's GPU tests check these kernels against float64, and
+tools/compile_kernels.py compiles them for sm_90 without a GPU.
 """
 
 from __future__ import annotations
