@@ -3,8 +3,11 @@
 The interface the framework calls is in :mod:`elsa_surgery.kernels.interface` (re-exported here):
 ``unsupported_reason``, ``attention``, ``attention_state``, ``attention_varlen``. Files: ``scan.py`` the
 Triton kernels, ``launch.py`` the launchers, ``occupancy.py`` the tile table and partition model
-(ELSA-Lean knob ``ELSA_LEAN_ETA``), ``ops.py`` the ``torch.library`` custom ops,
-``knobs.py`` every ``ELSA_*`` environment variable, ``internals.py`` the private Triton / CPython code.
+(ELSA-Lean knob ``ELSA_LEAN_ETA``), ``hopper.py`` the Gluon forward kernels of sm_90, ``backward.py`` and
+``backward_launch.py`` the backward and dropout kernels and their launchers, ``hopper_backward.py`` strict's Gluon
+backward, ``training.py`` the autograd formulas and the dropout and backward ops, ``replay.py`` launch plans,
+``ops.py`` the ``torch.library`` custom ops, ``knobs.py`` every ``ELSA_*`` environment variable, ``internals.py``
+the private Triton / CPython code.
 
 From a source checkout this folder can also be found as a top-level ``kernels`` (transformers probes for
 Hugging Face's ``kernels`` package with a bare ``import kernels``). Imported under any name but
