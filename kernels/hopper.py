@@ -160,21 +160,33 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _program_block(n_mblocks, Hq, G, head_group, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """``(b, h, hk, m0)`` of this program. Causal grids run the row blocks with the most keys first across
-        each group of ``head_group`` heads (occupancy.causal_head_group), as ``scan.elsa_fwd`` does."""
+    def _grid_block(n_blocks, head_group, IS_CAUSAL: gl.constexpr, LAST_IS_HEAVIEST: gl.constexpr):
+        """``(block, batch x head)`` of this program, in a grid of ``n_blocks`` blocks for each (batch, head) pair.
+        Causal grids are ordered as ``scan.heaviest_first`` orders them: the heaviest blocks of each group of
+        ``head_group`` heads (occupancy.causal_head_group) run first together, counting down from the last block
+        (``LAST_IS_HEAVIEST``: a row block sees more keys the later it is) or up from the first (a key block is seen
+        by more rows the earlier it is). Other grids: block-minor."""
         pid = gl.program_id(0)
         if IS_CAUSAL:
-            n_bh = gl.num_programs(0) // n_mblocks
-            per_group = n_mblocks * head_group
+            n_bh = gl.num_programs(0) // n_blocks
+            per_group = n_blocks * head_group
             g = pid // per_group
             gh = gl.minimum(head_group, n_bh - g * head_group)  # the last group may be smaller
             r = pid - g * per_group
-            mb = n_mblocks - 1 - r // gh
+            j = r // gh
+            if LAST_IS_HEAVIEST:
+                j = n_blocks - 1 - j
             bh = g * head_group + r % gh
         else:
-            bh = pid // n_mblocks
-            mb = pid % n_mblocks
+            bh = pid // n_blocks
+            j = pid % n_blocks
+        return j, bh
+
+    @gluon.jit
+    def _program_block(n_mblocks, Hq, G, head_group, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``(b, h, hk, m0)`` of this program. Causal grids run the row blocks with the most keys first across
+        each group of ``head_group`` heads (:func:`_grid_block`), as ``scan.elsa_fwd`` does."""
+        mb, bh = _grid_block(n_mblocks, head_group, IS_CAUSAL, True)
         b = bh // Hq
         h = bh % Hq
         return b, h, h // G, mb * BLOCK_M

@@ -32,7 +32,7 @@ from .hopper import HEAD_DIMS, LOG2E, gl, gluon
 from .occupancy import _cuda_index, capability, causal_head_group
 
 if gluon is not None:
-    from .hopper import _issue_kv, _kv_tile, _program_block, _release, _start, _visible_scores
+    from .hopper import _grid_block, _issue_kv, _kv_tile, _program_block, _release, _start, _visible_scores
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     _LOG2E = gl.constexpr(LOG2E)
@@ -100,18 +100,7 @@ if gluon is not None:
         t_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
 
         # (b, hk, n0): the causal order puts the heaviest key blocks (the first: every later row sees them) first
-        pid = gl.program_id(0)
-        if IS_CAUSAL:
-            n_bh = gl.num_programs(0) // n_nblocks
-            per_group = n_nblocks * head_group
-            g = pid // per_group
-            gh = gl.minimum(head_group, n_bh - g * head_group)
-            r = pid - g * per_group
-            nb = r // gh
-            bh = g * head_group + r % gh
-        else:
-            bh = pid // n_nblocks
-            nb = pid % n_nblocks
+        nb, bh = _grid_block(n_nblocks, head_group, IS_CAUSAL, False)
         b = bh // Hkv
         hk = bh % Hkv
         n0 = nb * BLOCK_N
