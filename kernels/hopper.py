@@ -274,6 +274,14 @@ if gluon is not None:
             mbarrier.invalidate(bars.index(i))
 
     @gluon.jit
+    def _store_rows(ptr, x, b, h, s_b, s_h, s_n, rows, Nrows, COLS: gl.constexpr, layout: gl.constexpr):
+        """``x [R, COLS]`` (``layout``) into rows ``rows`` (< Nrows) of ``ptr[b, h]`` (inner stride 1)."""
+        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        ptrs = (ptr + b.to(gl.int64) * s_b + h.to(gl.int64) * s_h + gl.expand_dims(rows.to(gl.int64) * s_n, 1)
+                + gl.expand_dims(cols, 0))
+        gl.store(ptrs, x, mask=gl.expand_dims(rows < Nrows, 1))
+
+    @gluon.jit
     def _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq):
         """lse = ln(S) + m (m in log2 units); rows with no key: -inf."""
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * _LN2)
@@ -387,7 +395,6 @@ if gluon is not None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         # P: 16-byte chunks swizzled by row, so that the row-strided reads of the P·V operand avoid conflicts
         p_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
 
@@ -434,11 +441,8 @@ if gluon is not None:
         _release(q_bar, bars, STAGES)
         l_o = gl.convert_layout(l_i, row_o)
         out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)  # rows with no key: zeros
-        rows_o = m0 + gl.arange(0, BLOCK_M, layout=row_o)
-        cols_o = gl.arange(0, HEAD_DV, layout=col_o)
-        o_ptrs = (o_ptr + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh
-                  + gl.expand_dims(rows_o.to(gl.int64) * s_on, 1) + gl.expand_dims(cols_o, 0))
-        gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < Nq, 1))
+        _store_rows(o_ptr, out, b, h, s_ob, s_oh, s_on, m0 + gl.arange(0, BLOCK_M, layout=row_o), Nq, HEAD_DV,
+                    o_layout)
         if WRITE_LSE:
             _store_lse(lse_ptr, m_i, l_i, rows, b, h, s_lb, s_lh, s_ln, Nq)
 

@@ -32,7 +32,8 @@ from .hopper import HEAD_DIMS, LOG2E, gl, gluon
 from .occupancy import _cuda_index, capability, causal_head_group
 
 if gluon is not None:
-    from .hopper import _grid_block, _issue_kv, _kv_tile, _program_block, _release, _start, _visible_scores
+    from .hopper import (_grid_block, _issue_kv, _kv_tile, _program_block, _release, _start, _store_rows,
+                         _visible_scores)
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
     _LOG2E = gl.constexpr(LOG2E)
@@ -59,14 +60,6 @@ if gluon is not None:
         lse = gl.load(lse_ptr + off, mask=ok, other=float("-inf"))
         delta = gl.load(delta_ptr + off, mask=ok, other=0.0)
         return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E), delta
-
-    @gluon.jit
-    def _store_rows(ptr, x, b, h, s_b, s_h, s_n, rows, Nrows, COLS: gl.constexpr, layout: gl.constexpr):
-        """``x [R, COLS]`` (``layout``) into rows ``rows`` (< Nrows) of ``ptr[b, h]`` (inner stride 1)."""
-        cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        ptrs = (ptr + b.to(gl.int64) * s_b + h.to(gl.int64) * s_h + gl.expand_dims(rows.to(gl.int64) * s_n, 1)
-                + gl.expand_dims(cols, 0))
-        gl.store(ptrs, x, mask=gl.expand_dims(rows < Nrows, 1))
 
     @gluon.jit
     def _strict_bwd_kv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
