@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import Optional
 
 from . import hopper, knobs, replay
-from .hopper import HEAD_DIMS, LOG2E, gl, gluon
-from .occupancy import _cuda_index, capability, causal_head_group
+from .hopper import LOG2E, gl, gluon
+from .occupancy import causal_head_group
 
 if gluon is not None:
     from .hopper import (_grid_block, _issue_kv, _kv_tile, _program_block, _release, _start, _store_rows,
@@ -241,26 +241,19 @@ if gluon is not None:
 
 def eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool, dropout_p: float,
              mask_grad: bool) -> Optional[str]:
-    """``None`` when this backward call runs on the Gluon FMA kernels, else why not (the portable passes run)."""
+    """``None`` when this backward call runs on the Gluon FMA kernels, else why not (the portable passes run): the
+    forward's scope (``hopper.eligible`` for strict, dO in place of the output), without its size rule for small
+    eager calls, and no dropout or mask gradient."""
     from .occupancy import DOT_IEEE
 
     if dot != DOT_IEEE:
         return "not an fp32 strict call"
-    how = hopper.mode()
-    if how == "0":
+    if dropout_p > 0 or mask_grad:
+        return "dropout and mask gradients run on the portable passes"
+    if hopper.mode() == "0":
         return f"{hopper.ENV}=0"
-    if hopper._IMPORT_ERROR is not None:
-        return hopper._IMPORT_ERROR
-    if q.device.type != "cuda" or capability(_cuda_index(q.device))[0] != 9:
-        return "not a Hopper (sm_90) device"
-    if varlen or mask is not None or q_lengths is not None or kv_lengths is not None or dropout_p > 0 or mask_grad:
-        return "masks, lengths, varlen and dropout run on the portable passes"
-    D, Dv = q.shape[-1], v.shape[-1]
-    if D not in HEAD_DIMS or Dv not in HEAD_DIMS:
-        return f"head dims D={D}, Dv={Dv} (one of {HEAD_DIMS})"
-    if not all(hopper._descriptor_ok(t) for t in (q, k, v, do)):
-        return "strides not TMA-compatible (inner dim contiguous, others 16-byte multiples, 16-byte base)"
-    return None
+    return hopper.eligible(q, k, v, do, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, varlen=varlen,
+                           state=None, scale=1.0, precision="strict", how="force")
 
 
 ENV_TILES = knobs.HOPPER_BWD_TILES
