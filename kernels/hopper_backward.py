@@ -267,13 +267,14 @@ def tiles(d: int, dv: int) -> tuple:
     128 x 32 or two warps 17.9), dQ 128 x 64 with eight warps (6.53, 64 x 64 6.51, 64 x 32 6.80, 7.4-8.1 for 64 x 16,
     32 x 32, 32 x 64; causal 3.42 against 3.52-3.55 at 64 x 64, 64 x 32, 128 x 32); D = 128 (accumulators with two
     warps along their columns): 32 x 32 for both passes (17.1 ms against 17.2-17.3 at 64 x 32 with eight warps,
-    18.2-18.9 at 32 x 16, 64 x 16, 32 x 64, 23.4-37.7 at 32 x 32 with eight warps or 64 x 32 with four)."""
+    18.2-18.9 at 32 x 16, 64 x 16, 32 x 64, 23.4-37.7 at 32 x 32 with eight warps or 64 x 32 with four); session 47:
+    the dQ pass at 64 x 64 with eight warps, 16.4 ms (kv pass 64 x 64 with eight warps 23.1: ptxas spills)."""
     forced = knobs.get(ENV_TILES)
     if forced:
         return forced, forced
     if max(d, dv) <= 64:
         return (64, 32, 2, 4), (128, 64, 2, 8)
-    return (32, 32, 2, 4), (32, 32, 2, 4)
+    return (32, 32, 2, 4), (64, 64, 2, 8)
 
 
 def backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, atomic: bool = False,
