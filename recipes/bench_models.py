@@ -35,9 +35,11 @@ own with caches of its own, cold (fresh caches) and warm (a second process on th
 Each row has the compile time of each side (the first call's wall time, synchronised), their ratio, ``auto``'s
 trace-time choices (``compiled_decisions``), native ms / converted ms and the output difference; ``--control``
 replaces the converted copy with an unconverted one (an A/A run: the ratio the method alone makes, e.g. in host-
-bound cells); ``--profile`` adds where one compiled call's device time goes on each side, by kind: ``elsa`` (the
-package's kernels), ``inductor`` (Inductor's fused ``triton_*`` kernels), ``copy`` (copies and transposes),
-``sdpa``, ``gemm`` and ``other``, with the largest kernels of each. ``--cpu-smoke`` checks the flow on the CPU with
+bound cells); ``--processes N`` runs each cell in N processes of its own, alternating which side compiles first, and
+reports their geometric mean (a host-bound compiled cell leans on that order by a few per cent); ``--profile`` adds
+where one compiled call's device time goes on each side, by kind: ``elsa`` (the package's kernels), ``inductor``
+(Inductor's fused ``triton_*`` kernels), ``copy`` (copies and transposes), ``sdpa``, ``gemm`` and ``other``, with the
+largest kernels of each. ``--cpu-smoke`` checks the flow on the CPU with
 one-block models.
 
 ``--train`` times training steps (issue 25): forward, a loss (the mean square of the output), backward and an
@@ -418,6 +420,58 @@ def isolated_compile_times(name, dt, batch, mode, args) -> dict:
     return rec
 
 
+def balanced_compile_cell(name, dt, batch, mode, args) -> dict:
+    """``--processes N``: the cell run in ``N`` processes of its own (this script, one cell each), the side compiled
+    first alternating (converted first, native first, ...): a compiled cell's ratio leans on which side compiles
+    first by a few per cent (session 47, ViT-B/16 bf16 b8 on an H200: 0.917-0.971 converted first, 0.978-1.044
+    native first, identical kernels), so the cell's ``ratio`` is the geometric mean over the processes, with each
+    process's ratio, its order, and each order's geometric mean beside it."""
+    import math
+
+    runs = []
+    for i in range(args.processes):
+        native_first = i % 2 == 1
+        fd, out = tempfile.mkstemp(prefix="elsa_compile_cell_", suffix=".json")
+        os.close(fd)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile", mode, "--workloads", name, "--dtypes", dt,
+               "--batches", str(batch), "--rounds", str(args.rounds), "--calls", str(args.calls),
+               "--compile-backend", args.compile_backend, "--backend", args.backend, "--out", out,
+               *(["--precision", args.precision] if args.precision else []),
+               *(["--native-first"] if native_first else []), *(["--control"] if args.control else []),
+               *(["--cpu-smoke"] if args.cpu_smoke else [])]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            with open(out) as f:
+                got = json.load(f)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"compile cell process {i + 1} failed: {exc}") from exc
+        finally:
+            os.unlink(out)
+        rec = next((r for r in got.get("records", []) if r.get("workload") == name), None)
+        if done.returncode or rec is None or "error" in rec:
+            why = (rec or {}).get("error") or (done.stderr or done.stdout).strip()[-400:]
+            raise RuntimeError(f"compile cell process {i + 1} failed ({done.returncode}): {why}")
+        runs.append(rec)
+
+    def gmean(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    first = runs[0]
+    rec = {k: first[k] for k in ("workload", "dtype", "batch", "mode", "backend", "compile_backend", "compile_op",
+                                 "converted_modules", "backends_used", "fallbacks", "control") if k in first}
+    rec["processes"] = [{k: r[k] for k in ("compiled_first", "ratio", "native_ms", "converted_ms",
+                                           "compile_time_ratio", "rel_err_vs_native", "compiled_decisions")}
+                        for r in runs]
+    rec["ratio"] = gmean([r["ratio"] for r in runs])
+    for order in ("converted", "native"):
+        rec[f"ratio_{order}_first"] = gmean([r["ratio"] for r in runs if r["compiled_first"] == order])
+    for k in ("native_ms", "converted_ms", "native_compile_s", "converted_compile_s", "compile_time_ratio"):
+        rec[k] = gmean([r[k] for r in runs])
+    rec["rel_err_vs_native"] = max(r["rel_err_vs_native"] for r in runs)
+    rec["compiled_decisions"] = sorted({d for r in runs for d in r.get("compiled_decisions", [])})
+    return rec
+
+
 def compile_child(args) -> int:
     """One side of ``--isolated-compile`` (``--compile-child SIDE,WORKLOAD,DTYPE,BATCH,MODE``): the model built (and
     converted), one eager call (as the in-process cell makes: the converted side's kernels compile there), Inductor's
@@ -449,6 +503,12 @@ def compile_cell(name, dt, batch, mode, args):
     import elsa_surgery
     from elsa_surgery.kernels import knobs
 
+    if args.processes > 1:
+        try:
+            rec = balanced_compile_cell(name, dt, batch, mode, args)
+        except Exception as exc:  # one cell failing must not stop the sweep
+            rec = dict(workload=name, dtype=dt, batch=batch, mode=mode, error=benchmark.error_text(exc))
+        return rec
     device = "cpu" if args.cpu_smoke else "cuda"
     dtype, tf32 = AB_DTYPES[dt]
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -554,7 +614,9 @@ def compile_main(args) -> int:
     code, env = open_suite(args, cells, "--compile")
     if env is None:
         return code
-    env["inductor_warmup_s"] = warm_up_compiler(args, "cpu" if args.cpu_smoke else "cuda")
+    # (--processes: the cells' own processes compile, each after its own warm-up)
+    env["inductor_warmup_s"] = 0.0 if args.processes > 1 else warm_up_compiler(args, "cpu" if args.cpu_smoke
+                                                                              else "cuda")
     print(f"# compiled never-slower suite: {env.get('gpu')}, torch {env['torch']}; torch.compile "
           f"({args.compile_backend}), interleaved rounds ({args.rounds} x {args.calls} calls), "
           f"ratio = native ms / converted ms; Inductor warm-up {env['inductor_warmup_s']:.1f} s", flush=True)
@@ -566,11 +628,19 @@ def compile_main(args) -> int:
                     f"{rec['converted_compile_cold_s']:.1f} s ({rec['compile_cold_ratio']:.2f}x), warm "
                     f"{rec['native_compile_warm_s']:.1f} s -> {rec['converted_compile_warm_s']:.1f} s "
                     f"({rec['compile_warm_ratio']:.2f}x)"] if "compile_cold_ratio" in rec else []
+        balanced = []
+        if "processes" in rec:
+            head += f"{len(rec['processes'])} processes, geometric means: "
+            orders = ", ".join(f"{o} first {rec[f'ratio_{o}_first']:.3f}" for o in ("converted", "native")
+                               if rec[f"ratio_{o}_first"] is not None)
+            balanced = [f"  processes: {orders}; each: "
+                        + ", ".join(f"{r['ratio']:.3f} ({r['compiled_first']} first)" for r in rec["processes"])]
         return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
                 f"ratio {rec['ratio']:.3f}; compile {rec['native_compile_s']:.1f} s -> "
                 f"{rec['converted_compile_s']:.1f} s ({rec['compile_time_ratio']:.2f}x), "
                 f"{','.join(rec['backends_used'])} ({rec['compile_op']} op), rel {rec['rel_err_vs_native']:.1e} "
-                f"({rec['wall_s']:.0f} s)"] + isolated + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
+                f"({rec['wall_s']:.0f} s)"] + balanced + isolated \
+            + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
             + profile_lines(rec.get("profile", {}))
 
     sweep(cells, lambda w, d, b, m: compile_cell(w, d, b, m, args), describe, args.out, env)
@@ -746,6 +816,9 @@ def parse_args(argv=None):
                         "and Triton caches of its own: cold (fresh caches: a first run on a new machine), then warm "
                         "(a second process on the same caches); neither side reuses the other's kernels")
     p.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)  # SIDE,WORKLOAD,DTYPE,BATCH,MODE
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="--compile: run each cell in N processes of its own, alternating which side compiles first "
+                        "(converted first, then native first, ...); the ratio is their geometric mean")
     p.add_argument("--native-first", action="store_true",
                    help="--compile: compile the native model first (default: the converted one first). The side "
                         "compiled second reuses what the first left in Inductor's and Triton's caches (the kernels "
@@ -797,6 +870,11 @@ def parse_args(argv=None):
         a.compile_modes = comma_list(p, "--compile", a.compile, COMPILE_MODES, "mode")
         if not a.compile_modes:
             p.error("--compile: name at least one mode")
+        if a.processes < 1:
+            p.error(f"--processes must be >= 1, got {a.processes}")
+        if a.processes > 1 and (a.profile or a.isolated_compile or a.native_first):
+            p.error("--processes N alternates the side compiled first in processes of its own; --profile, "
+                    "--isolated-compile and --native-first run in one process: choose one")
         if a.cpu_smoke:  # tiny models, few calls: a check of the script
             a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
             a.batches = a.batches or "1"

@@ -124,3 +124,52 @@ def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load
     assert row["compile_cold_ratio"] > 0 and row["compile_warm_ratio"] > 0
     assert [r[0] for r in runs] == ["native", "native", "converted", "converted"]
     assert runs[0][1:] == runs[1][1:] and runs[2][1:] == runs[3][1:] and runs[0][1] != runs[2][1]
+
+
+def test_processes_alternate_the_side_compiled_first(tmp_path, load_recipe, monkeypatch, capsys):
+    """``--processes N``: each cell in N child processes of this script, converted first, then native first, ...;
+    the cell's ratio is the geometric mean of theirs, with each order's mean and every process's ratio; a child
+    that fails names its process; the option is checked."""
+    m = load_recipe("bench_models")
+    ratios = iter([0.9, 1.1, 0.8])
+    seen = []
+
+    def run(cmd, **kw):
+        first = "native" if "--native-first" in cmd else "converted"
+        seen.append(first)
+        rec = dict(workload=cmd[cmd.index("--workloads") + 1], dtype="fp32", batch=1, mode="default",
+                   backend="auto", compile_backend="aot_eager", compile_op="inline", converted_modules=1,
+                   backends_used=["reference"], fallbacks=[], compiled_first=first, ratio=next(ratios),
+                   native_ms=2.0, converted_ms=2.0, native_compile_s=1.0, converted_compile_s=1.0,
+                   compile_time_ratio=1.0, rel_err_vs_native=1e-7, compiled_decisions=["d"])
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump({"records": [rec]}, f)
+        return m.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(m.subprocess, "run", run)
+    out = tmp_path / "rows.json"
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--processes", "3", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["records"]
+    assert seen == ["converted", "native", "converted"]
+    assert row["ratio"] == pytest.approx((0.9 * 1.1 * 0.8) ** (1 / 3))
+    assert row["ratio_converted_first"] == pytest.approx((0.9 * 0.8) ** 0.5)
+    assert row["ratio_native_first"] == pytest.approx(1.1)
+    assert [p["compiled_first"] for p in row["processes"]] == seen and row["compiled_decisions"] == ["d"]
+    assert "3 processes, geometric means" in capsys.readouterr().out
+
+    def fail(cmd, **kw):
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump({"records": [dict(workload="deit3_s", error="RuntimeError: boom")]}, f)
+        return m.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(m.subprocess, "run", fail)
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--processes", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["records"]
+    assert "process 1 failed" in row["error"] and "boom" in row["error"]
+    for argv, words in ((["--processes", "0"], "--processes must be >= 1"),
+                        (["--processes", "2", "--profile"], "choose one")):
+        with pytest.raises(SystemExit):
+            m.parse_args(["--compile", "default", *argv])
+        assert words in capsys.readouterr().err
