@@ -553,20 +553,23 @@ def test_gpu_backward_against_float64_reference(dtype, precision, D, causal):
 def test_expanded_output_gradient(monkeypatch):
     """``out.sum().backward()`` hands the backward an expanded (stride 0) output gradient: the passes get one
     contiguous copy (TMA-readable for strict's Gluon passes), with the oracle's gradients, also when the second call
-    replays the first one's launch plan."""
-    from elsa_surgery.kernels import backward_launch
+    replays the first one's launch plan. On a Hopper GPU the Gluon passes must have run."""
+    from elsa_surgery.kernels import backward_launch, hopper, hopper_backward
 
     monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")
-    seen = []
-    real = backward_launch._launches
+    seen, gluon = [], []
+    real, real_gluon = backward_launch._launches, hopper_backward.backward
 
     def spy(do, *a, **kw):
         seen.append(do.stride())
         return real(do, *a, **kw)
 
     monkeypatch.setattr(backward_launch, "_launches", spy)
+    monkeypatch.setattr(hopper_backward, "backward", lambda do, *a, **kw: gluon.append(do.stride()) or real_gluon(
+        do, *a, **kw))
     for _ in range(2):
-        q, k, v = _leaf(1, 2, 40, 16), _leaf(1, 2, 56, 16), _leaf(1, 2, 56, 16)
+        # (past 64 rows and keys: the one-launch backward of short calls would take it first)
+        q, k, v = _leaf(1, 2, 80, 16), _leaf(1, 2, 100, 16), _leaf(1, 2, 100, 16)
         out = elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa", precision="strict")
         out.sum().backward()
         ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
@@ -574,6 +577,8 @@ def test_expanded_output_gradient(monkeypatch):
         for name, t, r in zip("qkv", (q, k, v), ref):
             assert rel_err(t.grad.cpu(), r.grad) <= TOL[torch.float32], name
     assert seen and all(0 not in st for st in seen), seen
+    hopper_gpu = DEV == "cuda" and torch.cuda.get_device_capability()[0] == 9 and hopper._IMPORT_ERROR is None
+    assert bool(gluon) == hopper_gpu and all(0 not in st for st in gluon), (gluon, hopper_gpu)
 
 
 def test_strict_gluon_backward_scope_and_tiles(monkeypatch):
