@@ -866,6 +866,8 @@ def parse_args(argv=None):
                         f"{', '.join(sorted(smoke))}")
             a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
             a.batches = a.batches or "2"
+    if a.processes != 1 and a.compile is None:
+        p.error("--processes runs --compile cells in processes of their own: use it with --compile")
     if a.compile is not None:
         a.compile_modes = comma_list(p, "--compile", a.compile, COMPILE_MODES, "mode")
         if not a.compile_modes:

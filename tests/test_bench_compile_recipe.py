@@ -168,8 +168,9 @@ def test_processes_alternate_the_side_compiled_first(tmp_path, load_recipe, monk
                    "--dtypes", "fp32", "--processes", "2", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["records"]
     assert "process 1 failed" in row["error"] and "boom" in row["error"]
-    for argv, words in ((["--processes", "0"], "--processes must be >= 1"),
-                        (["--processes", "2", "--profile"], "choose one")):
+    for argv, words in ((["--compile", "default", "--processes", "0"], "--processes must be >= 1"),
+                        (["--compile", "default", "--processes", "2", "--profile"], "choose one"),
+                        (["--eager", "--processes", "2"], "use it with --compile")):
         with pytest.raises(SystemExit):
-            m.parse_args(["--compile", "default", *argv])
+            m.parse_args(argv)
         assert words in capsys.readouterr().err
