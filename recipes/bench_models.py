@@ -75,6 +75,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -426,8 +427,6 @@ def balanced_compile_cell(name, dt, batch, mode, args) -> dict:
     first by a few per cent (session 47, ViT-B/16 bf16 b8 on an H200: 0.917-0.971 converted first, 0.978-1.044
     native first, identical kernels), so the cell's ``ratio`` is the geometric mean over the processes, with each
     process's ratio, its order, and each order's geometric mean beside it."""
-    import math
-
     runs = []
     for i in range(args.processes):
         native_first = i % 2 == 1
@@ -441,20 +440,24 @@ def balanced_compile_cell(name, dt, batch, mode, args) -> dict:
                *(["--cpu-smoke"] if args.cpu_smoke else [])]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            with open(out) as f:
-                got = json.load(f)
-        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            text = Path(out).read_text()
+        except (OSError, subprocess.TimeoutExpired) as exc:
             raise RuntimeError(f"compile cell process {i + 1} failed: {exc}") from exc
         finally:
             os.unlink(out)
+        try:  # (a child that died before writing its records left the file empty: its stderr says why, below)
+            got = json.loads(text) if text else {}
+        except ValueError:
+            got = {}
         rec = next((r for r in got.get("records", []) if r.get("workload") == name), None)
         if done.returncode or rec is None or "error" in rec:
-            why = (rec or {}).get("error") or (done.stderr or done.stdout).strip()[-400:]
+            # (the child's last output line: a traceback's exception, kept on the one line a record's error shows)
+            why = (rec or {}).get("error") or ((done.stderr or done.stdout).strip().splitlines() or [""])[-1][-400:]
             raise RuntimeError(f"compile cell process {i + 1} failed ({done.returncode}): {why}")
         runs.append(rec)
 
     def gmean(xs):
-        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+        return statistics.geometric_mean(xs) if xs else None
 
     first = runs[0]
     rec = {k: first[k] for k in ("workload", "dtype", "batch", "mode", "backend", "compile_backend", "compile_op",

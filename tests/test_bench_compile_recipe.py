@@ -168,6 +168,15 @@ def test_processes_alternate_the_side_compiled_first(tmp_path, load_recipe, monk
                    "--dtypes", "fp32", "--processes", "2", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["records"]
     assert "process 1 failed" in row["error"] and "boom" in row["error"]
+
+    def crash(cmd, **kw):  # died before writing its records: its stderr is the reason
+        return m.subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nMemoryError: no room")
+
+    monkeypatch.setattr(m.subprocess, "run", crash)
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--processes", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["records"]
+    assert "process 1 failed (1)" in row["error"] and "MemoryError: no room" in row["error"]
     for argv, words in ((["--compile", "default", "--processes", "0"], "--processes must be >= 1"),
                         (["--compile", "default", "--processes", "2", "--profile"], "choose one"),
                         (["--eager", "--processes", "2"], "use it with --compile")):
