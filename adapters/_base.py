@@ -37,7 +37,7 @@ _logged_native: set = set()
 
 
 class ForwardAdapter(Adapter):
-    """An adapter that patches a module by rebinding its ``forward`` to ``forward_fn`` on the instance."""
+    """An adapter that patches a module by rebinding its ``forward`` to ``forward_fn`` (:func:`bind_forward`)."""
 
     forward_fn: Callable = None  # fn(self, *args, config, **kwargs)
 

@@ -2,7 +2,7 @@
 
 Never imports timm: a class is looked up in ``sys.modules`` when a module is offered, so a model that
 was not built by timm is rejected without importing anything, and timm's ``fused_attn`` switch (read at
-construction time) plays no part: the adapters rebind ``forward`` on the instance.
+construction time) plays no part: the adapters rebind ``forward`` (``bind_forward``).
 """
 
 from __future__ import annotations

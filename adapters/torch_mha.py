@@ -3,7 +3,7 @@
 Two adapters, matched by exact class (subclasses are not matched):
 
 ``torch.mha`` — ``nn.MultiheadAttention``
-    ``forward`` is rebound on the instance; the module keeps its own parameters (``in_proj_weight`` or
+    ``forward`` is rebound (``bind_forward``); the module keeps its own parameters (``in_proj_weight`` or
     ``q/k/v_proj_weight``, ``in_proj_bias``, ``bias_k``/``bias_v``, ``out_proj``), so the state dict is
     unchanged. Supported: ``batch_first`` True and False, unbatched 2-D inputs, packed and separate
     q/k/v projections (``kdim``/``vdim``), self- and cross-attention, ``key_padding_mask`` and
@@ -226,7 +226,7 @@ class TorchMultiheadAttention(ForwardAdapter):
 
     name = "torch.mha"
     library = None
-    description = ("torch.nn.MultiheadAttention (exact class): forward rebound on the instance; "
+    description = ("torch.nn.MultiheadAttention (exact class): forward rebound; "
                    "need_weights=True and nested inputs run the original and are counted")
 
     def __init__(self, weights_unused: bool = False):

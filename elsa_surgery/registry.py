@@ -7,10 +7,10 @@ An adapter knows one library's attention modules and nothing else. It declares:
   ``import elsa_surgery``; adapter modules defer it, and ``matches`` answers False for models that
   could not contain the library's classes (the library is not even in ``sys.modules``).
 * ``matches(module)``: exact class checks (subclasses only where the adapter says so).
-* ``patch(module, config)``: rebinds ``forward`` on the instance (or swaps submodules), reusing the
-  module's own parameters, so the state dict never changes. The framework attaches the module's patch record
-  (:mod:`elsa_surgery.patching`) before calling it; every instance attribute set through the record
-  (:func:`bind_forward` sets ``forward``) is restored exactly on revert; an adapter that changes anything
+* ``patch(module, config)``: rebinds ``forward`` (:func:`bind_forward`: a class swap) or swaps submodules,
+  reusing the module's own parameters, so the state dict never changes. The framework attaches the module's patch
+  record (:mod:`elsa_surgery.patching`) before calling it; the class :func:`bind_forward` swaps and every instance
+  attribute set through the record are restored exactly on revert; an adapter that changes anything
   else overrides ``unpatch``. :func:`bind_forward` does the rebinding in the way that survives
   ``copy.deepcopy``, pickling and ``torch.compile(fullgraph=True)``. Shared adapter plumbing (binding a
   forward, counting native calls, example inputs) is in ``elsa_surgery.adapters._base``.

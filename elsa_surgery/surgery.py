@@ -527,9 +527,17 @@ def revert(model: nn.Module) -> List[str]:
     Reads only the patch records (:mod:`elsa_surgery.patching`); sees through the same wrappers as
     :func:`convert`. Returns the names of the modules restored; outputs are then bit-identical to the
     never-converted model. Reverting a model that is not converted does nothing.
+
+    Raises:
+        RuntimeError, before anything is restored, where a converted module's class was changed after the
+        conversion (a ``torch.nn.utils.parametrize`` subclass, say): putting its class back would drop that change.
     """
     _check_model(model)
     model, _ = unwrap(model)
+    for m in model.modules():
+        rec = record_of(m)
+        if rec is not None:
+            rec.check_class(m)
     restored: List[str] = []
     for name, m in list(model.named_modules()):
         rec = record_of(m)

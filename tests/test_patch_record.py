@@ -150,12 +150,12 @@ def _same(a, b, tol=None):
 
 
 def _snapshot(model):
-    """Everything revert must restore: state dict values, every module's instance attributes (by identity) and
-    hooks."""
+    """Everything revert must restore: state dict values, every module's class and instance attributes (by
+    identity) and hooks."""
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     attrs = {n: {k: v for k, v in m.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")}
              for n, m in model.named_modules()}
-    hooks = {n: (len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in model.named_modules()}
+    hooks = {n: (len(m._forward_pre_hooks), len(m._forward_hooks), type(m)) for n, m in model.named_modules()}
     return sd, attrs, hooks
 
 
@@ -168,7 +168,7 @@ def _assert_restored(model, snap):
         assert d.keys() == attrs[n].keys(), (n, set(d) ^ set(attrs[n]))
         assert all(d[k] is attrs[n][k] for k in d), n
         assert not [k for k in m.__dict__ if k.startswith("_elsa") or k.startswith("elsa")], n
-        assert (len(m._forward_pre_hooks), len(m._forward_hooks)) == hooks[n], n
+        assert (len(m._forward_pre_hooks), len(m._forward_hooks), type(m)) == hooks[n], n
         assert not patching.is_converted(m)
 
 
@@ -201,13 +201,19 @@ def test_convert_revert_deepcopy_pickle_for_every_adapter(case):
     names = _converted_names(model)
     assert names
 
-    # deepcopy: a converted copy of its own (records and forwards bound to the copy)
+    # converted modules: the class swapped, the original class's name and module kept
+    swapped = [m for m in model.modules() if patching.BASE_CLASS_ATTR in type(m).__dict__]
+    assert swapped or name == "transformers"  # (transformers: the AttentionInterface, no forward bound)
+    for m in swapped:
+        base = type(m).__bases__[0]
+        assert patching.record_of(m).cls is base and (type(m).__name__, type(m).__module__) == (base.__name__,
+                                                                                               base.__module__)
+    # deepcopy: a converted copy of its own (records bound to the copy, the same patched classes)
     dup = copy.deepcopy(model)
     assert _converted_names(dup) == names
-    for m in dup.modules():
-        fwd = m.__dict__.get("forward")
-        if isinstance(fwd, patching.BoundForward):
-            assert fwd.module is m
+    for (_, m), (_, o) in zip(dup.named_modules(), model.named_modules()):
+        assert type(m) is type(o) and (patching.record_of(m) is None) == (patching.record_of(o) is None)
+        assert patching.record_of(m) is None or patching.record_of(m) is not patching.record_of(o)
     _same(_call(dup, x), converted_out)
 
     # torch.save / torch.load of the whole model
@@ -251,7 +257,7 @@ def test_one_record_holds_everything():
     rec = patching.record_of(m.attn)
     assert isinstance(rec, patching.PatchRecord) and rec.level == "module" and rec.adapter_name == "torch.mha"
     assert rec.config == elsa_surgery.PatchConfig("reference", None)
-    assert set(rec.saved) == {"forward", patching.NATIVE_CALLS_ATTR}  # what revert puts back
+    assert set(rec.saved) == {patching.NATIVE_CALLS_ATTR} and rec.cls is nn.MultiheadAttention  # what revert puts back
     assert "guard" in rec.extras  # the fast-path guard hook's handle
     assert m.attn.elsa_native_calls is rec.native_calls  # the public alias is the record's dict
     with torch.no_grad():
@@ -260,6 +266,59 @@ def test_one_record_holds_everything():
     assert patching.original_forward(m.attn).__func__ is nn.MultiheadAttention.forward
     elsa_surgery.revert(m.attn)
     assert not [k for k in m.attn.__dict__ if "elsa" in k] and not m.attn._forward_pre_hooks
+
+
+def test_patch_by_class_swap():
+    """A patched module's forward comes from a subclass made for it (no instance ``forward``: Dynamo guards it as a
+    native module, ``benchmarks/lab/compile_gap.py``), named as its class, shared by modules of one class and
+    adapter, and gone after revert; a module whose class changed after the conversion refuses revert, untouched."""
+    from torch.nn.utils import parametrize
+
+    class Same(nn.Module):
+        def forward(self, w):
+            return w
+
+    a, b = _MHAModel().eval(), _MHAModel().eval()
+    x = torch.randn(2, 5, 16)
+    ref = _call(a, x)
+    for m in (a, b):
+        convert(m, backend="reference", example_inputs=x)
+    cls = type(a.attn)
+    assert "forward" not in a.attn.__dict__ and cls is type(b.attn) and cls is not nn.MultiheadAttention
+    assert isinstance(a.attn, nn.MultiheadAttention) and cls.__bases__ == (nn.MultiheadAttention,)
+    assert (cls.__name__, cls.__qualname__, cls.__module__) == ("MultiheadAttention", "MultiheadAttention",
+                                                                nn.MultiheadAttention.__module__)
+    assert patching.original_forward(a.attn).__func__ is nn.MultiheadAttention.forward
+    converted = _call(a, x)
+    parametrize.register_parametrization(a.attn, "in_proj_weight", Same())
+    assert type(a.attn).__bases__ == (cls,)
+    with pytest.raises(RuntimeError, match="class was changed after the conversion"):
+        revert(a)
+    assert patching.is_converted(a.attn) and type(a.attn).__bases__ == (cls,)  # nothing undone
+    _same(_call(a, x), converted)
+    parametrize.remove_parametrizations(a.attn, "in_proj_weight")
+    assert type(a.attn) is cls
+    assert revert(a) == ["attn"] and type(a.attn) is nn.MultiheadAttention and "forward" not in a.attn.__dict__
+    _same(_call(a, x), ref)
+
+
+def test_a_module_with_an_instance_forward_keeps_it_in_place():
+    """Where a module has an instance ``forward`` already (accelerate's hooks set one), the patch replaces that one
+    on the instance (a ``BoundForward``) and revert puts it back; the class is left alone."""
+    m = _MHAModel().eval()
+    x = torch.randn(2, 5, 16)
+    ref = _call(m, x)
+    hooked = m.attn.forward  # (a bound method of the class, as accelerate's hook wraps)
+    m.attn.forward = hooked
+    convert(m, backend="reference", example_inputs=x)
+    assert type(m.attn) is nn.MultiheadAttention and isinstance(m.attn.__dict__["forward"], patching.BoundForward)
+    assert patching.original_forward(m.attn) is hooked
+    dup = copy.deepcopy(m)
+    assert dup.attn.__dict__["forward"].module is dup.attn
+    _same(_call(dup, x), _call(m, x))
+    revert(m)
+    assert m.attn.__dict__["forward"] is hooked and type(m.attn) is nn.MultiheadAttention
+    _same(_call(m, x), ref)
 
 
 def test_bind_forward_outside_convert_and_attach_twice_refused():
@@ -298,7 +357,7 @@ def test_loading_a_model_whose_adapter_is_not_registered_names_it():
 
 
 def _mha_passthrough(self, *args, config, **kwargs):
-    return type(self).forward(self, *args, **kwargs)
+    return patching.original_forward(self)(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,9 +52,9 @@ def same_state(model, snap):
 
 
 def pristine(model):
-    """No trace of a conversion left on any module (instance forward, config, patch record)."""
+    """No trace of a conversion left on any module (patched class, instance forward, config, patch record)."""
     return not any(is_converted(m) or {"forward", "_elsa_config", "_elsa_patch"} & set(m.__dict__)
-                   for m in model.modules())
+                   or elsa_surgery.patching.BASE_CLASS_ATTR in type(m).__dict__ for m in model.modules())
 
 
 # -- test-only adapters ---------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_include_exclude_globs():
     revert(model)
     rep = convert(model, include=["blocks.*.attn"], exclude=["blocks.0.*", "*2*"])
     assert [e.name for e in rep.converted] == ["blocks.1.attn"]
-    assert "forward" not in model.blocks[0].attn.__dict__ and "forward" in model.blocks[1].attn.__dict__
+    assert not is_converted(model.blocks[0].attn) and is_converted(model.blocks[1].attn)
     revert(model)
 
 
@@ -275,7 +275,7 @@ def test_rollback_keeps_earlier_conversions(bad_adapter):
     before = run(model, x)
     with pytest.raises(ParityError):
         convert(model, adapters=["test.bad_attention"])
-    assert "forward" in model.blocks[0].attn.__dict__ and "forward" not in model.blocks[1].attn.__dict__
+    assert is_converted(model.blocks[0].attn) and not is_converted(model.blocks[1].attn)
     assert torch.equal(run(model, x), before)
     revert(model)
     assert pristine(model)
