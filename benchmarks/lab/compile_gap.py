@@ -1,0 +1,214 @@
+"""Where the compiled gap of issue 33 comes from: ViT-B/16 bf16 b8 and DeiT3-S bf16 b64 compiled read ~4 % below
+the compiled native model (session 47, ``bench_models.py --compile --processes 4``: 0.961 / 0.965) with the same
+kernels on both sides (``auto`` takes SDPA in every graph).
+
+Each process builds the workload and four variants of it, compiles each (the order rotated from one process to the
+next, so that every variant compiles first, second, ... equally often) and times them in interleaved rounds:
+
+* ``native``: the model;
+* ``copy``: a deep copy, not converted (the A/A control in the same design);
+* ``converted``: a deep copy, ``elsa_surgery.convert(verify=False)``;
+* ``reverted``: a deep copy converted, called once eagerly (auto's race, the kernels' load), then reverted: the
+  process's ELSA state with the model's modules as native's;
+* ``instance``: converted, then each patched module's forward moved from its patched class to the instance (a
+  ``patching.BoundForward``, the patch mechanism before session 48, under which Dynamo traced and guarded
+  ``Module._call_impl`` for each patched module).
+
+Per variant and process: the synchronised per-call time, the host time alone (``per_call_ms(host_only=True)``), the
+CUDA runtime calls of one compiled call (``torch.profiler``: launches, copies, synchronisations, allocations) and the
+number of synchronising operations PyTorch flags (``torch.cuda.set_sync_debug_mode``). The ratios native / variant
+are summed up as geometric means over the processes.
+
+    python benchmarks/lab/compile_gap.py [--workload vit_b16] [--dtype bf16] [--batch 8] [--processes 8] \
+        [--rounds 9] [--calls 10] [--out gap.json]
+
+Needs a CUDA GPU and timm (``--cpu-smoke``: the one-block models of ``bench_models.py --cpu-smoke``, to check the
+script).
+"""
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("native", "copy", "converted", "reverted", "instance")
+_BENCH = Path(__file__).resolve().parents[2] / "recipes" / "bench_models.py"
+
+
+def _bench_models():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_models", _BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def runtime_calls(fn, device) -> dict:
+    """``{runtime call: [count, host µs]}`` of one call of ``fn`` (the CPU-side CUDA runtime and driver events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cuda":
+        return {}
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.key.startswith(("cuda", "cu")):
+            out[ev.key] = [ev.count, round(ev.self_cpu_time_total, 1)]
+    return dict(sorted(out.items()))
+
+
+def sync_warnings(fn, device) -> int:
+    """How many synchronising operations PyTorch flags in one call of ``fn`` (``set_sync_debug_mode("warn")``)."""
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in got)
+
+
+def unswap_classes(model) -> int:
+    """Move each class-swapped module's forward to a ``BoundForward`` on the instance (the mechanism before session
+    48; a lab variant, not revertible)."""
+    from elsa_surgery import patching
+
+    n = 0
+    for m in model.modules():
+        cls = type(m)
+        if patching.BASE_CLASS_ATTR in cls.__dict__:
+            m.__class__ = cls.__dict__[patching.BASE_CLASS_ATTR]
+            m.__dict__["forward"] = patching.BoundForward(cls.__dict__[patching.FORWARD_FN_ATTR], m)
+            n += 1
+    return n
+
+
+def child(args) -> dict:
+    import elsa_surgery
+    from elsa_surgery import benchmark
+
+    bm = _bench_models()
+    device = "cpu" if args.cpu_smoke else "cuda"
+    dtype, tf32 = bm.AB_DTYPES[args.dtype]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    native, call = bm.ab_build(args.workload, dtype, args.batch, device, smoke=args.cpu_smoke)
+    models = {"native": native, "copy": copy.deepcopy(native), "converted": copy.deepcopy(native),
+              "reverted": copy.deepcopy(native), "instance": copy.deepcopy(native)}
+    rec = dict(workload=args.workload, dtype=args.dtype, batch=args.batch, index=args.index)
+    rec["converted_modules"] = elsa_surgery.convert(models["converted"], verify=False).num_converted
+    elsa_surgery.convert(models["reverted"], verify=False)
+    elsa_surgery.convert(models["instance"], verify=False)
+    rec["instance_modules"] = unswap_classes(models["instance"])
+    order = list(VARIANTS[args.index % len(VARIANTS):] + VARIANTS[:args.index % len(VARIANTS)])
+    rec["compile_order"] = order
+    compiled, rec["compile_s"] = {}, {}
+    with torch.inference_mode():
+        call(models["converted"])
+        call(models["reverted"])
+        call(models["instance"])
+        rec["reverted_modules"] = len(elsa_surgery.revert(models["reverted"]))
+        before = set(elsa_surgery.autoselect.compiled_decisions())
+        for name in order:
+            compiled[name], rec["compile_s"][name] = bm.compile_first_call(models[name], call, "default", args,
+                                                                           device)
+        rec["compiled_decisions"] = sorted({d.reason for sig, d in elsa_surgery.autoselect.compiled_decisions()
+                                            .items() if sig not in before})
+        ref = call(compiled["native"]).float()
+        rec["rel_err"] = {n: float((call(c).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                          for n, c in compiled.items()}
+        del ref
+        gc.collect()
+        fns = {n: (lambda c=compiled[n]: call(c)) for n in order}
+        rec["ms"] = benchmark.interleaved_ms(fns, rounds=args.rounds, calls=args.calls, device=device)
+        host = {n: [] for n in order}
+        for _ in range(args.rounds):
+            for n in order:
+                host[n].append(benchmark.per_call_ms(fns[n], args.calls, host_only=True, warmup=1, device=device))
+        rec["host_ms"] = {n: statistics.median(t) for n, t in host.items()}
+        rec["runtime_calls"] = {n: runtime_calls(fns[n], device) for n in order}
+        rec["sync_warnings"] = {n: sync_warnings(fns[n], device) for n in order}
+    rec["ratio"] = {n: rec["ms"]["native"] / rec["ms"][n] for n in VARIANTS}
+    return rec
+
+
+def parent(args) -> dict:
+    runs = []
+    for i in range(args.processes):
+        fd, out = tempfile.mkstemp(prefix="elsa_compile_gap_", suffix=".json")
+        os.close(fd)
+        cmd = [sys.executable, __file__, "--child", str(i), "--out", out, "--workload", args.workload,
+               "--dtype", args.dtype, "--batch", str(args.batch), "--rounds", str(args.rounds),
+               "--calls", str(args.calls), *(["--cpu-smoke"] if args.cpu_smoke else [])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        text = Path(out).read_text()
+        os.unlink(out)
+        if done.returncode or not text:
+            lines = (done.stderr or done.stdout).strip().splitlines() or [""]
+            raise RuntimeError(f"process {i} failed ({done.returncode}): {lines[-1][-400:]}")
+        rec = json.loads(text)
+        runs.append(rec)
+        print(f"process {i} (compiled {' > '.join(rec['compile_order'])}): "
+              + ", ".join(f"{n} {rec['ms'][n]:.3f} ms / host {rec['host_ms'][n]:.3f} ({rec['ratio'][n]:.3f})"
+                          for n in VARIANTS), flush=True)
+    summary = {n: statistics.geometric_mean([r["ratio"][n] for r in runs]) for n in VARIANTS}
+    host = {n: statistics.geometric_mean([r["host_ms"]["native"] / r["host_ms"][n] for r in runs]) for n in VARIANTS}
+    print("geometric means of native / variant over the processes, wall: "
+          + ", ".join(f"{n} {v:.3f}" for n, v in summary.items()) + "; host alone: "
+          + ", ".join(f"{n} {v:.3f}" for n, v in host.items()), flush=True)
+    first = runs[0]
+    for n in VARIANTS:
+        print(f"  {n}: runtime calls of one call {first['runtime_calls'][n]}; sync warnings "
+              f"{first['sync_warnings'][n]}", flush=True)
+    print(f"  compiled decisions: {first['compiled_decisions']}", flush=True)
+    return dict(runs=runs, wall=summary, host=host)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="vit_b16")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.compile_backend = "inductor"
+    if args.child is not None:
+        args.index = args.child
+        rec = child(args)
+        Path(args.out).write_text(json.dumps(rec))
+        return 0
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("compile_gap.py needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    res = parent(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
