@@ -160,7 +160,12 @@ def ab_build(name, dtype, batch, device, smoke=False):
         model = model.eval().to(device, dtype)
         size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1] if not smoke else SMOKE_TIMM["img_size"]
         x = torch.randn(batch, 3, size, size, device=device, dtype=dtype, generator=g)
-        return model, lambda m: m(x)
+
+        def call(m):
+            return m(x)
+
+        call.example = x  # (benchmarks/lab/compile_gap.py checks the compiled frame's guards on it)
+        return model, call
     if family in HF_SHAPES:
         import transformers
 

@@ -102,6 +102,54 @@ def unswap_classes(model) -> int:
     return n
 
 
+def guard_us(model, example, reps: int = 2000) -> float:
+    """Median µs of one check of the guards of the compiled frame that ``model(example)`` hits (Dynamo's cache entry
+    of the model's ``forward``, ``Module._call_impl`` or ``_wrapped_call_impl``, whichever holds a passing entry)."""
+    import inspect
+    import time
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    fwd = type(model).forward
+    params = inspect.signature(fwd).parameters  # (the frame's locals: its arguments, defaults included)
+    local = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    local.update(self=model, x=example)
+    frames = ((fwd.__code__, local),
+              (torch.nn.Module._call_impl.__code__, {"self": model, "args": (example,), "kwargs": {}}),
+              (torch.nn.Module._wrapped_call_impl.__code__, {"self": model, "args": (example,), "kwargs": {}}))
+    for code, loc in frames:
+        for entry in _debug_get_cache_entry_list(code):
+            gm = entry.guard_manager
+            if gm.check(loc):
+                ts = []
+                for _ in range(9):
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        gm.check(loc)
+                    ts.append((time.perf_counter() - t0) / reps * 1e6)
+                return statistics.median(ts)
+    return float("nan")
+
+
+def host_split(fn, calls: int = 200) -> dict:
+    """cProfile of ``calls`` calls: µs a call in all, in Inductor's ``call`` functions (cumulative) and in the
+    module-call frames' own time (where Dynamo's cache lookup and guards are charged)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    st = pstats.Stats(pr).stats
+    total = sum(v[2] for v in st.values())
+    inductor = sum(v[3] for (f, _, name), v in st.items() if name == "call" and "torchinductor" in f)
+    call_impl = sum(v[2] for (f, _, name), v in st.items() if name in ("_call_impl", "_wrapped_call_impl"))
+    return {k: round(v / calls * 1e6, 1) for k, v in (("total", total), ("inductor_call", inductor),
+                                                       ("call_impl_own", call_impl))}
+
+
 def child(args) -> dict:
     import elsa_surgery
     from elsa_surgery import benchmark
@@ -146,6 +194,9 @@ def child(args) -> dict:
                 host[n].append(benchmark.per_call_ms(fns[n], args.calls, host_only=True, warmup=1, device=device))
         rec["host_ms"] = {n: statistics.median(t) for n, t in host.items()}
         rec["runtime_calls"] = {n: runtime_calls(fns[n], device) for n in order}
+        x = getattr(call, "example", None)
+        rec["guard_us"] = {n: guard_us(models[n], x) for n in order} if x is not None else {}
+        rec["host_split"] = {n: host_split(fns[n]) for n in order}
         rec["sync_warnings"] = {n: sync_warnings(fns[n], device) for n in order}
     rec["ratio"] = {n: rec["ms"]["native"] / rec["ms"][n] for n in VARIANTS}
     return rec
@@ -175,6 +226,14 @@ def parent(args) -> dict:
     print("geometric means of native / variant over the processes, wall: "
           + ", ".join(f"{n} {v:.3f}" for n, v in summary.items()) + "; host alone: "
           + ", ".join(f"{n} {v:.3f}" for n, v in host.items()), flush=True)
+    for key in ("guard_us",):
+        vals = {n: statistics.median([r[key][n] for r in runs if r.get(key)]) for n in VARIANTS if runs[0].get(key)}
+        print(f"medians of {key}: " + ", ".join(f"{n} {v:.1f}" for n, v in vals.items()), flush=True)
+    split = {n: {k: statistics.median([r["host_split"][n][k] for r in runs]) for k in runs[0]["host_split"][n]}
+             for n in VARIANTS}
+    print("medians of cProfile's µs a call (total, Inductor's call, module-call frames' own): "
+          + "; ".join(f"{n} {v['total']:.0f} / {v['inductor_call']:.0f} / {v['call_impl_own']:.0f}"
+                      for n, v in split.items()), flush=True)
     first = runs[0]
     for n in VARIANTS:
         print(f"  {n}: runtime calls of one call {first['runtime_calls'][n]}; sync warnings "
