@@ -147,6 +147,8 @@ def decide(q, k, v, mask=None, *, backend: Optional[str] = "auto", precision: Op
 
 _local = threading.local()
 _logged: set = set()
+_OPEN = [0]  # record() blocks open in any thread: announce_eager's fast path while there are none
+_OPEN_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -157,9 +159,13 @@ def record():
         stack = _local.stack = []
     log: List[Decision] = []
     stack.append(log)
+    with _OPEN_LOCK:
+        _OPEN[0] += 1
     try:
         yield log
     finally:
+        with _OPEN_LOCK:
+            _OPEN[0] -= 1
         stack.remove(log)
 
 
@@ -177,7 +183,10 @@ def unrecorded():
 
 def announce_eager(decision: Decision) -> None:
     """:func:`announce` for an eager call whose decision is not the reference backend's (a direct route: nothing to
-    log, and no compile check needed): the per-call cost of a call seen before."""
+    log, and no compile check needed): the per-call cost of a call seen before; nothing to do while no :func:`record`
+    block is open in any thread."""
+    if not _OPEN[0]:
+        return
     for log in getattr(_local, "stack", ()):
         log.append(decision)
 

@@ -498,6 +498,36 @@ def test_sdpa_chosen_runs_plain_sdpa_directly():
     assert rel_err(out.cpu(), _oracle(q, *kv, is_causal=True)) < 2e-6
 
 
+def test_direct_routes_announce_to_the_open_logs_of_their_thread():
+    """A direct route announces its decision only while a ``record()`` block is open (a counter over threads makes
+    the call without one skip the thread-local lookup), and only to the logs of its own thread."""
+    import threading
+
+    q, k, v = _qkv(1, 2, 8, 8)
+    run = lambda: elsa_surgery.attention(q, k, v, backend="sdpa")  # noqa: E731
+    run()  # the route made
+    assert dispatch._OPEN[0] == 0
+    before = dict(callcache.DIRECT)
+    run()  # no log open anywhere: nothing to hand over
+    other = []
+
+    def in_thread():
+        with dispatch.record() as theirs:
+            run()
+        other.append([d.backend for d in theirs])
+
+    with dispatch.record() as log:
+        run()
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join()
+        with dispatch.record() as inner:
+            run()
+    assert [d.backend for d in log] == ["sdpa"] * 2 and [d.backend for d in inner] == ["sdpa"]
+    assert other == [["sdpa"]] and dispatch._OPEN[0] == 0
+    assert _direct_delta(before) == {"runs": 4, "routes": 0}
+
+
 @pytest.mark.parametrize("backend", ["elsa", "sdpa"])
 def test_key_lengths_calls_take_direct_routes_while_their_values_need_no_check(monkeypatch, backend):
     """Calls with kv_lengths (BERT's padded batches, a static cache's decode) have direct routes, taken only while the
