@@ -333,6 +333,34 @@ def test_bind_forward_outside_convert_and_attach_twice_refused():
         patching.attach(m, None, elsa_surgery.PatchConfig(), level="everything")
 
 
+def test_a_saved_converted_model_loads_in_a_fresh_process(tmp_path):
+    """``torch.load`` of a whole converted model in a process that has not imported elsa_surgery: the patched class
+    is rebuilt from the original class and the function, the adapter found by its registered name."""
+    import subprocess
+    import sys
+
+    m = nn.MultiheadAttention(16, 2, batch_first=True).eval()  # (a torch class: the pickle names nothing else)
+    x = torch.randn(2, 5, 16)
+    convert(m, backend="reference", example_inputs=(x, x, x))
+    with torch.no_grad():
+        out = m(x, x, x, need_weights=False)[0]
+    torch.save({"model": m, "x": x, "out": out}, tmp_path / "m.pt")
+    code = (
+        "import sys, torch\n"
+        "assert 'elsa_surgery' not in sys.modules\n"
+        f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+        "m, x = d['model'], d['x']\n"
+        "from elsa_surgery import patching, revert\n"
+        "assert type(m).__bases__ == (torch.nn.MultiheadAttention,) and patching.is_converted(m)\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(m(x, x, x, need_weights=False)[0], d['out'])\n"
+        "revert(m)\n"
+        "assert type(m) is torch.nn.MultiheadAttention and not patching.is_converted(m)\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_loading_a_model_whose_adapter_is_not_registered_names_it():
     class Local(elsa_surgery.Adapter):
         name = "test.unpicklable_later"
