@@ -21,8 +21,9 @@ keeps the class's name, qualified name and module, so ``isinstance``, reports an
 ``copy.deepcopy`` and ``pickle`` / ``torch.save`` rebuild it from the original class and the function (stored by
 its qualified name), and :func:`elsa_surgery.revert` puts the original class back. ``torch.compile`` guards a
 swapped module as it guards a native one (its class), where an instance ``forward`` made Dynamo trace and guard
-``Module._call_impl`` for every patched module (session 48: +57 µs of guards a compiled ViT call on a CPU, 3-5 %
-of compiled ViT-B/16 and DeiT3-S bf16 steps on an H200). A module that already has an instance ``forward`` (an
+``Module._call_impl`` for every patched module (session 48, ``benchmarks/lab/compile_gap.py``: +57 µs a compiled
+12-block ViT call on a CPU; on an H200 compiled DeiT3-S bf16 b64 went from 0.965x native to 0.995x, ViT-B/16 bf16 b8
+did not move). A module that already has an instance ``forward`` (an
 accelerate hook, another patch) keeps precedence for it: it is bound there instead, by a :class:`BoundForward`.
 One public alias remains: ``module.elsa_native_calls`` is the record's ``native_calls`` dict (the same object),
 set while the module is patched.
@@ -226,12 +227,10 @@ BASE_CLASS_ATTR = "_elsa_base_class"  # on a patched class: the class it extends
 _PATCHED: Dict[Tuple[type, Callable], type] = {}
 
 
-def patched_class(base: type, fn) -> Optional[type]:
+def patched_class(base: type, fn) -> type:
     """The subclass of ``base`` whose ``forward(self, *args, **kwargs)`` is ``fn(self, *args, config=<the module's
-    record's config>, **kwargs)``: made once per ``(base, fn)`` pair (None for ``fn`` None), under ``base``'s name,
-    qualified name and module. Instances pickle and deep-copy as ``(base, fn)`` and their state."""
-    if fn is None:
-        return None
+    record's config>, **kwargs)``: made once per ``(base, fn)`` pair, under ``base``'s name, qualified name and
+    module. Instances pickle and deep-copy as ``(base, fn)`` and their state."""
     key = (base, fn)
     cls = _PATCHED.get(key)
     if cls is None:
