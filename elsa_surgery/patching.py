@@ -262,19 +262,26 @@ def bind_forward(module: nn.Module, fn, config: PatchConfig) -> PatchRecord:
     """Make ``module``'s forward ``fn(module, *args, config=config, **kwargs)``.
 
     By a class swap (:func:`patched_class`), or, where the module has an instance ``forward`` already (an
-    accelerate hook, another patch), by a :class:`BoundForward` set on the instance, which keeps that one's place.
+    accelerate hook, another patch), by a :class:`BoundForward` set on the instance, which keeps that one's place
+    (also for a class that refuses to be subclassed).
     Inside :func:`elsa_surgery.convert` the module already has its record (the adapter's ``patch`` runs after
     :func:`attach`); used on its own, ``bind_forward`` attaches one. The class, and any previous instance
     ``forward``, are kept in the record for :func:`unpatch_module`. Returns the record.
     """
     rec = record_of(module) or attach(module, None, config)
     rec.config = config
-    if "forward" in module.__dict__ or "forward" in rec.saved:
+    cls = None
+    if "forward" not in module.__dict__ and "forward" not in rec.saved:
+        try:
+            cls = patched_class(rec.cls or type(module), fn)
+        except TypeError:  # a class that refuses subclasses (its __init_subclass__, its metaclass): the instance
+            cls = None
+    if cls is None:
         rec.set(module, "forward", BoundForward(fn, module))
     else:
         if rec.cls is None:
             rec.cls = type(module)
-        module.__class__ = patched_class(rec.cls, fn)
+        module.__class__ = cls
     rec.set(module, NATIVE_CALLS_ATTR, rec.native_calls)
     return rec
 

@@ -321,6 +321,19 @@ def test_a_module_with_an_instance_forward_keeps_it_in_place():
     _same(_call(m, x), ref)
 
 
+def test_a_class_that_refuses_subclasses_is_patched_on_the_instance():
+    class Sealed(nn.MultiheadAttention):
+        def __init_subclass__(cls, **kwargs):
+            raise TypeError("Sealed cannot be subclassed")
+
+    m = Sealed(16, 2, batch_first=True).eval()
+    rec = patching.bind_forward(m, lambda self, *a, config, **k: "patched", elsa_surgery.PatchConfig())
+    assert type(m) is Sealed and isinstance(m.__dict__["forward"], patching.BoundForward) and rec.cls is None
+    assert m(1) == "patched"
+    patching.unpatch_module(m)
+    assert type(m) is Sealed and "forward" not in m.__dict__ and not patching.is_converted(m)
+
+
 def test_bind_forward_outside_convert_and_attach_twice_refused():
     m = _MHAModel().attn
     rec = patching.bind_forward(m, lambda self, *a, config, **k: "patched", elsa_surgery.PatchConfig())
