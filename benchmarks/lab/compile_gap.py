@@ -2,8 +2,9 @@
 the compiled native model (session 47, ``bench_models.py --compile --processes 4``: 0.961 / 0.965) with the same
 kernels on both sides (``auto`` takes SDPA in every graph).
 
-Each process builds the workload and four variants of it, compiles each (the order rotated from one process to the
-next, so that every variant compiles first, second, ... equally often) and times them in interleaved rounds:
+Each process builds the workload and variants of it (``--variants``, native first), compiles each (the order
+rotated from one process to the next, so that every variant compiles first, second, ... equally often) and times
+them in interleaved rounds:
 
 * ``native``: the model;
 * ``copy``: a deep copy, not converted (the A/A control in the same design);
@@ -12,15 +13,19 @@ next, so that every variant compiles first, second, ... equally often) and times
   process's ELSA state with the model's modules as native's;
 * ``instance``: converted, then each patched module's forward moved from its patched class to the instance (a
   ``patching.BoundForward``, the patch mechanism before session 48, under which Dynamo traced and guarded
-  ``Module._call_impl`` for each patched module).
+  ``Module._call_impl`` for each patched module);
+* ``sdpa`` (``--variants``): converted with ``backend="sdpa"``: the graph's SDPA put there without auto's traced race;
+* ``closure`` (``--variants``): converted, each patched class replaced by one whose ``forward`` takes the config
+  from its closure instead of the module's patch record (no guards on the record and its shared config).
 
 Per variant and process: the synchronised per-call time, the host time alone (``per_call_ms(host_only=True)``), the
 CUDA runtime calls of one compiled call (``torch.profiler``: launches, copies, synchronisations, allocations) and the
-number of synchronising operations PyTorch flags (``torch.cuda.set_sync_debug_mode``). The ratios native / variant
-are summed up as geometric means over the processes.
+number of synchronising operations PyTorch flags (``torch.cuda.set_sync_debug_mode``), the compiled frame's guard
+check time, and cProfile's split of the host time. The ratios native / variant are summed up as geometric means
+over the processes. Session 48's H200 runs: ``docs/perf/history.md``, "Session 48".
 
     python benchmarks/lab/compile_gap.py [--workload vit_b16] [--dtype bf16] [--batch 8] [--processes 8] \
-        [--rounds 9] [--calls 10] [--out gap.json]
+        [--rounds 9] [--calls 10] [--variants native,copy,converted,reverted,instance] [--out gap.json]
 
 Needs a CUDA GPU and timm (``--cpu-smoke``: the one-block models of ``bench_models.py --cpu-smoke``, to check the
 script).
@@ -40,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("native", "copy", "converted", "reverted", "instance")
+VARIANTS = ("native", "copy", "converted", "reverted", "instance", "sdpa", "closure")
+DEFAULT_VARIANTS = "native,copy,converted,reverted,instance"
 _BENCH = Path(__file__).resolve().parents[2] / "recipes" / "bench_models.py"
 
 
@@ -150,6 +156,24 @@ def host_split(fn, calls: int = 200) -> dict:
                                                        ("call_impl_own", call_impl))}
 
 
+def close_configs(model) -> int:
+    """Give each class-swapped module a class whose ``forward`` holds its config in a closure (a lab variant)."""
+    from elsa_surgery import patching
+
+    n = 0
+    for m in model.modules():
+        cls = type(m)
+        if patching.BASE_CLASS_ATTR in cls.__dict__:
+            fn, config = cls.__dict__[patching.FORWARD_FN_ATTR], patching.record_of(m).config
+
+            def forward(self, *a, _fn=fn, _config=config, **kw):
+                return _fn(self, *a, config=_config, **kw)
+
+            m.__class__ = type(cls.__name__, (cls.__dict__[patching.BASE_CLASS_ATTR],), {"forward": forward})
+            n += 1
+    return n
+
+
 def child(args) -> dict:
     import elsa_surgery
     from elsa_surgery import benchmark
@@ -160,21 +184,27 @@ def child(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     native, call = bm.ab_build(args.workload, dtype, args.batch, device, smoke=args.cpu_smoke)
-    models = {"native": native, "copy": copy.deepcopy(native), "converted": copy.deepcopy(native),
-              "reverted": copy.deepcopy(native), "instance": copy.deepcopy(native)}
-    rec = dict(workload=args.workload, dtype=args.dtype, batch=args.batch, index=args.index)
-    rec["converted_modules"] = elsa_surgery.convert(models["converted"], verify=False).num_converted
-    elsa_surgery.convert(models["reverted"], verify=False)
-    elsa_surgery.convert(models["instance"], verify=False)
-    rec["instance_modules"] = unswap_classes(models["instance"])
-    order = list(VARIANTS[args.index % len(VARIANTS):] + VARIANTS[:args.index % len(VARIANTS)])
+    variants = args.variants
+    models = {n: native if n == "native" else copy.deepcopy(native) for n in variants}
+    rec = dict(workload=args.workload, dtype=args.dtype, batch=args.batch, index=args.index, variants=variants)
+    for n in variants:
+        if n not in ("native", "copy"):
+            rec[f"{n}_modules"] = elsa_surgery.convert(models[n], backend="sdpa" if n == "sdpa" else "auto",
+                                                       verify=False).num_converted
+    if "instance" in models:
+        rec["instance_modules"] = unswap_classes(models["instance"])
+    if "closure" in models:
+        rec["closure_modules"] = close_configs(models["closure"])
+    k = args.index % len(variants)
+    order = list(variants[k:] + variants[:k])
     rec["compile_order"] = order
     compiled, rec["compile_s"] = {}, {}
     with torch.inference_mode():
-        call(models["converted"])
-        call(models["reverted"])
-        call(models["instance"])
-        rec["reverted_modules"] = len(elsa_surgery.revert(models["reverted"]))
+        for n in variants:
+            if n not in ("native", "copy"):
+                call(models[n])  # (eager: auto's race, the kernels' load)
+        if "reverted" in models:
+            rec["reverted_modules"] = len(elsa_surgery.revert(models["reverted"]))
         before = set(elsa_surgery.autoselect.compiled_decisions())
         for name in order:
             compiled[name], rec["compile_s"][name] = bm.compile_first_call(models[name], call, "default", args,
@@ -198,7 +228,7 @@ def child(args) -> dict:
         rec["guard_us"] = {n: guard_us(models[n], x) for n in order} if x is not None else {}
         rec["host_split"] = {n: host_split(fns[n]) for n in order}
         rec["sync_warnings"] = {n: sync_warnings(fns[n], device) for n in order}
-    rec["ratio"] = {n: rec["ms"]["native"] / rec["ms"][n] for n in VARIANTS}
+    rec["ratio"] = {n: rec["ms"]["native"] / rec["ms"][n] for n in variants}
     return rec
 
 
@@ -209,7 +239,8 @@ def parent(args) -> dict:
         os.close(fd)
         cmd = [sys.executable, __file__, "--child", str(i), "--out", out, "--workload", args.workload,
                "--dtype", args.dtype, "--batch", str(args.batch), "--rounds", str(args.rounds),
-               "--calls", str(args.calls), *(["--cpu-smoke"] if args.cpu_smoke else [])]
+               "--calls", str(args.calls), "--variants", ",".join(args.variants),
+               *(["--cpu-smoke"] if args.cpu_smoke else [])]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         text = Path(out).read_text()
         os.unlink(out)
@@ -220,22 +251,23 @@ def parent(args) -> dict:
         runs.append(rec)
         print(f"process {i} (compiled {' > '.join(rec['compile_order'])}): "
               + ", ".join(f"{n} {rec['ms'][n]:.3f} ms / host {rec['host_ms'][n]:.3f} ({rec['ratio'][n]:.3f})"
-                          for n in VARIANTS), flush=True)
-    summary = {n: statistics.geometric_mean([r["ratio"][n] for r in runs]) for n in VARIANTS}
-    host = {n: statistics.geometric_mean([r["host_ms"]["native"] / r["host_ms"][n] for r in runs]) for n in VARIANTS}
+                          for n in args.variants), flush=True)
+    names = args.variants
+    summary = {n: statistics.geometric_mean([r["ratio"][n] for r in runs]) for n in names}
+    host = {n: statistics.geometric_mean([r["host_ms"]["native"] / r["host_ms"][n] for r in runs]) for n in names}
     print("geometric means of native / variant over the processes, wall: "
           + ", ".join(f"{n} {v:.3f}" for n, v in summary.items()) + "; host alone: "
           + ", ".join(f"{n} {v:.3f}" for n, v in host.items()), flush=True)
-    for key in ("guard_us",):
-        vals = {n: statistics.median([r[key][n] for r in runs if r.get(key)]) for n in VARIANTS if runs[0].get(key)}
-        print(f"medians of {key}: " + ", ".join(f"{n} {v:.1f}" for n, v in vals.items()), flush=True)
+    if runs[0].get("guard_us"):
+        vals = {n: statistics.median([r["guard_us"][n] for r in runs]) for n in names}
+        print("medians of guard_us: " + ", ".join(f"{n} {v:.1f}" for n, v in vals.items()), flush=True)
     split = {n: {k: statistics.median([r["host_split"][n][k] for r in runs]) for k in runs[0]["host_split"][n]}
-             for n in VARIANTS}
+             for n in args.variants}
     print("medians of cProfile's µs a call (total, Inductor's call, module-call frames' own): "
           + "; ".join(f"{n} {v['total']:.0f} / {v['inductor_call']:.0f} / {v['call_impl_own']:.0f}"
                       for n, v in split.items()), flush=True)
     first = runs[0]
-    for n in VARIANTS:
+    for n in args.variants:
         print(f"  {n}: runtime calls of one call {first['runtime_calls'][n]}; sync warnings "
               f"{first['sync_warnings'][n]}", flush=True)
     print(f"  compiled decisions: {first['compiled_decisions']}", flush=True)
@@ -250,11 +282,17 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help=f"comma-separated, native first, of {', '.join(VARIANTS)} (default {DEFAULT_VARIANTS})")
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.compile_backend = "inductor"
+    args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or args.variants[:1] != ("native",) or len(set(args.variants)) != len(args.variants):
+        ap.error(f"--variants: distinct names of {', '.join(VARIANTS)}, native first; got {','.join(args.variants)}")
     if args.child is not None:
         args.index = args.child
         rec = child(args)
