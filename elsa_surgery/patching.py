@@ -23,10 +23,10 @@ its qualified name), and :func:`elsa_surgery.revert` puts the original class bac
 swapped module as it guards a native one (its class), where an instance ``forward`` made Dynamo trace and guard
 ``Module._call_impl`` for every patched module (session 48, ``benchmarks/lab/compile_gap.py``: +57 µs a compiled
 12-block ViT call on a CPU; on an H200 compiled DeiT3-S bf16 b64 went from 0.965x native to 0.995x, ViT-B/16 bf16 b8
-did not move). A module that already has an instance ``forward`` (an
-accelerate hook, another patch) keeps precedence for it: it is bound there instead, by a :class:`BoundForward`.
-One public alias remains: ``module.elsa_native_calls`` is the record's ``native_calls`` dict (the same object),
-set while the module is patched.
+did not move). A module that already has an instance ``forward`` (an accelerate hook, another patch) keeps
+precedence for it: it is bound there instead, by a :class:`BoundForward`. One public alias remains:
+``module.elsa_native_calls`` is the record's ``native_calls`` dict (the same object), set while the module is
+patched.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def bind_forward(module: nn.Module, fn, config: PatchConfig) -> PatchRecord:
         try:
             cls = patched_class(rec.cls or type(module), fn)
         except TypeError:  # a class that refuses subclasses (its __init_subclass__, its metaclass): the instance
-            cls = None
+            pass
     if cls is None:
         rec.set(module, "forward", BoundForward(fn, module))
     else:

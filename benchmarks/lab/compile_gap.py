@@ -47,16 +47,6 @@ import torch
 
 VARIANTS = ("native", "copy", "converted", "reverted", "instance", "sdpa", "closure")
 DEFAULT_VARIANTS = "native,copy,converted,reverted,instance"
-_BENCH = Path(__file__).resolve().parents[2] / "recipes" / "bench_models.py"
-
-
-def _bench_models():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_models", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def runtime_calls(fn, device) -> dict:
@@ -177,6 +167,8 @@ def close_configs(model) -> int:
 def child(args) -> dict:
     import elsa_surgery
     from elsa_surgery import benchmark
+
+    from host_profile import _bench_models  # (this folder's: recipes/bench_models.py loaded as a module)
 
     bm = _bench_models()
     device = "cpu" if args.cpu_smoke else "cuda"
