@@ -57,14 +57,17 @@ logger = logging.getLogger("elsa_surgery")
 IMPL = "elsa"
 IMPL_VARLEN = "elsa_varlen"
 IMPLEMENTATIONS = (IMPL, IMPL_VARLEN)
-# Each attention module of a converted model carries a patch record of level "part" (its backend / precision;
-# extras["passthrough"] on modules include/exclude left out: they run 'sdpa'); each PreTrainedModel switched
-# carries one too (or the model-level record, when it is the converted model) holding the previous
-# implementations (extras["hf_previous"]) and the per-module notes (extras["hf_modules"]).
+# Each attention module of a converted model carries a patch record of level "part" (its backend / precision, also
+# in patching.CONFIG_ATTR; PASS_ATTR set to True, through the record, on modules include/exclude left out: they run
+# 'sdpa'); each PreTrainedModel switched carries one too (or the model-level record, when it is the converted model)
+# holding the previous implementations (extras["hf_previous"]) and the per-module notes (extras["hf_modules"]).
+# The attention function reads only the module's plain attributes (a config tuple, a bool), never the record: under
+# torch.compile Dynamo's guard check then skips the module's subtree while its __dict__ is unchanged (patching).
 PATCH_ATTR = patching.RECORD_ATTR
-PASS_ATTR = PATCH_ATTR  # (the passthrough flag lives in the record: no attribute of its own)
+PASS_ATTR = "_elsa_passthrough"
 
 _local = threading.local()
+_DEFAULT_CONFIG = PatchConfig()  # (a module called through the interface without a record: not converted by us)
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -93,8 +96,7 @@ def elsa_attention_forward(
     **kwargs,
 ):
     """transformers attention-interface function running :func:`elsa_surgery.attention`."""
-    rec = patching.record_of(module)
-    if rec is not None and rec.extras.get("passthrough"):
+    if getattr(module, PASS_ATTR, False):
         return _passthrough_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if kwargs.get("softcap") is not None:
         raise UnsupportedAttention(
@@ -108,7 +110,7 @@ def elsa_attention_forward(
         raise UnsupportedAttention("ELSA does not support transformers' paged (continuous-batching) cache")
     # transformers passes the module's attention_dropout / attention_probs_dropout_prob, 0 outside training
     dropout_p = float(dropout) if module.training else 0.0
-    cfg = rec.config if rec is not None else PatchConfig()
+    cfg = getattr(module, patching.CONFIG_ATTR, _DEFAULT_CONFIG)
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -687,11 +689,11 @@ class TransformersAttentionAdapter(Adapter):
         entries = []
         for name, m in attention_modules(model):
             part = patching.attach(m, self, config, level="part")
-            if config.modules is None or _join(prefix, name) in config.modules:
+            selected = config.modules is None or _join(prefix, name) in config.modules
+            part.set(m, PASS_ATTR, not selected)
+            if selected:
                 entries.append({"name": name, "module_class": type(m).__name__, "implementation": impl,
                                 "note": module_notes(model, m)})
-            else:  # shares the config switch but was not selected: keeps running PyTorch SDPA
-                part.extras["passthrough"] = True
         rec.extras["hf_modules"] = entries
         # honest report: say so when transformers kept another implementation for some config
         for c in configs:

@@ -16,7 +16,7 @@ Levels:
   ``PreTrainedModel``); the model-level adapter creates and removes it (:func:`attach`, :func:`detach`).
 
 The patched ``forward`` is bound by a class swap: the module's class becomes :func:`patched_class` of it, a
-subclass made once per (class, function) pair whose ``forward`` calls the function with the record's config. It
+subclass made once per (class, function) pair whose ``forward`` calls the function with the module's config. It
 keeps the class's name, qualified name and module, so ``isinstance``, reports and ``repr`` see the original class;
 ``copy.deepcopy`` and ``pickle`` / ``torch.save`` rebuild it from the original class and the function (stored by
 its qualified name), and :func:`elsa_surgery.revert` puts the original class back. ``torch.compile`` guards a
@@ -27,6 +27,13 @@ did not move). A module that already has an instance ``forward`` (an accelerate 
 precedence for it: it is bound there instead, by a :class:`BoundForward`. One public alias remains:
 ``module.elsa_native_calls`` is the record's ``native_calls`` dict (the same object), set while the module is
 patched.
+
+The config a patched forward passes on is the record's, also set on the module as :data:`CONFIG_ATTR`
+(``_elsa_config``, through the record, so revert removes it) and read there as a plain attribute: a
+:class:`PatchConfig` is a tuple of strings, which Dynamo's recursive dict tags count as immutable, so a compiled
+model's guard check skips a patched module's subtree while its ``__dict__`` is unchanged, as it does for a native
+one. Reading the record itself (a mutable object) made every patched module and the blocks above it fall out of that
+fast path (session 49, H200, torch 2.11, compiled ViT-B/16: guard check 27 µs against native's 6.4; 10.9 after).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch.nn as nn
 from .registry import Adapter, PatchConfig
 
 RECORD_ATTR = "_elsa_patch"
+CONFIG_ATTR = "_elsa_config"  # the record's config on the patched module itself: what its forward reads
 NATIVE_CALLS_ATTR = "elsa_native_calls"  # public alias of PatchRecord.native_calls on a patched module
 LEVELS = ("module", "model", "part")
 
@@ -188,6 +196,7 @@ def attach(module: nn.Module, adapter: Optional[Adapter], config: PatchConfig, l
         raise RuntimeError(f"{type(module).__name__} is already patched (by {record_of(module).adapter_name})")
     rec = PatchRecord(adapter, config, level, modules=tuple(modules))
     module.__dict__[RECORD_ATTR] = rec
+    rec.set(module, CONFIG_ATTR, config)
     return rec
 
 
@@ -202,7 +211,7 @@ def detach(module: nn.Module) -> Optional[PatchRecord]:
 
 class BoundForward:
     """``module.forward`` set on the instance, for a module that had an instance ``forward`` before it was patched
-    (:func:`bind_forward`): ``fn(module, *args, config=<record's config>, **kwargs)``.
+    (:func:`bind_forward`): ``fn(module, *args, config=<the module's CONFIG_ATTR>, **kwargs)``.
 
     A plain object (not a bound method, not a closure): ``copy.deepcopy`` binds the copy to the copied module,
     pickling stores ``fn`` by its qualified name (a module-level function), and ``torch.compile`` traces it.
@@ -216,7 +225,7 @@ class BoundForward:
 
     def __call__(self, *args, **kwargs):
         module = self.module
-        return self.fn(module, *args, config=module.__dict__[RECORD_ATTR].config, **kwargs)
+        return self.fn(module, *args, config=module._elsa_config, **kwargs)
 
     def __repr__(self) -> str:
         return f"<elsa_surgery forward {getattr(self.fn, '__qualname__', self.fn)} of {type(self.module).__name__}>"
@@ -229,13 +238,13 @@ _PATCHED: Dict[Tuple[type, Callable], type] = {}
 
 def patched_class(base: type, fn) -> type:
     """The subclass of ``base`` whose ``forward(self, *args, **kwargs)`` is ``fn(self, *args, config=<the module's
-    record's config>, **kwargs)``: made once per ``(base, fn)`` pair, under ``base``'s name, qualified name and
+    CONFIG_ATTR>, **kwargs)``: made once per ``(base, fn)`` pair, under ``base``'s name, qualified name and
     module. Instances pickle and deep-copy as ``(base, fn)`` and their state."""
     key = (base, fn)
     cls = _PATCHED.get(key)
     if cls is None:
         def forward(self, *args, **kwargs):
-            return fn(self, *args, config=self.__dict__[RECORD_ATTR].config, **kwargs)
+            return fn(self, *args, config=self._elsa_config, **kwargs)  # (CONFIG_ATTR: a plain attribute read)
 
         forward.__qualname__ = f"{base.__qualname__}.forward"
         forward.__doc__ = f"elsa_surgery's forward: {getattr(fn, '__qualname__', fn)} (the class's: {base.__name__})"
@@ -270,6 +279,7 @@ def bind_forward(module: nn.Module, fn, config: PatchConfig) -> PatchRecord:
     """
     rec = record_of(module) or attach(module, None, config)
     rec.config = config
+    rec.set(module, CONFIG_ATTR, config)
     cls = None
     if "forward" not in module.__dict__ and "forward" not in rec.saved:
         try:

@@ -54,22 +54,27 @@ import logging
 import pkgutil
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch.nn as nn
 
 logger = logging.getLogger("elsa_surgery")
 
 
-@dataclass(frozen=True)
-class PatchConfig:
-    """What a patched module passes to :func:`elsa_surgery.attention` on every call."""
+class PatchConfig(NamedTuple):
+    """What a patched module passes to :func:`elsa_surgery.attention` on every call.
+
+    An immutable tuple of strings (not a dataclass): a patched module holds it in its ``__dict__``
+    (:data:`elsa_surgery.patching.CONFIG_ATTR`) and its forward reads it there, and Dynamo counts tuples of strings
+    and None as immutable, so a compiled model's guard check can skip the module's whole subtree when its
+    ``__dict__`` is unchanged, as it does for native modules (torch's recursive dict tags). A dataclass there
+    made every patched module, and the blocks above it, fall out of that fast path (session 49, H200, torch 2.11:
+    ViT-B/16's guard check 27 µs against native's 6.4)."""
 
     backend: str = "auto"
     precision: Optional[str] = None
-    # Model-level adapters only: the selected names from ``model_modules`` (None = all of them).
-    modules: Optional[FrozenSet[str]] = None
+    # Model-level adapters only: the selected names from ``model_modules``, sorted (None = all of them).
+    modules: Optional[Tuple[str, ...]] = None
 
 
 class Adapter:

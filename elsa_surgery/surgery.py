@@ -38,7 +38,7 @@ from .verify import ParityCheck, ParityError, check_inputs, failure_message
 
 logger = logging.getLogger("elsa_surgery")
 
-PATCH_ATTR = RECORD_ATTR  # the one attribute a conversion leaves on a module (elsa_surgery.patching)
+PATCH_ATTR = RECORD_ATTR  # the patch record a conversion leaves on a module (elsa_surgery.patching)
 
 # Class names that look like attention: such modules are reported as skipped when no adapter knows them.
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
@@ -225,7 +225,7 @@ def _find_model_level(model, plan: Plan, chosen, config: PatchConfig, include, e
             _skip_all(plan, covered, a, f"the model is already patched at model level by {holder}")
             continue
         mcfg = config if len(sel) == len(covered) else PatchConfig(
-            config.backend, config.precision, modules=frozenset(n for n, _ in sel))
+            config.backend, config.precision, modules=tuple(sorted(n for n, _ in sel)))
         plan.model_level.append((a, mcfg, sel))
         plan.handled.extend(n for n, _ in covered)
         for n, m in covered:

@@ -257,7 +257,9 @@ def test_one_record_holds_everything():
     rec = patching.record_of(m.attn)
     assert isinstance(rec, patching.PatchRecord) and rec.level == "module" and rec.adapter_name == "torch.mha"
     assert rec.config == elsa_surgery.PatchConfig("reference", None)
-    assert set(rec.saved) == {patching.NATIVE_CALLS_ATTR} and rec.cls is nn.MultiheadAttention  # what revert puts back
+    # what revert puts back: the class, the public alias and the config the patched forward reads
+    assert set(rec.saved) == {patching.NATIVE_CALLS_ATTR, patching.CONFIG_ATTR} and rec.cls is nn.MultiheadAttention
+    assert m.attn.__dict__[patching.CONFIG_ATTR] is rec.config
     assert "guard" in rec.extras  # the fast-path guard hook's handle
     assert m.attn.elsa_native_calls is rec.native_calls  # the public alias is the record's dict
     with torch.no_grad():
