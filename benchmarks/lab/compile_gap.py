@@ -16,7 +16,10 @@ them in interleaved rounds:
   ``Module._call_impl`` for each patched module);
 * ``sdpa`` (``--variants``): converted with ``backend="sdpa"``: the graph's SDPA put there without auto's traced race;
 * ``closure`` (``--variants``): converted, each patched class replaced by one whose ``forward`` takes the config
-  from its closure instead of the module's patch record (no guards on the record and its shared config).
+  from its closure instead of the module's patch record (no guards on the record and its shared config);
+* ``subclass`` (``--variants``): a deep copy, not converted, whose modules that ``convert`` patches get a plain
+  subclass of their class (the same ``forward``): the native computation in a second compiled graph of its own
+  (``copy`` and ``reverted`` pass the guards of native's graph and share it), the A/A control for a second graph.
 
 Per variant and process: the synchronised per-call time, the host time alone (``per_call_ms(host_only=True)``), the
 CUDA runtime calls of one compiled call (``torch.profiler``: launches, copies, synchronisations, allocations) and the
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("native", "copy", "converted", "reverted", "instance", "sdpa", "closure")
+VARIANTS = ("native", "copy", "converted", "reverted", "instance", "sdpa", "closure", "subclass")
 DEFAULT_VARIANTS = "native,copy,converted,reverted,instance"
 
 
@@ -164,6 +167,22 @@ def close_configs(model) -> int:
     return n
 
 
+def subclass_patchable(model) -> int:
+    """Give each module that ``convert`` would patch a plain subclass of its class (nothing else changed)."""
+    import elsa_surgery
+
+    probe = copy.deepcopy(model)
+    names = {e.name for e in elsa_surgery.convert(probe, backend="sdpa", verify=False).converted}
+    del probe
+    n = 0
+    for name, m in model.named_modules():
+        if name in names:
+            cls = type(m)
+            m.__class__ = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            n += 1
+    return n
+
+
 def child(args) -> dict:
     import elsa_surgery
     from elsa_surgery import benchmark
@@ -180,20 +199,22 @@ def child(args) -> dict:
     models = {n: native if n == "native" else copy.deepcopy(native) for n in variants}
     rec = dict(workload=args.workload, dtype=args.dtype, batch=args.batch, index=args.index, variants=variants)
     for n in variants:
-        if n not in ("native", "copy"):
+        if n not in ("native", "copy", "subclass"):
             rec[f"{n}_modules"] = elsa_surgery.convert(models[n], backend="sdpa" if n == "sdpa" else "auto",
                                                        verify=False).num_converted
     if "instance" in models:
         rec["instance_modules"] = unswap_classes(models["instance"])
     if "closure" in models:
         rec["closure_modules"] = close_configs(models["closure"])
+    if "subclass" in models:
+        rec["subclass_modules"] = subclass_patchable(models["subclass"])
     k = args.index % len(variants)
     order = list(variants[k:] + variants[:k])
     rec["compile_order"] = order
     compiled, rec["compile_s"] = {}, {}
     with torch.inference_mode():
         for n in variants:
-            if n not in ("native", "copy"):
+            if n not in ("native", "copy", "subclass"):
                 call(models[n])  # (eager: auto's race, the kernels' load)
         if "reverted" in models:
             rec["reverted_modules"] = len(elsa_surgery.revert(models["reverted"]))
