@@ -58,7 +58,7 @@ IMPL = "elsa"
 IMPL_VARLEN = "elsa_varlen"
 IMPLEMENTATIONS = (IMPL, IMPL_VARLEN)
 # Each attention module of a converted model carries a patch record of level "part" (its backend / precision, also
-# in patching.CONFIG_ATTR; PASS_ATTR set to True, through the record, on modules include/exclude left out: they run
+# in patching.CONFIG_ATTR; PASS_ATTR, set through the record, True on modules include/exclude left out: they run
 # 'sdpa'); each PreTrainedModel switched carries one too (or the model-level record, when it is the converted model)
 # holding the previous implementations (extras["hf_previous"]) and the per-module notes (extras["hf_modules"]).
 # The attention function reads only the module's plain attributes (a config tuple, a bool), never the record: under
