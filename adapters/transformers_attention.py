@@ -67,7 +67,6 @@ PATCH_ATTR = patching.RECORD_ATTR
 PASS_ATTR = "_elsa_passthrough"
 
 _local = threading.local()
-_DEFAULT_CONFIG = PatchConfig()  # (a module called through the interface without a record: not converted by us)
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -110,7 +109,7 @@ def elsa_attention_forward(
         raise UnsupportedAttention("ELSA does not support transformers' paged (continuous-batching) cache")
     # transformers passes the module's attention_dropout / attention_probs_dropout_prob, 0 outside training
     dropout_p = float(dropout) if module.training else 0.0
-    cfg = getattr(module, patching.CONFIG_ATTR, _DEFAULT_CONFIG)
+    cfg = patching.config_of(module)
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -174,9 +174,13 @@ def is_converted(module: nn.Module) -> bool:
     return record_of(module) is not None
 
 
+_DEFAULT_CONFIG = PatchConfig()
+
+
 def config_of(module: nn.Module) -> PatchConfig:
-    rec = record_of(module)
-    return rec.config if rec is not None else PatchConfig()
+    """The config the module's patched forward passes on (:data:`CONFIG_ATTR`, the record's), or the default for a
+    module without a record. A plain attribute read, which torch.compile traces without guarding the record."""
+    return getattr(module, CONFIG_ATTR, _DEFAULT_CONFIG)
 
 
 def model_notes(model: nn.Module):

@@ -16,7 +16,8 @@ them in interleaved rounds:
   ``Module._call_impl`` for each patched module);
 * ``sdpa`` (``--variants``): converted with ``backend="sdpa"``: the graph's SDPA put there without auto's traced race;
 * ``closure`` (``--variants``): converted, each patched class replaced by one whose ``forward`` takes the config
-  from its closure instead of the module's patch record (no guards on the record and its shared config);
+  from its closure instead of the module (before session 49's change: instead of the patch record, with no guards
+  on the record and its shared config);
 * ``subclass`` (``--variants``): a deep copy, not converted, whose modules that ``convert`` patches get a plain
   subclass of their class (the same ``forward``): the native computation in a second compiled graph of its own
   (``copy`` and ``reverted`` pass the guards of native's graph and share it), the A/A control for a second graph.
