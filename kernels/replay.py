@@ -193,13 +193,28 @@ def launch(fn, grid, *args, **kwargs):
     if getattr(_local, "wrap", False):
         from torch.library import wrap_triton
 
-        wrap_triton(fn)[grid](*args, **kwargs)
+        wrap_triton(fn)[grid](*args, **with_defaults(fn, args, kwargs))
         return None
     kernel = fn[grid](*args, **kwargs)
     rec = getattr(_local, "rec", None)
     if rec is not None:
         rec.add(fn, kernel, grid, args, kwargs)
     return kernel
+
+
+def with_defaults(fn, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` plus the defaults of ``fn``'s parameters that the call leaves out. A launch traced through
+    ``wrap_triton`` passes every parameter: Inductor's launcher for a user kernel (torch 2.11, Triton 3.6) takes each
+    constexpr of the signature as a positional argument but its call site passes only those given, so a constexpr
+    left to its default shifted the grid's arguments (``launcher() missing ... '_grid_1' and '_grid_2'``), and
+    Dynamo's mutation analysis, which compiles the kernel with the arguments given, assumed every input written."""
+    try:
+        params = _params(fn)
+    except (AttributeError, TypeError, ValueError):  # (no Python signature: the call as it is)
+        return kwargs
+    missing = {name: default for name, default in params[len(args):]
+               if name not in kwargs and default is not inspect.Parameter.empty}
+    return {**kwargs, **missing} if missing else kwargs
 
 
 def run(key: tuple, slots: Dict[str, Optional[torch.Tensor]], plan_and_run: Callable, aliases=()):

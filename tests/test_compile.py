@@ -447,10 +447,20 @@ def traced(fn, *args, dynamic=False):
         pass
     nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    kernels = sorted({kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in nodes
-                      if "triton_kernel_wrapper" in str(n.target)})
+    launches = [n for n in nodes if "triton_kernel_wrapper" in str(n.target)]
+    kernels = sorted({kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in launches})
+    # parameters a launch leaves to their defaults (Inductor's launcher takes every constexpr positionally); a
+    # launch with num_warps is traced as an Autotuner of one config, whose kwargs would count as given
+    omitted = set()
+    for n in launches:
+        k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        jit, configs = (k.fn, k.configs) if hasattr(k, "configs") else (k, [])
+        given = {**n.kwargs["kwargs"], **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}
+        given.update({name: None for c in configs for name in c.kwargs})
+        omitted.update(f"{jit.fn.__name__}.{p.name}" for p in jit.params if p.name not in given)
+    omitted = sorted(omitted)
     return dict(kernels=kernels, opaque=any("attention_inference" in str(n.target) for n in nodes),
-                as_strided=any("as_strided" in str(n.target) for n in nodes))
+                as_strided=any("as_strided" in str(n.target) for n in nodes), omitted=omitted)
 def call(precision, mask=True, n=300, d=16):
     q, k, v = r(1, 4, n, d), r(1, 2, n, d), r(1, 2, n, d)
     m = (torch.arange(n)[:, None] >= torch.arange(n)[None])[None, None] if mask else None
@@ -476,7 +486,9 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
     """The inline op's body traced as Inductor traces it (AOTAutograd, fake CPU tensors, Triton's compiled kernels
     without a GPU): a masked call becomes launches of ``mask_tile_classes``, ``mask_tile_ranges`` and ``elsa_fwd``
     with no opaque op; an fp32 ``precise`` call whose K/V are split into fp16 pieces adds ``split_f16`` and writes no
-    ``as_strided`` view (functionalization refuses such writes: the traced pieces are tensors of their own); the same
+    ``as_strided`` view (functionalization refuses such writes: the traced pieces are tensors of their own); every
+    launch passes every kernel parameter (one left to its default broke Inductor's launcher, ``replay.with_defaults``,
+    and made Dynamo assume every input written); the same
     call with K/V staged a head at a time, and a call traced with dynamic shapes (the planner needs sizes), keep the
     opaque op."""
     import json
@@ -490,8 +502,9 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
     assert p.returncode == 0, p.stderr[-4000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["masked"] == dict(kernels=["elsa_fwd", "mask_tile_classes", "mask_tile_ranges"], opaque=False,
-                                 as_strided=False), got
-    assert got["precise"] == dict(kernels=["elsa_fwd", "split_f16"], opaque=False, as_strided=False), got
+                                 as_strided=False, omitted=[]), got
+    assert got["precise"] == dict(kernels=["elsa_fwd", "split_f16"], opaque=False, as_strided=False,
+                                  omitted=[]), got
     for name in ("heads", "dynamic"):
         assert got[name]["opaque"] and not got[name]["kernels"], got
 
@@ -535,8 +548,9 @@ def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, ca
 
 
 def _inline_calls(dtype, precision):
-    """``(call, inputs)``: three ELSA calls as converted models make them (a bool window mask and GQA, causal GQA,
-    a causal-shaped bool mask over 1,100 keys whose tiles are classified first), on fresh inputs."""
+    """``(call, inputs)``: four ELSA calls as converted models make them (a bool window mask and GQA, causal GQA,
+    a causal-shaped bool mask over 1,100 keys whose tiles are classified first, and an unmasked call over 2,048 keys
+    that ``precise`` runs on K/V split into fp16 pieces), on fresh inputs."""
     gen = torch.Generator(device="cuda").manual_seed(5)
 
     def r(*shape):
@@ -547,13 +561,14 @@ def _inline_calls(dtype, precision):
     long_pos = torch.arange(1100, device="cuda")
     causal = (long_pos[:, None] >= long_pos[None])[None, None]
     inputs = (r(2, 4, 300, 64), r(2, 2, 300, 64), r(2, 2, 300, 64), window, r(1, 2, 1100, 64), r(1, 2, 1100, 64),
-              r(1, 2, 1100, 64), causal)
+              r(1, 2, 1100, 64), causal, r(1, 4, 2048, 64), r(1, 4, 2048, 64), r(1, 4, 2048, 64))
 
-    def call(q, k, v, window, lq, lk, lv, causal):
+    def call(q, k, v, window, lq, lk, lv, causal, sq, sk, sv):
         kw = dict(backend="elsa", precision=precision)
         return (elsa_surgery.attention(q, k, v, window, enable_gqa=True, **kw),
                 elsa_surgery.attention(q, k, v, is_causal=True, enable_gqa=True, **kw),
-                elsa_surgery.attention(lq, lk, lv, causal, **kw))
+                elsa_surgery.attention(lq, lk, lv, causal, **kw),
+                elsa_surgery.attention(sq, sk, sv, **kw))
 
     return call, inputs
 
@@ -566,7 +581,8 @@ def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision
     of the op in it, ``elsa_fwd`` and the mask-tile kernels defined in it), torch's analysis of what each kernel
     writes succeeded (where it fails it assumes every argument written and copies the inputs), and the compiled
     calls equal the eager ones: fp32 within 1e-6 relative. Calls the Hopper kernel takes (unmasked bf16/fp16, fp32
-    strict and turbo) stay on the opaque op."""
+    strict and turbo) stay on the opaque op. ``precise``'s split call launches ``split_f16`` from Inductor's code
+    too (its constexprs left to their defaults once broke Inductor's launcher: ``replay.with_defaults``)."""
     from elsa_surgery.kernels import hopper
 
     from torch._higher_order_ops import triton_kernel_wrap
@@ -597,9 +613,10 @@ def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision
             assert (g.float() - w.float()).abs().max() <= 2e-2
     assert "ops.elsa_surgery.attention_inline" not in code, code
     assert "def elsa_fwd" in code and "def mask_tile_ranges" in code, code
-    hopper_ok = hopper.eligible(inputs[0], inputs[1], inputs[2], inputs[0], mask=None, q_lengths=None,
-                                kv_lengths=None, varlen=False, state=None, scale=0.125, precision=precision,
-                                how="force") is None
+    assert ("def split_f16" in code) == (precision == "precise"), code  # (launched with every parameter)
+    hopper_ok = any(hopper.eligible(q, k, v, q, mask=None, q_lengths=None, kv_lengths=None, varlen=False,
+                                    state=None, scale=0.125, precision=precision, how="force") is None
+                    for q, k, v in (inputs[0:3], inputs[8:11]))  # (the unmasked calls)
     assert ("ops.elsa_surgery.attention_inference" in code) == hopper_ok, code
 
 
