@@ -646,7 +646,9 @@ def compile_main(args) -> int:
         return [head + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
                 f"ratio {rec['ratio']:.3f}; compile {rec['native_compile_s']:.1f} s -> "
                 f"{rec['converted_compile_s']:.1f} s ({rec['compile_time_ratio']:.2f}x), "
-                f"{','.join(rec['backends_used'])} ({rec['compile_op']} op), rel {rec['rel_err_vs_native']:.1e} "
+                f"eager call {','.join(rec['backends_used'])} ({rec['compile_op']} op"
+                f"{'; the graph: traced below' if rec.get('compiled_decisions') else ''}), "
+                f"rel {rec['rel_err_vs_native']:.1e} "
                 f"({rec['wall_s']:.0f} s)"] + balanced + isolated \
             + [f"  traced: {r}" for r in rec.get("compiled_decisions", [])] \
             + profile_lines(rec.get("profile", {}))
