@@ -11,7 +11,7 @@ canonicalisation and the meaning of every argument live in this file and nowhere
   1 or ``B`` for an ordinary broadcast mask, or ``nW`` for a per-window (Swin) mask.
 * ``is_causal``: bottom-right aligned; with padded lengths, aligned to each row's own valid lengths:
   query ``i`` sees key ``j`` iff ``j <= i + kv_len[b] - q_len[b]``. Together with ``attn_mask`` the two
-  intersect (SDPA raises there: a deliberate extension, docs/fidelity.md).
+  intersect (torch 2.14's SDPA raises there: a deliberate extension, docs/fidelity.md).
 * ``attn_mask`` may also be PyTorch's ``torch.nn.attention.bias.CausalBias`` (no dense mask is built, and its
   own device does not matter): ``causal_lower_right`` is ``is_causal``; ``causal_upper_left`` (query ``i``
   sees keys ``j <= i``) is ``is_causal`` over the first ``Nq`` keys when ``Nq <= Nk`` (later keys are never
