@@ -101,9 +101,10 @@ def test_compile_native_first_compiles_the_native_model_first(tmp_path, load_rec
         assert order == (["native", "converted"] if first == "native" else ["converted", "native"])
 
 
-def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load_recipe, monkeypatch):
+def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load_recipe, monkeypatch, capsys):
     """``--isolated-compile``: each side's first compiled call in child processes with caches of their own (the
-    children get the cache variables; cold, then warm on the same caches), and the ratios in the row."""
+    children get the cache variables; both cold processes, then the warm ones on the same caches), each child's
+    seconds printed as it ends, and the ratios in the row."""
     m = load_recipe("bench_models")
     runs, real_run = [], m.subprocess.run
 
@@ -122,8 +123,11 @@ def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load
         for run_ in ("cold", "warm"):
             assert row[f"{side}_compile_{run_}_s"] > 0
     assert row["compile_cold_ratio"] > 0 and row["compile_warm_ratio"] > 0
-    assert [r[0] for r in runs] == ["native", "native", "converted", "converted"]
-    assert runs[0][1:] == runs[1][1:] and runs[2][1:] == runs[3][1:] and runs[0][1] != runs[2][1]
+    assert [r[0] for r in runs] == ["native", "converted", "native", "converted"]
+    assert runs[0][1:] == runs[2][1:] and runs[1][1:] == runs[3][1:] and runs[0][1] != runs[1][1]
+    said = [ln.split(", ")[-1].split(":")[0] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("  isolated compile, deit3_s fp32 b")]
+    assert said == ["native cold", "converted cold", "native warm", "converted warm"], said
 
 
 def test_processes_alternate_the_side_compiled_first(tmp_path, load_recipe, monkeypatch, capsys):

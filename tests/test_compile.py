@@ -620,6 +620,34 @@ def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision
     assert ("ops.elsa_surgery.attention_inference" in code) == hopper_ok, code
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "precise"), (torch.bfloat16, None)])
+def test_compiled_calls_under_cuda_graphs_gpu(dtype, precision, monkeypatch):
+    """``max-autotune`` and ``reduce-overhead`` run the compiled graph as CUDA graphs (cudagraph trees): the ELSA
+    launches of the inline and the opaque op are captured once and replayed on the graph's static buffers. Each call,
+    on inputs of new values, equals the eager one (fp32 within 1e-6 relative), the outputs copied at once (the next
+    replay may reuse their memory). Session 51: the compiled-cell benchmark read a max-autotune LLaMA 4K fp32 output
+    that a later call had overwritten."""
+    monkeypatch.delenv("ELSA_COMPILE_OP", raising=False)
+    call, inputs = _inline_calls(dtype, precision)
+    torch._dynamo.reset()
+    compiled = torch.compile(call, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    with torch.no_grad():
+        for step in range(4):  # warm-up, capture, then replays
+            if step:
+                inputs = tuple(x if x.dtype == torch.bool else torch.randn(x.shape, device="cuda", generator=gen)
+                               .to(dtype) for x in inputs)
+            got = [g.clone() for g in compiled(*inputs)]
+            want = call(*inputs)
+            for g, w in zip(got, want):
+                if dtype == torch.float32:
+                    assert _rel(g, w) <= RTOL, (step, _rel(g, w))
+                else:
+                    assert (g.float() - w.float()).abs().max() <= 2e-2, step
+    torch._dynamo.reset()
+
 _WARM_START = r"""
 import json, os, torch, elsa_surgery
 gen = torch.Generator(device="cuda").manual_seed(0)
