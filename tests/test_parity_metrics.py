@@ -6,7 +6,6 @@ import torch
 
 import elsa_surgery
 from elsa_surgery import parity
-from oracle import naive_attention
 
 
 def test_metrics_are_zero_for_identical_inputs():

@@ -17,7 +17,7 @@ SGEMM). Non-causal, dense, N=4096, H=8 D=64 and H=32 D=128, checked against floa
 
 This is a measurement of alternatives, not the package's kernel (``kernels/scan.py``).
 """
-import itertools, sys, time
+import itertools, time
 import torch
 import triton
 import triton.language as tl
