@@ -4,15 +4,17 @@
 calls whose time is host-bound, shapes where cuDNN's tiles beat ours) PyTorch's own SDPA kernel is. On the first
 eager CUDA call of a signature that PyTorch's SDPA answers with exactly our semantics (:func:`sdpa_reason`), both
 are timed back to back on the caller's own tensors (:func:`race`, :data:`CALLS` calls each, interleaved, host and
-GPU time: what an eager caller waits), and SDPA is kept only if it is faster by more than :data:`MIN_GAIN`. Each side
-is the whole public call as later calls of the signature will make it (``elsa_surgery/callcache.py`` runs the race
-with the signature's memo entry set to each decision in turn: direct routes, validation, launch plans and all),
-so the host cost of our Python counts against ELSA, as it does for the user. A training call (autograd records it:
-q, k or v requires grad) is its own signature, raced forward + backward (the backward to q, k, v only). The
-choice is made once per signature (``elsa_surgery/callcache.py`` keeps it; unmasked signatures that differ only in
-their number of keys, as a growing KV cache's decode steps, share one race per quarter octave of it), and its
-:class:`~.dispatch.Decision` names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show it.
-``backend="elsa"`` never races, nor does a call with an explicit ``precision`` (a request for one of ELSA's modes).
+GPU time: what an eager caller waits; long calls, at least :data:`SETTLED_MS` each, whose first timed calls already
+differ by :data:`SETTLED_RATIO` are decided there), and SDPA is kept only if it is faster by more than
+:data:`MIN_GAIN`. Each side is the whole public call as later calls of the signature will make it
+(``elsa_surgery/callcache.py`` runs the race with the signature's memo entry set to each decision in turn: direct
+routes, validation, launch plans and all), so the host cost of our Python counts against ELSA, as it does for the
+user. A training call (autograd records it: q, k or v requires grad) is its own signature, raced forward + backward
+(the backward to q, k, v only). The choice is made once per signature (``elsa_surgery/callcache.py`` keeps it;
+unmasked signatures that differ only in their number of keys, as a growing KV cache's decode steps, share one race
+per quarter octave of it), and its :class:`~.dispatch.Decision` names both timings, so the report's
+``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never races, nor does a call with an explicit
+``precision`` (a request for one of ELSA's modes).
 
 Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the custom op an
 inference graph calls (``elsa_surgery::attention_inference``, its dispatch included) against SDPA on fresh tensors
@@ -32,7 +34,7 @@ race SDPA with the key-padding mask ``[B, 1, 1, Nk]`` that the native model buil
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,6 +45,8 @@ logger = logging.getLogger("elsa_surgery")
 CALLS = 10  # at most this many timed calls of each side per round (fewer for long calls: BUDGET_MS)
 BUDGET_MS = 2.0  # a round of one side takes about this long (at least one call)
 ROUNDS = 3  # interleaved rounds; the median round counts
+SETTLED_MS = 2.0  # a race is settled by one timed call of each side when both take at least this long ...
+SETTLED_RATIO = 1.5  # ... and one is this many times faster than the other (the rounds would only refine it)
 MIN_GAIN = 1.05  # SDPA is taken only when ELSA's time is more than 5 % above SDPA's
 ENABLED = True  # tests and benchmarks may turn the race off
 
@@ -89,17 +93,30 @@ def _per_call_ms(fn: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Tuple[float, float]:
-    """``(elsa_ms, sdpa_ms)`` per call: both warmed up, then timed in interleaved rounds (median round) of up to
-    :data:`CALLS` back-to-back calls, as many as fit :data:`BUDGET_MS`: a long call is timed a few times only."""
+class Times(NamedTuple):
+    """What :func:`race` measured: each side's milliseconds per call, and in how many interleaved rounds (0: one
+    timed call of each side settled it)."""
+    elsa_ms: float
+    sdpa_ms: float
+    rounds: int
+
+
+def race(elsa: Callable[[], object], sdpa: Callable[[], object]) -> Times:
+    """Each side's time per call: both warmed up and timed once; unless that settles it (both calls at least
+    :data:`SETTLED_MS` long and one :data:`SETTLED_RATIO` times faster: a VGGT-shaped global attention of 137K
+    tokens, 0.35 s against 1.3 s a call, spent 5 s more in the rounds), then timed in interleaved rounds (median
+    round) of up to :data:`CALLS` back-to-back calls, as many as fit :data:`BUDGET_MS`."""
     elsa()  # both warm (the kernels' first call compiles and records its launch plan, SDPA's picks its kernel)
     sdpa()
-    calls = max(1, min(CALLS, int(BUDGET_MS / max(_per_call_ms(elsa, 1), 1e-3))))
+    first = (_per_call_ms(elsa, 1), _per_call_ms(sdpa, 1))
+    if min(first) >= SETTLED_MS and max(first) >= SETTLED_RATIO * min(first):
+        return Times(first[0], first[1], 0)
+    calls = max(1, min(CALLS, int(BUDGET_MS / max(first[0], 1e-3))))
     times = ([], [])
     for _ in range(ROUNDS):
         times[0].append(_per_call_ms(elsa, calls))
         times[1].append(_per_call_ms(sdpa, calls))
-    return tuple(sorted(t)[len(t) // 2] for t in times)
+    return Times(*(sorted(t)[len(t) // 2] for t in times), ROUNDS)
 
 
 SDPA_SIDE = Decision("sdpa", None, "auto's race: the PyTorch SDPA side")  # what the race's SDPA calls run under
@@ -124,13 +141,17 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
             raise _SdpaOutOfMemory(str(e).splitlines()[0][:120]) from e
 
     try:
-        elsa_ms, sdpa_ms = race(elsa, guarded)
+        got = race(elsa, guarded)
     except _SdpaOutOfMemory as e:
         return Decision(d.backend, d.precision, f"{d.reason}; auto's race: PyTorch SDPA ran out of memory ({e})",
                         d.fallback)
+    elsa_ms, sdpa_ms, rounds = got[0], got[1], getattr(got, "rounds", ROUNDS)
     what = "forward + backward of each training call" if training else "call"
-    how = (f"{what} for this signature (raced once when torch.compile traced it)" if traced else
-           f"eager {what} for this signature (measured once, median of {ROUNDS} interleaved rounds)")
+    measured = (f"median of {rounds} interleaved rounds" if rounds else
+                f"one timed call of each: at least {SETTLED_MS:g} ms and {SETTLED_RATIO:g}x apart, settled")
+    how = (f"{what} for this signature (raced once when torch.compile traced it"
+           f"{'' if rounds else '; ' + measured})" if traced else
+           f"eager {what} for this signature (measured once, {measured})")
     verdict = f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per {how}"
     where = "auto under torch.compile" if traced else "auto"
     if elsa_ms > MIN_GAIN * sdpa_ms:

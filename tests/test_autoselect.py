@@ -242,6 +242,37 @@ def test_sdpa_running_out_of_memory_in_the_race_keeps_elsa(racing, monkeypatch):
     assert float((out.double() - ref).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("ms,settled", [((345.6, 1326.1), True), ((1326.1, 345.6), True), ((3.0, 4.0), False),
+                                        ((0.3, 1.2), False)])
+def test_a_race_settled_by_one_timed_call_of_each_stops_there(monkeypatch, ms, settled):
+    """``race``: after the warm-up, one timed call of each side; where both take at least SETTLED_MS and one is
+    SETTLED_RATIO times faster (a VGGT-shaped global attention: 0.35 s against 1.3 s), that is the verdict, without
+    the rounds (5 s more there); else the interleaved rounds run. The decision's reason says which."""
+    calls = {"elsa": 0, "sdpa": 0}
+    sides = {"elsa": lambda: calls.__setitem__("elsa", calls["elsa"] + 1),
+             "sdpa": lambda: calls.__setitem__("sdpa", calls["sdpa"] + 1)}
+
+    def per_call_ms(fn, n):  # (choose wraps the SDPA side in its out-of-memory guard)
+        for _ in range(n):
+            fn()
+        return ms[0] if fn is sides["elsa"] else ms[1]
+
+    monkeypatch.setattr(autoselect, "_per_call_ms", per_call_ms)
+    got = autoselect.race(sides["elsa"], sides["sdpa"])
+    assert (got.elsa_ms, got.sdpa_ms) == ms
+    assert got.rounds == (0 if settled else autoselect.ROUNDS)
+    if settled:
+        assert calls == {"elsa": 2, "sdpa": 2}  # warm-up and one timed call each
+    else:
+        assert calls["elsa"] > 2 + autoselect.ROUNDS - 1 and calls["sdpa"] > 2 + autoselect.ROUNDS - 1
+    d = autoselect.choose(dispatch.Decision("elsa", None, "kept"), sides["elsa"], sides["sdpa"])
+    assert d.backend == ("elsa" if ms[0] <= ms[1] else "sdpa")
+    assert ("one timed call of each" in d.reason) == settled
+    assert ("median of 3 interleaved rounds" in d.reason) == (not settled)
+    traced = autoselect.choose(dispatch.Decision("elsa", None, "kept"), sides["elsa"], sides["sdpa"], traced=True)
+    assert "raced once when torch.compile traced it" in traced.reason
+    assert ("settled" in traced.reason) == settled
+
 def test_fp32_race_only_with_ieee_matmuls(racing):
     keep = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
