@@ -19,9 +19,10 @@ per quarter octave of it), and its :class:`~.dispatch.Decision` names both timin
 Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the custom op an
 inference graph calls (``elsa_surgery::attention_inference``, its dispatch included) against SDPA on fresh tensors
 of the call's (static) shapes, outside the graph (``torch.compiler.assume_constant_result``: a constant of the
-trace, no guard), once per signature; the graph then holds the winner (SDPA's op, which Inductor sees, or ours).
-The verdicts are logged once and kept in :data:`COMPILED` (``compiled_decisions()``). Dynamic shapes are not raced
-(the kernels are kept).
+trace, no guard), once per signature; the graph then holds the winner (SDPA's op, which Inductor sees, or ours). A
+signature whose eager race one timed call of each side settled (:data:`SETTLED`: long calls, far apart) takes that
+verdict instead of racing again. The verdicts are logged once and kept in :data:`COMPILED`
+(``compiled_decisions()``). Dynamic shapes are not raced (the kernels are kept).
 
 SDPA is *exact* here in the sense the design asks: fp16/bf16 flash, cuDNN and memory-efficient kernels and fp32's
 memory-efficient kernel all compute softmax attention with fp32 accumulation; fp32 races only while PyTorch's
@@ -127,10 +128,12 @@ class _SdpaOutOfMemory(Exception):
 
 
 def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], *, traced: bool = False,
-           training: bool = False) -> Decision:
+           training: bool = False, settled_key: Optional[tuple] = None) -> Decision:
     """``d`` (naming both timings), or an SDPA decision naming them when SDPA is faster by more than
     :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way; ``traced``: the race of a call torch.compile
-    is tracing (:func:`choose_compiled`); ``training``: each side is a call and its backward. Where SDPA's side
+    is tracing (:func:`choose_compiled`); ``training``: each side is a call and its backward; ``settled_key``: the
+    eager inference call's :func:`traced_signature`, under which a settled verdict is kept in :data:`SETTLED`
+    for torch.compile's trace of the same call. Where SDPA's side
     runs out of GPU memory (its math path, the only one for fp32 GQA, materialises the ``Nq x Nk`` scores: 112 GiB
     for a Qwen2-7B-shaped 32K prefill), ``d`` is kept and says so: the race must never fail a call ELSA can run."""
 
@@ -155,8 +158,29 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
     verdict = f"ELSA {elsa_ms * 1e3:.1f} us vs PyTorch SDPA {sdpa_ms * 1e3:.1f} us per {how}"
     where = "auto under torch.compile" if traced else "auto"
     if elsa_ms > MIN_GAIN * sdpa_ms:
-        return Decision("sdpa", None, f"{where}: PyTorch SDPA, faster here: {verdict}; backend='elsa' runs ELSA")
-    return Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)
+        final = Decision("sdpa", None, f"{where}: PyTorch SDPA, faster here: {verdict}; backend='elsa' runs ELSA")
+    else:
+        final = Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)
+    if settled_key is not None and not rounds and not traced and not training:
+        if len(SETTLED) >= 1024:
+            del SETTLED[next(iter(SETTLED))]
+        SETTLED[settled_key] = final
+    return final
+
+
+# eager verdicts that one timed call of each side settled (calls of milliseconds, 1.5x apart: the custom op's few
+# microseconds of dispatch, which the traced race counts, cannot turn them), by traced_signature: torch.compile's
+# trace of such a call takes the verdict instead of racing again (VGGT-shaped 100 frames: 3.4 s of its compile)
+SETTLED: Dict[tuple, Decision] = {}
+
+
+def traced_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                     precision: Optional[str]) -> tuple:
+    """The key of a traced call's race (:data:`COMPILED`, :data:`SETTLED`): the problem's q, k, v shapes, dtype,
+    device, causality, scale and fp32 mode."""
+    dev = q.device
+    return ((tuple(q.shape), tuple(k.shape), tuple(v.shape)), str(q.dtype).replace("torch.", ""), dev.type,
+            dev.index, bool(is_causal), float(scale), precision)
 
 
 # trace-time verdicts by signature (shapes, dtype, device, causal, scale, precision)
@@ -184,11 +208,7 @@ def choose_compiled(p, d: Decision) -> Decision:
     tensors, only their static shapes, dtype and device are read."""
     if symbolic_sizes():
         return d  # dynamic shapes: one graph serves many, no race (session 37: the type test here before saw ints)
-    shapes = (tuple(p.q.shape), tuple(p.k.shape), tuple(p.v.shape))
-    dev = p.q.device
-    sig = (shapes, str(p.q.dtype).replace("torch.", ""), dev.type, dev.index, bool(p.is_causal), float(p.scale),
-           d.precision)
-    backend, reason = _trace_time_choice(sig)
+    backend, reason = _trace_time_choice(traced_signature(p.q, p.k, p.v, p.is_causal, p.scale, d.precision))
     return d if backend == "elsa" else Decision("sdpa", None, reason)
 
 
@@ -197,6 +217,13 @@ def _trace_time_choice(sig: tuple) -> Tuple[str, str]:
     """``(backend, reason)`` for a traced call's signature: raced on fresh tensors the first time (a constant of the
     trace: dynamo runs this outside the graph and guards on nothing it reads)."""
     known = COMPILED.get(sig)
+    if known is None and sig in SETTLED:
+        eager = SETTLED[sig]
+        known = Decision(eager.backend, eager.precision,
+                         f"auto under torch.compile: {'ELSA kept' if eager.backend == 'elsa' else 'PyTorch SDPA'}, "
+                         f"as this signature's eager race settled it ({eager.reason})", eager.fallback)
+        COMPILED[sig] = known
+        logger.info("elsa_surgery: %s", known.reason)
     if known is None:
         (sq, sk, sv), dtype, dev_type, dev_index, causal, scale, precision = sig
         device = torch.device(dev_type, dev_index)

@@ -88,6 +88,7 @@ _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or t
 
 
 def clear() -> None:
+    autoselect.SETTLED.clear()  # (eager verdicts, kept for torch.compile's trace of the same calls)
     _entries.clear()
     _varlen_entries.clear()
     _varlen_routes.clear()
@@ -242,7 +243,9 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 if shared is not None:
                     d = _share(entry, *shared, k.shape[-2])
                 else:
-                    d = _race(entry, call, (q, k, v))
+                    settled_key = (autoselect.traced_signature(p.q, p.k, p.v, p.is_causal, p.scale, d.precision)
+                                   if p.mask is None and p.kv_lengths is None else None)
+                    d = _race(entry, call, (q, k, v), settled_key)
                     if len(_families) >= MAX_ENTRIES:
                         _families.pop(next(iter(_families)))
                     _families[fam] = (d, k.shape[-2])
@@ -574,14 +577,15 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
             _family_routes[_family_key(rkey, k, v)] = (fam, raced[0], shown, route, entry.scale)
 
 
-def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
+def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
     """auto's race (elsa_surgery/autoselect.py) for a new entry: ``call``, the public call, made with the entry set
     to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner. A training
     call (autograd records it: q, k or v requires grad) is raced as the call and its backward, on detached twins of
     the inputs (``call(*twins)``: the caller's graph and tensor hooks are not touched, no ``.grad`` is written).
     Tensors the race saves for backward skip any saved-tensor hooks in force (activation checkpointing's: a race
     inside a checkpointed forward would change the number of tensors saved there, which the recomputation, finding
-    the signature decided, does not repeat: torch.utils.checkpoint's CheckpointError)."""
+    the signature decided, does not repeat: torch.utils.checkpoint's CheckpointError). ``settled_key``: an unmasked
+    call's key for torch.compile's race (``autoselect.choose``)."""
     d = entry.decision
     sides = {"elsa": (d, entry.routes), "sdpa": (autoselect.SDPA_SIDE, None if entry.routes is None else {})}
     twins, grads = (), []
@@ -606,7 +610,8 @@ def _race(entry: _Entry, call, qkv) -> dispatch.Decision:
     try:
         with dispatch.unrecorded():
             with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-                final = autoselect.choose(d, side("elsa"), side("sdpa"), training=bool(grads))
+                final = autoselect.choose(d, side("elsa"), side("sdpa"), training=bool(grads),
+                                          settled_key=settled_key)
     finally:
         STATS.update(counts[0])
         DIRECT.update(counts[1])

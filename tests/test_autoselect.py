@@ -339,6 +339,42 @@ def test_compiled_call_holds_the_trace_time_winner(racing, monkeypatch, times, b
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("rounds,backend", [(0, "sdpa"), (0, "elsa"), (3, "elsa")])
+def test_traced_call_takes_the_settled_eager_verdict(racing, monkeypatch, rounds, backend):
+    """An eager call whose race one timed call of each side settled (long calls, far apart) leaves its verdict for
+    torch.compile's trace of the same call, which takes it without racing again and says so; a verdict of the
+    rounds is not taken (the traced race counts the op's dispatch, which can turn a close verdict). A masked call
+    or a training call leaves none; callcache.clear() drops them."""
+    ms = (1300.0, 400.0) if backend == "sdpa" else (400.0, 1300.0)
+    racing[0] = autoselect.Times(*ms, rounds)
+    monkeypatch.setattr(autoselect, "COMPILED", {})
+    torch._dynamo.reset()
+    q, k, v = _qkv(n=24)
+    with dispatch.record() as log:
+        elsa_surgery.attention(q, k, v, is_causal=True)
+    assert log[0].backend == backend
+    assert len(autoselect.SETTLED) == (1 if rounds == 0 else 0)
+    raced = []
+    real = autoselect.race
+    monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (raced.append(1), real(elsa, sdpa))[1])
+    f = torch.compile(lambda a, b, c: elsa_surgery.attention(a, b, c, is_causal=True), backend="eager",
+                      fullgraph=True)
+    out = f(q, k, v)
+    (decision,) = autoselect.compiled_decisions().values()
+    assert decision.backend == backend
+    assert ("as this signature's eager race settled it" in decision.reason) == (rounds == 0), decision.reason
+    assert raced == ([] if rounds == 0 else [1])
+    assert float((out - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max()) < 1e-5
+    torch._dynamo.reset()
+    mask = torch.ones(24, 24, dtype=torch.bool, device=DEV).tril()
+    callcache.clear()
+    assert not autoselect.SETTLED
+    racing[0] = autoselect.Times(*ms, 0)
+    elsa_surgery.attention(q, k, v, attn_mask=mask)  # (a mask: not raced at all)
+    qg = q.clone().requires_grad_()
+    elsa_surgery.attention(qg, k, v)  # a training call: raced, its verdict not kept
+    assert not autoselect.SETTLED
+
 def test_traced_call_with_symbolic_sizes_is_not_raced(racing, monkeypatch):
     """A graph with symbolic sizes (dynamic shapes: torch.compile's second shape, or ``dynamic=True``) serves many
     shapes: its calls are not raced and keep ELSA, in one graph (session 37: the race's signature then held symbolic
