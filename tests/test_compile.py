@@ -482,6 +482,20 @@ print(json.dumps(out))
 """
 
 
+def _traced_in_a_process(script: str) -> dict:
+    """The JSON a trace script prints last, run in a process of its own with Triton's compiler (not its
+    interpreter); skipped where this torch has no inline op."""
+    import json
+    import subprocess
+    import sys
+
+    if ops.attention_inline_op is None:
+        pytest.skip(ops.INLINE_UNAVAILABLE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
 def test_inline_op_traces_to_kernel_launches_without_a_gpu():
     """The inline op's body traced as Inductor traces it (AOTAutograd, fake CPU tensors, Triton's compiled kernels
     without a GPU): a masked call becomes launches of ``mask_tile_classes``, ``mask_tile_ranges`` and ``elsa_fwd``
@@ -491,16 +505,7 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
     and made Dynamo assume every input written); the same
     call with K/V staged a head at a time, and a call traced with dynamic shapes (the planner needs sizes), keep the
     opaque op."""
-    import json
-    import subprocess
-    import sys
-
-    if ops.attention_inline_op is None:
-        pytest.skip(ops.INLINE_UNAVAILABLE)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _TRACE_INLINE], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = _traced_in_a_process(_TRACE_INLINE)
     assert got["masked"] == dict(kernels=["elsa_fwd", "mask_tile_classes", "mask_tile_ranges"], opaque=False,
                                  as_strided=False, omitted=[]), got
     assert got["precise"] == dict(kernels=["elsa_fwd", "split_f16"], opaque=False, as_strided=False,
@@ -508,6 +513,96 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
     for name in ("heads", "dynamic"):
         assert got[name]["opaque"] and not got[name]["kernels"], got
 
+
+_TTIR_MEMO = r"""
+import json, os, sys, torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class Sm90:  # torch's analysis compiles to TTIR for the current target: an sm_90 one without a GPU
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+driver.set_active(Sm90())
+from torch._dynamo.backends.common import aot_autograd
+from torch._higher_order_ops import triton_kernel_wrap as tkw
+from elsa_surgery import dispatch
+from elsa_surgery.kernels import replay
+ops = dispatch.kernels_module().ops
+compiled = []
+real_ttir = tkw.generate_ttir
+
+
+def counted(kernel, *a, **kw):  # (in front of torch's: the memo, installed later, wraps this)
+    compiled.append(getattr(getattr(kernel, "fn", kernel), "__name__", "?"))
+    return real_ttir(kernel, *a, **kw)
+
+
+tkw.generate_ttir = counted
+name = "identify_mutated_tensors" if hasattr(tkw, "identify_mutated_tensors") else "identify_accessed_tensors"
+real_analysis, answers = getattr(tkw, name), []
+
+
+def analysis(kernel, *a, **kw):
+    got = real_analysis(kernel, *a, **kw)
+    rw = getattr(got, "read_writes", None)
+    answers.append([getattr(getattr(kernel, "fn", kernel), "__name__", "?"),
+                    sorted(got) if rw is None else [sorted(d.name for d in rw.reads), sorted(d.name for d in rw.writes)]])
+    return got
+
+
+setattr(tkw, name, analysis)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 4, 2048, 64, generator=g) for _ in range(3))
+os.environ["ELSA_PRECISE_SPLIT"] = "f16"
+
+
+def chain(q, k, v):
+    for _ in range(3):
+        q = ops.attention_inline_op(q, k, v, None, None, None, 0.125, False, "precise", False)[0] + 0
+    return q
+
+
+out = {}
+for memo in (True, False):
+    compiled.clear(), answers.clear()
+    if not memo:
+        tkw.generate_ttir = counted
+    torch._dynamo.reset()
+    try:
+        torch.compile(chain, backend=aot_autograd(fw_compiler=lambda gm, ex: lambda *a: None), fullgraph=True)(q, k, v)
+    except Exception:  # the captured graph returns nothing (never run)
+        pass
+    out["memo" if memo else "plain"] = dict(compiled=list(compiled), answers=[list(a) for a in answers])
+out["stats"] = dict(replay.TTIR_MEMO)
+print(json.dumps(out))
+"""
+
+
+def test_torchs_kernel_analysis_compiles_each_elsa_kernel_once_per_specialisation():
+    """torch's analysis of what a user Triton kernel reads and writes compiles it to TTIR for every launch it
+    traces, twice a launch once Inductor lowers it, with no cache (a CLIP-L/14-336's 24 calls: 96 compiles while
+    tracing, 4.4 s of 6.9 s on a CPU). ``replay`` memoises that TTIR for ELSA's kernels: three identical fp32
+    ``precise`` split calls (``split_f16`` and ``elsa_fwd`` each) compile each kernel once per specialisation, and
+    every analysis answers as it does without the memo. Run on an sm_90 target without a GPU, in a process of its
+    own (the memo stays installed)."""
+    got = _traced_in_a_process(_TTIR_MEMO)
+    memo, plain = got["memo"], got["plain"]
+    assert got["stats"]["installed"] == "yes" and got["stats"]["hits"] > 0, got["stats"]
+    assert sorted(set(plain["compiled"])) == ["elsa_fwd", "split_f16"], plain["compiled"]
+    assert len(plain["compiled"]) >= 6 and len(plain["compiled"]) == len(plain["answers"]), plain
+    assert len(memo["compiled"]) <= 4 and len(memo["compiled"]) < len(plain["compiled"]), memo["compiled"]
+    assert memo["answers"] == plain["answers"], (memo["answers"], plain["answers"])
+    assert any(a[1] for a in plain["answers"]), plain["answers"]  # (the analysis ran: it found what is written)
 
 def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, caplog):
     """Which op a compiled inference call traces to (``interface.inference_op``): the inline one by default; the
