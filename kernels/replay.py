@@ -207,13 +207,15 @@ def launch(fn, grid, *args, **kwargs):
 # triton_kernel_wrap``: ``identify_mutated_tensors`` in torch 2.11, ``identify_accessed_tensors`` in 2.14) compiles
 # the kernel to TTIR (``generate_ttir``) for every launch it traces, with no cache: once when the launch is
 # functionalized and once when Inductor lowers it. A CLIP-L/14-336 (24 calls of ``elsa_fwd`` and ``split_f16``)
-# compiled them 96 times while tracing alone, 4.4 of its 6.9 s on a CPU (session 51; 3 times and 2.5 s memoised). For
+# compiled them 96 times while tracing alone, 4.4 of its 6.9 s on a CPU (session 51; memoised: 3 times, 1.5 s). For
 # ELSA's kernels the TTIR is memoised here by all that ``generate_ttir`` compiles from: the kernel (and an autotuner's
 # first config's arguments), each tensor argument's dtype (it compiles a 2-element tensor of it), each symbolic size
-# as the 2 it substitutes, every other argument's value. The analyses only read the module. Other kernels go to
-# torch's function as they are.
+# as the 2 it substitutes, every other argument's value; and the functions torch reads out of a memoised module
+# (``ttir_to_functions``, a walk of it: another 13 ms a launch). The analyses only read both. Other kernels and
+# modules go to torch's functions as they are.
 _OURS: Dict[int, object] = {}  # id -> ELSA's kernel (held here: an id is never reused for another kernel)
 _TTIR: Dict[tuple, tuple] = {}
+_FUNCTIONS: Dict[int, list] = {}  # id(a memoised module) -> [module, its functions or None]
 MAX_TTIR = 64
 TTIR_MEMO = {"installed": None, "hits": 0, "misses": 0}
 
@@ -260,14 +262,28 @@ def _memo_ttir(fn) -> None:
             TTIR_MEMO["misses"] += 1
             module, names = real(kernel, kwargs, tma_descriptor_metadata)
             if len(_TTIR) >= MAX_TTIR:
-                del _TTIR[next(iter(_TTIR))]
+                _FUNCTIONS.pop(id(_TTIR.pop(next(iter(_TTIR)))[0]), None)
             got = _TTIR[key] = (module, tuple(names))
+            _FUNCTIONS[id(module)] = [module, None]
         else:
             TTIR_MEMO["hits"] += 1
         return got[0], list(got[1])
 
+    real_functions = getattr(tkw, "ttir_to_functions", None)
+
+    def ttir_to_functions(module, *rest, **kw):
+        held = _FUNCTIONS.get(id(module))
+        if held is None or held[0] is not module or rest or kw:
+            return real_functions(module, *rest, **kw)
+        if held[1] is None:
+            held[1] = real_functions(module)
+        return held[1]
+
     generate_ttir.__wrapped__ = real
     tkw.generate_ttir = generate_ttir
+    if real_functions is not None:
+        ttir_to_functions.__wrapped__ = real_functions
+        tkw.ttir_to_functions = ttir_to_functions
     TTIR_MEMO["installed"] = "yes"
 
 

@@ -548,6 +548,15 @@ def counted(kernel, *a, **kw):  # (in front of torch's: the memo, installed late
 
 
 tkw.generate_ttir = counted
+walked, real_walk = [], tkw.ttir_to_functions
+
+
+def walk(module, *a, **kw):  # (the functions read out of a module: memoised with it)
+    walked.append(1)
+    return real_walk(module, *a, **kw)
+
+
+tkw.ttir_to_functions = walk
 name = "identify_mutated_tensors" if hasattr(tkw, "identify_mutated_tensors") else "identify_accessed_tensors"
 real_analysis, answers = getattr(tkw, name), []
 
@@ -574,7 +583,7 @@ def chain(q, k, v):
 
 out = {}
 for memo in (True, False):
-    compiled.clear(), answers.clear()
+    compiled.clear(), answers.clear(), walked.clear()
     if not memo:
         tkw.generate_ttir = counted
     torch._dynamo.reset()
@@ -582,7 +591,8 @@ for memo in (True, False):
         torch.compile(chain, backend=aot_autograd(fw_compiler=lambda gm, ex: lambda *a: None), fullgraph=True)(q, k, v)
     except Exception:  # the captured graph returns nothing (never run)
         pass
-    out["memo" if memo else "plain"] = dict(compiled=list(compiled), answers=[list(a) for a in answers])
+    out["memo" if memo else "plain"] = dict(compiled=list(compiled), answers=[list(a) for a in answers],
+                                            walked=len(walked))
 out["stats"] = dict(replay.TTIR_MEMO)
 print(json.dumps(out))
 """
@@ -591,9 +601,9 @@ print(json.dumps(out))
 def test_torchs_kernel_analysis_compiles_each_elsa_kernel_once_per_specialisation():
     """torch's analysis of what a user Triton kernel reads and writes compiles it to TTIR for every launch it
     traces, twice a launch once Inductor lowers it, with no cache (a CLIP-L/14-336's 24 calls: 96 compiles while
-    tracing, 4.4 s of 6.9 s on a CPU). ``replay`` memoises that TTIR for ELSA's kernels: three identical fp32
-    ``precise`` split calls (``split_f16`` and ``elsa_fwd`` each) compile each kernel once per specialisation, and
-    every analysis answers as it does without the memo. Run on an sm_90 target without a GPU, in a process of its
+    tracing, 4.4 s of 6.9 s on a CPU). ``replay`` memoises that TTIR for ELSA's kernels, and the functions torch
+    reads out of it: three identical fp32 ``precise`` split calls (``split_f16`` and ``elsa_fwd`` each) compile and
+    walk each kernel once per specialisation, and every analysis answers as it does without the memo. Run on an sm_90 target without a GPU, in a process of its
     own (the memo stays installed)."""
     got = _traced_in_a_process(_TTIR_MEMO)
     memo, plain = got["memo"], got["plain"]
@@ -601,6 +611,7 @@ def test_torchs_kernel_analysis_compiles_each_elsa_kernel_once_per_specialisatio
     assert sorted(set(plain["compiled"])) == ["elsa_fwd", "split_f16"], plain["compiled"]
     assert len(plain["compiled"]) >= 6 and len(plain["compiled"]) == len(plain["answers"]), plain
     assert len(memo["compiled"]) <= 4 and len(memo["compiled"]) < len(plain["compiled"]), memo["compiled"]
+    assert memo["walked"] == len(memo["compiled"]) and plain["walked"] == len(plain["compiled"]), (memo, plain)
     assert memo["answers"] == plain["answers"], (memo["answers"], plain["answers"])
     assert any(a[1] for a in plain["answers"]), plain["answers"]  # (the analysis ran: it found what is written)
 
