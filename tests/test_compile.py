@@ -572,7 +572,8 @@ def analysis(kernel, *a, **kw):
 setattr(tkw, name, analysis)
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 4, 2048, 64, generator=g) for _ in range(3))
-os.environ["ELSA_PRECISE_SPLIT"] = "f16"
+from elsa_surgery.kernels import knobs
+os.environ[knobs.PRECISE_SPLIT] = "f16"  # (K and V split into fp16 pieces)
 
 
 def chain(q, k, v):
