@@ -221,12 +221,17 @@ TTIR_MEMO = {"installed": None, "hits": 0, "misses": 0}
 
 
 def _arg_spec(a):
-    """What ``generate_ttir`` compiles an argument as, hashable (or a TypeError)."""
-    if isinstance(a, torch.Tensor):
+    """What ``generate_ttir`` compiles an argument as, hashable (or a TypeError): a fake tensor or an Inductor
+    ``TensorBox`` as a 2-element tensor of its dtype, a real tensor as itself (its address's alignment counts), a
+    symbolic size as 2, anything else as its value."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(a, FakeTensor):
         return ("tensor", a.dtype)
-    dtype = getattr(a, "dtype", None)
-    if isinstance(dtype, torch.dtype) and type(a).__module__.startswith("torch._inductor"):  # an IR buffer
-        return ("tensor", dtype)
+    if isinstance(a, torch.Tensor):
+        return ("real tensor", a.dtype, a.data_ptr() % 16 == 0)
+    if type(a).__name__ == "TensorBox" and type(a).__module__ == "torch._inductor.ir":
+        return ("tensor", a.dtype)
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or type(a).__module__.startswith("sympy"):
         return ("symbolic",)
     hash(a)
