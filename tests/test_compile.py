@@ -616,6 +616,27 @@ def test_torchs_kernel_analysis_compiles_each_elsa_kernel_once_per_specialisatio
     assert memo["answers"] == plain["answers"], (memo["answers"], plain["answers"])
     assert any(a[1] for a in plain["answers"]), plain["answers"]  # (the analysis ran: it found what is written)
 
+def test_ttir_memo_keys_arguments_as_torch_compiles_them():
+    """The memo's key of an argument is what ``generate_ttir`` compiles it as: a fake tensor as its dtype alone (a
+    2-element tensor of it), a real tensor with its address's 16-byte alignment (Triton specialises on it), a symbolic
+    size as one key (it substitutes 2), anything else by value; an unhashable one has no key (torch's function runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from elsa_surgery.kernels import replay
+
+    with FakeTensorMode():
+        f32, f16 = torch.empty(3, 5), torch.empty(7, dtype=torch.float16)
+    assert replay._arg_spec(f32) == ("tensor", torch.float32) and replay._arg_spec(f16) == ("tensor", torch.float16)
+    real = torch.zeros(8)
+    assert replay._arg_spec(real) == ("real tensor", torch.float32, True)
+    assert replay._arg_spec(real[1:]) == ("real tensor", torch.float32, False)
+    sym = ShapeEnv().create_unbacked_symint()
+    assert replay._arg_spec(sym) == ("symbolic",)
+    assert replay._arg_spec(64) == ("value", int, 64) != replay._arg_spec(True)
+    with pytest.raises(TypeError):
+        replay._arg_spec([1, 2])
+
 def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, caplog):
     """Which op a compiled inference call traces to (``interface.inference_op``): the inline one by default; the
     opaque one with ``ELSA_COMPILE_OP=opaque``, under the interpreter (whose kernels ``wrap_triton`` cannot trace),
