@@ -31,7 +31,8 @@ and then compiled (the converted one compiled first, so it never reuses kernels 
 ``--native-first`` the other way round; a tiny function compiled before the first cell takes Inductor's start-up),
 timed in interleaved rounds in one process. Whichever side compiles second reuses kernels the first left in
 Inductor's and Triton's caches; ``--isolated-compile`` also times each side's first compiled call in processes of its
-own with caches of its own, cold (fresh caches) and warm (a second process on them).
+own with caches of its own, cold (fresh caches) and warm (a second process on them); ``--isolated-only`` times only
+those.
 Each row has the compile time of each side (the first call's wall time, synchronised), their ratio, ``auto``'s
 trace-time choices (``compiled_decisions``), native ms / converted ms and the output difference; ``--control``
 replaces the converted copy with an unconverted one (an A/A run: the ratio the method alone makes, e.g. in host-
@@ -531,6 +532,12 @@ def compile_cell(name, dt, batch, mode, args):
     rec = dict(workload=name, dtype=dt, batch=batch, mode=mode, backend=args.backend,
                compile_backend=args.compile_backend)
     rec["compile_op"] = knobs.get(knobs.COMPILE_OP)  # the op ELSA's calls trace to (ELSA_COMPILE_OP)
+    if args.isolated_only:
+        try:
+            rec.update(isolated_compile_times(name, dt, batch, mode, args))
+        except Exception as exc:  # one cell failing must not stop the sweep
+            rec["error"] = benchmark.error_text(exc)
+        return rec
     try:
         torch._dynamo.reset()
         native, call = ab_build(name, dtype, batch, device, smoke=args.cpu_smoke)
@@ -634,9 +641,9 @@ def compile_main(args) -> int:
     code, env = open_suite(args, cells, "--compile")
     if env is None:
         return code
-    # (--processes: the cells' own processes compile, each after its own warm-up)
-    env["inductor_warmup_s"] = 0.0 if args.processes > 1 else warm_up_compiler(args, "cpu" if args.cpu_smoke
-                                                                              else "cuda")
+    # (--processes, --isolated-only: the cells' own processes compile, each after its own warm-up)
+    env["inductor_warmup_s"] = 0.0 if args.processes > 1 or args.isolated_only else warm_up_compiler(
+        args, "cpu" if args.cpu_smoke else "cuda")
     print(f"# compiled never-slower suite: {env.get('gpu')}, torch {env['torch']}; torch.compile "
           f"({args.compile_backend}), interleaved rounds ({args.rounds} x {args.calls} calls), "
           f"ratio = native ms / converted ms; Inductor warm-up {env['inductor_warmup_s']:.1f} s", flush=True)
@@ -648,6 +655,8 @@ def compile_main(args) -> int:
                     f"{rec['converted_compile_cold_s']:.1f} s ({rec['compile_cold_ratio']:.2f}x), warm "
                     f"{rec['native_compile_warm_s']:.1f} s -> {rec['converted_compile_warm_s']:.1f} s "
                     f"({rec['compile_warm_ratio']:.2f}x)"] if "compile_cold_ratio" in rec else []
+        if "ratio" not in rec:  # (--isolated-only)
+            return [head + isolated[0].strip()]
         balanced = []
         if "processes" in rec:
             head += f"{len(rec['processes'])} processes, geometric means: "
@@ -837,6 +846,9 @@ def parse_args(argv=None):
                    help="--compile: also time each side's first compiled call in processes of its own, with Inductor "
                         "and Triton caches of its own: cold (fresh caches: a first run on a new machine), then warm "
                         "(a second process on the same caches); neither side reuses the other's kernels")
+    p.add_argument("--isolated-only", action="store_true",
+                   help="--compile --isolated-compile: only the isolated compile times, without the in-process "
+                        "cell (its two compiles and timed rounds: 35-75 s a fp32 cell on an H200)")
     p.add_argument("--compile-child", default=None, help=argparse.SUPPRESS)  # SIDE,WORKLOAD,DTYPE,BATCH,MODE
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="--compile: run each cell in N processes of its own, alternating which side compiles first "
@@ -899,6 +911,9 @@ def parse_args(argv=None):
         if a.processes > 1 and (a.profile or a.isolated_compile or a.native_first):
             p.error("--processes N alternates the side compiled first in processes of its own; --profile, "
                     "--isolated-compile and --native-first run in one process: choose one")
+        if a.isolated_only and (not a.isolated_compile or a.profile or a.control or a.native_first):
+            p.error("--isolated-only needs --isolated-compile and times no in-process cell: no --profile, "
+                    "--control or --native-first")
         if a.cpu_smoke:  # tiny models, few calls: a check of the script
             a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
             a.batches = a.batches or "1"

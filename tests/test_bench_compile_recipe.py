@@ -130,6 +130,24 @@ def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load
     assert said == ["native cold", "converted cold", "native warm", "converted warm"], said
 
 
+def test_isolated_only_times_the_children_alone(tmp_path, load_recipe, monkeypatch, capsys):
+    """``--isolated-only``: the four compile children and no in-process cell (no model built or timed in this
+    process); the row holds the compile times and ratios, no runtime ratio; it needs ``--isolated-compile``."""
+    m = load_recipe("bench_models")
+    children = []
+    monkeypatch.setattr(m, "isolated_compile_times", lambda *a: children.append(a) or dict(
+        native_compile_cold_s=2.0, converted_compile_cold_s=2.2, native_compile_warm_s=1.0,
+        converted_compile_warm_s=1.1, compile_cold_ratio=1.1, compile_warm_ratio=1.1))
+    monkeypatch.setattr(m, "ab_build", lambda *a, **k: pytest.fail("the in-process cell ran"))
+    out = tmp_path / "rows.json"
+    assert m.main(["--compile", "default", "--cpu-smoke", "--compile-backend", "aot_eager", "--workloads", "deit3_s",
+                   "--dtypes", "fp32", "--isolated-compile", "--isolated-only", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["records"]
+    assert len(children) == 1 and row["compile_cold_ratio"] == 1.1 and "ratio" not in row, row
+    assert "isolated compile (own process and caches): cold 2.0 s -> 2.2 s (1.10x)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        m.parse_args(["--compile", "default", "--isolated-only"])
+
 def test_processes_alternate_the_side_compiled_first(tmp_path, load_recipe, monkeypatch, capsys):
     """``--processes N``: each cell in N child processes of this script, converted first, then native first, ...;
     the cell's ratio is the geometric mean of theirs, with each order's mean and every process's ratio; a child
