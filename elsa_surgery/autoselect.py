@@ -144,11 +144,10 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
             raise _SdpaOutOfMemory(str(e).splitlines()[0][:120]) from e
 
     try:
-        got = race(elsa, guarded)
+        elsa_ms, sdpa_ms, rounds = race(elsa, guarded)
     except _SdpaOutOfMemory as e:
         return Decision(d.backend, d.precision, f"{d.reason}; auto's race: PyTorch SDPA ran out of memory ({e})",
                         d.fallback)
-    elsa_ms, sdpa_ms, rounds = got[0], got[1], getattr(got, "rounds", ROUNDS)
     what = "forward + backward of each training call" if training else "call"
     measured = (f"median of {rounds} interleaved rounds" if rounds else
                 f"one timed call of each: at least {SETTLED_MS:g} ms and {SETTLED_RATIO:g}x apart, settled")
@@ -217,8 +216,8 @@ def _trace_time_choice(sig: tuple) -> Tuple[str, str]:
     """``(backend, reason)`` for a traced call's signature: raced on fresh tensors the first time (a constant of the
     trace: dynamo runs this outside the graph and guards on nothing it reads)."""
     known = COMPILED.get(sig)
-    if known is None and sig in SETTLED:
-        eager = SETTLED[sig]
+    eager = SETTLED.get(sig) if known is None else None
+    if eager is not None:
         known = Decision(eager.backend, eager.precision,
                          f"auto under torch.compile: {'ELSA kept' if eager.backend == 'elsa' else 'PyTorch SDPA'}, "
                          f"as this signature's eager race settled it ({eager.reason})", eager.fallback)

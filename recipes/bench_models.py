@@ -407,10 +407,10 @@ def isolated_compile_times(name, dt, batch, mode, args) -> dict:
     device call that ends before the cell does keeps what finished (session 51 lost three cells' children whole)."""
     rec, caches = {}, {}
     try:
+        for side in ("native", "converted"):
+            caches[side] = tempfile.mkdtemp(prefix=f"elsa_compile_{side}_")
         for run in ("cold", "warm"):
             for side in ("native", "converted"):
-                if side not in caches:
-                    caches[side] = tempfile.mkdtemp(prefix=f"elsa_compile_{side}_")
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches[side], "inductor"),
                            TRITON_CACHE_DIR=os.path.join(caches[side], "triton"))
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--compile", mode, "--compile-child",

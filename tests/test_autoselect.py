@@ -23,14 +23,20 @@ pytestmark = pytest.mark.race  # the race is off in every other test (tests/conf
 
 @pytest.fixture
 def racing(monkeypatch):
-    """auto runs the kernels on this device, the race is allowed here, and its clock says ``times[0]``."""
-    times = [(0.2, 0.1)]
+    """auto runs the kernels on this device, the race is allowed here, and its clock says ``times[0]`` (a race of
+    the rounds unless a test says otherwise: :func:`_rounds`)."""
+    times = [_rounds((0.2, 0.1))]
     monkeypatch.setattr(dispatch, "auto_runs_kernels_on", lambda device: True)
     monkeypatch.setattr(autoselect, "_eager_cuda", lambda t: True)
     monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (elsa(), sdpa(), times[0])[-1])
     callcache.clear()
     yield times
     callcache.clear()
+
+
+def _rounds(ms):
+    """What :func:`autoselect.race` returns for ``(elsa_ms, sdpa_ms)`` timed in its interleaved rounds."""
+    return autoselect.Times(*ms, autoselect.ROUNDS)
 
 
 def _qkv(b=2, h=2, n=40, d=16):
@@ -82,7 +88,7 @@ def test_each_side_of_the_race_is_the_whole_public_call(racing, monkeypatch):
 
 
 def test_elsa_kept_when_sdpa_is_not_faster_enough(racing):
-    racing[0] = (0.104, 0.1)  # 4 % apart: under MIN_GAIN
+    racing[0] = _rounds((0.104, 0.1))  # 4 % apart: under MIN_GAIN
     q, k, v = _qkv()
     with dispatch.record() as log:
         elsa_surgery.attention(q, k, v)
@@ -96,7 +102,7 @@ def test_decode_steps_share_a_race_per_band_of_key_counts(racing, monkeypatch, t
     and the shared verdict runs (the output is the winner's)."""
     raced = []
     monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (raced.append(1), elsa(), sdpa(), racing[0])[-1])
-    racing[0] = times
+    racing[0] = _rounds(times)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 1, 16, generator=g).to(DEV)
     kv = torch.randn(2, 1, 2, 130, 16, generator=g).to(DEV)
@@ -148,7 +154,7 @@ def test_later_calls_take_the_winners_direct_route(racing, monkeypatch, times, w
     run through the winner's (session 30: routes found by one flat key, the loser's dropped when the race ends)."""
     if DEV == "cpu":
         monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")  # launch plans (so kernel routes) in the interpreter too
-    racing[0] = times
+    racing[0] = _rounds(times)
     q, k, v = _qkv(n=24)
     before = dict(callcache.DIRECT)
     with dispatch.record() as log:
@@ -182,7 +188,7 @@ def test_key_lengths_race_sdpa_with_a_key_padding_mask(racing, times, winner):
     """Key lengths alone (the transformers adapter's padded batches) are raced: SDPA's side takes a [B, 1, 1, Nk]
     key-padding mask; either winner gives the oracle's answer, a row of kv_len 0 zeros (never NaN), and later
     calls with other lengths keep the verdict."""
-    racing[0] = times
+    racing[0] = _rounds(times)
     q, k, v = _qkv(b=3)
     with dispatch.record() as log:
         outs = [elsa_surgery.attention(q, k, v, kv_lengths=torch.tensor(kl, dtype=torch.int32, device=DEV))
@@ -314,7 +320,7 @@ def test_real_race_on_the_gpu_is_recorded_and_exact():
 def test_compiled_call_holds_the_trace_time_winner(racing, monkeypatch, times, backend):
     """Under torch.compile the race runs once when the call is traced (fresh tensors of its shapes, outside the
     graph), and the graph holds the winner: SDPA's own op (which Inductor sees) or ELSA's; the verdict is kept."""
-    racing[0] = times
+    racing[0] = _rounds(times)
     monkeypatch.setattr(autoselect, "COMPILED", {})
     torch._dynamo.reset()
     q, k, v = _qkv(n=24)
