@@ -35,6 +35,7 @@ import dataclasses
 import inspect
 import os
 import threading
+import time
 from typing import Callable, Dict, Optional
 
 import torch
@@ -217,7 +218,7 @@ _OURS: Dict[int, object] = {}  # id -> ELSA's kernel (held here: an id is never 
 _TTIR: Dict[tuple, tuple] = {}
 _FUNCTIONS: Dict[int, list] = {}  # id(a memoised module) -> [module, its functions or None]
 MAX_TTIR = 64
-TTIR_MEMO = {"installed": None, "hits": 0, "misses": 0}
+TTIR_MEMO = {"installed": None, "hits": 0, "misses": 0, "miss_s": 0.0}  # (miss_s: seconds in torch's compiles)
 
 
 def _arg_spec(a):
@@ -265,7 +266,9 @@ def _memo_ttir(fn) -> None:
         got = _TTIR.get(key)
         if got is None:
             TTIR_MEMO["misses"] += 1
+            t0 = time.perf_counter()
             module, names = real(kernel, kwargs, tma_descriptor_metadata)
+            TTIR_MEMO["miss_s"] += time.perf_counter() - t0
             if len(_TTIR) >= MAX_TTIR:
                 _FUNCTIONS.pop(id(_TTIR.pop(next(iter(_TTIR)))[0]), None)
             got = _TTIR[key] = (module, tuple(names))

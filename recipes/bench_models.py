@@ -423,7 +423,10 @@ def isolated_compile_times(name, dt, batch, mode, args) -> dict:
                 if done.returncode or not lines:
                     raise RuntimeError(f"the {side} compile child failed ({done.returncode}): "
                                        f"{(done.stderr or done.stdout).strip()[-400:]}")
-                rec[f"{side}_compile_{run}_s"] = json.loads(lines[-1])["compile_s"]
+                got = json.loads(lines[-1])
+                rec[f"{side}_compile_{run}_s"] = got["compile_s"]
+                if side == "converted":
+                    rec[f"ttir_memo_{run}"] = got.get("ttir_memo")
                 print(f"  isolated compile, {name} {dt} b{batch} {mode}, {side} {run}: "
                       f"{rec[f'{side}_compile_{run}_s']:.1f} s (process {time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
@@ -507,7 +510,9 @@ def compile_child(args) -> int:
         benchmark.synchronize(device)
         warm_up_compiler(args, device)
         _, seconds = compile_first_call(model, call, mode, args, device)
-    print(json.dumps({"side": side, "compile_s": seconds}), flush=True)
+    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits, misses, seconds)
+
+    print(json.dumps({"side": side, "compile_s": seconds, "ttir_memo": dict(replay.TTIR_MEMO)}), flush=True)
     return 0
 
 

@@ -609,6 +609,7 @@ def test_torchs_kernel_analysis_compiles_each_elsa_kernel_once_per_specialisatio
     got = _traced_in_a_process(_TTIR_MEMO)
     memo, plain = got["memo"], got["plain"]
     assert got["stats"]["installed"] == "yes" and got["stats"]["hits"] > 0, got["stats"]
+    assert got["stats"]["misses"] > 0 and got["stats"]["miss_s"] > 0, got["stats"]  # (the misses' seconds counted)
     assert sorted(set(plain["compiled"])) == ["elsa_fwd", "split_f16"], plain["compiled"]
     assert len(plain["compiled"]) >= 6 and len(plain["compiled"]) == len(plain["answers"]), plain
     assert len(memo["compiled"]) <= 4 and len(memo["compiled"]) < len(plain["compiled"]), memo["compiled"]
