@@ -48,6 +48,7 @@ BUDGET_MS = 2.0  # a round of one side takes about this long (at least one call)
 ROUNDS = 3  # interleaved rounds; the median round counts
 SETTLED_MS = 2.0  # a race is settled by one timed call of each side when both take at least this long ...
 SETTLED_RATIO = 1.5  # ... and one is this many times faster than the other (the rounds would only refine it)
+MAX_SETTLED = 1024  # settled eager verdicts kept for torch.compile's trace (the oldest dropped first)
 MIN_GAIN = 1.05  # SDPA is taken only when ELSA's time is more than 5 % above SDPA's
 ENABLED = True  # tests and benchmarks may turn the race off
 
@@ -161,7 +162,7 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
     else:
         final = Decision(d.backend, d.precision, f"{d.reason}; {verdict}", d.fallback)
     if settled_key is not None and not rounds and not traced and not training:
-        if len(SETTLED) >= 1024:
+        if len(SETTLED) >= MAX_SETTLED:
             del SETTLED[next(iter(SETTLED))]
         SETTLED[settled_key] = final
     return final

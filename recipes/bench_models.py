@@ -405,18 +405,20 @@ def isolated_compile_times(name, dt, batch, mode, args) -> dict:
     ``<side>_compile_warm_s`` (a second process on the first one's caches), and the converted / native ratios. The
     cold processes run first (native, converted), then the warm ones, and each prints its seconds when it ends: a
     device call that ends before the cell does keeps what finished (session 51 lost three cells' children whole)."""
-    rec, caches = {}, {}
+    rec, caches, children = {}, {}, {}
     try:
-        for side in ("native", "converted"):
+        for side in ("native", "converted"):  # (each side's command and caches: the same for its cold and warm runs)
             caches[side] = tempfile.mkdtemp(prefix=f"elsa_compile_{side}_")
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches[side], "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(caches[side], "triton"))
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--compile", mode, "--compile-child",
+                   f"{side},{name},{dt},{batch},{mode}", "--compile-backend", args.compile_backend,
+                   "--backend", args.backend, *(["--precision", args.precision] if args.precision else []),
+                   *(["--cpu-smoke"] if args.cpu_smoke else [])]
+            children[side] = cmd, env
         for run in ("cold", "warm"):
             for side in ("native", "converted"):
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches[side], "inductor"),
-                           TRITON_CACHE_DIR=os.path.join(caches[side], "triton"))
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--compile", mode, "--compile-child",
-                       f"{side},{name},{dt},{batch},{mode}", "--compile-backend", args.compile_backend,
-                       "--backend", args.backend, *(["--precision", args.precision] if args.precision else []),
-                       *(["--cpu-smoke"] if args.cpu_smoke else [])]
+                cmd, env = children[side]
                 t0 = time.perf_counter()
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -496,6 +498,7 @@ def compile_child(args) -> int:
     converted), one eager call (as the in-process cell makes: the converted side's kernels compile there), Inductor's
     start-up taken by a tiny function, then the seconds of the first compiled call, printed as JSON."""
     import elsa_surgery
+    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits, misses, seconds)
 
     side, name, dt, batch, mode = args.compile_child.split(",")
     device = "cpu" if args.cpu_smoke else "cuda"
@@ -510,8 +513,6 @@ def compile_child(args) -> int:
         benchmark.synchronize(device)
         warm_up_compiler(args, device)
         _, seconds = compile_first_call(model, call, mode, args, device)
-    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits, misses, seconds)
-
     print(json.dumps({"side": side, "compile_s": seconds, "ttir_memo": dict(replay.TTIR_MEMO)}), flush=True)
     return 0
 

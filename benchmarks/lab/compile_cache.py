@@ -65,6 +65,7 @@ def main():
         return both_sides(a)
     import elsa_surgery
     from elsa_surgery import callcache
+    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits and misses)
 
     if a.full_path:
         callcache.traced = lambda *args: None
@@ -101,8 +102,6 @@ def main():
                 if group in ("inductor", "aot_autograd", "stats", "graph_break")}
     keep = ("cache", "bypass", "calls_captured", "unique_graphs", "fxgraph")
     counters = {g: {k: v for k, v in c.items() if any(s in k for s in keep)} for g, c in counters.items()}
-    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits and misses)
-
     print(json.dumps({"side": a.side, "full_path": a.full_path, "traced": callcache.TRACED, "workload": a.workload,
                       "ttir_memo": dict(replay.TTIR_MEMO),
                       "dtype": a.dtype, "compile_s": seconds,
