@@ -147,8 +147,9 @@ def attention(q, k, v, *, scale, mask=None, is_causal=False, q_lengths=None, kv_
 
 
 def inference_op():
-    """The op a call that wants no gradient traces to under torch.compile (``ELSA_COMPILE_OP``): the inline op, or
-    the opaque one where asked or where this torch has no ``triton_op`` (logged once)."""
+    """The op a call that wants no gradient traces to under torch.compile (``ELSA_COMPILE_OP``): the inline op (for
+    ``inline`` and ``auto``: the inline op's body sends ``auto``'s long calls to the opaque op, ``launch.not_inline``),
+    or the opaque one where asked or where this torch has no ``triton_op`` (logged once)."""
     ops = _ops()
     if knobs.get(knobs.COMPILE_OP) == "opaque" or occupancy.interpreting():
         return ops.attention_inference_op  # (wrap_triton cannot trace the interpreter's kernels)

@@ -185,12 +185,14 @@ _DECLARED = (
          "every block through the masked loops",
          _choice("0", "forward", "all"), scope="tuning",
          choices=("0", "forward", "all")),
-    Knob(COMPILE_OP, "choice", _choices("inline", "opaque"), "inline",
+    Knob(COMPILE_OP, "choice", _choices("inline", "opaque", "auto"), "inline",
          "which operator a converted model's inference calls trace to under torch.compile: inline (a triton_op whose "
          "kernels Inductor sees and launches from its own code; calls the Hopper kernel takes, K/V staged by heads or "
-         "key chunks and dynamic shapes stay opaque) or opaque (one custom op whose Python launcher runs on every "
-         "call)", _choice("inline", "opaque"),
-         choices=("inline", "opaque")),
+         "key chunks and dynamic shapes stay opaque), opaque (one custom op whose Python launcher runs on every "
+         "call) or auto (inline, but calls of at least launch.OPAQUE_MACS multiply-adds, about 100 us of kernel "
+         "time, opaque: torch 2.11's Inductor spends 0.2-0.3 s of compile time on each launch of a user kernel, "
+         "and a long call hides the launcher's host time)", _choice("inline", "opaque", "auto"),
+         choices=("inline", "opaque", "auto")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

@@ -758,9 +758,13 @@ def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=N
       encode the TMA maps): ``wrap_triton`` cannot launch Gluon kernels;
     * K/V are staged by heads or key chunks (a memory budget, which the pieces :meth:`_Region.carve` allocates
       while tracing would not keep; the reverse chunks are carved from the output itself, a mutation through
-      ``as_strided`` that torch.compile's functionalization refuses)."""
+      ``as_strided`` that torch.compile's functionalization refuses);
+    * ``ELSA_COMPILE_OP=auto`` and a long call (:func:`long_call`)."""
     from . import hopper
 
+    long = long_call(q, k, v, is_causal)
+    if long is not None:
+        return long
     if q.dtype == torch.float32 and precision is None:
         precision = default_precision(q.device)
     out = _new_out(q, *q.shape[:3], v.shape[3])
@@ -774,6 +778,27 @@ def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=N
     why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, varlen=False,
                               state=None, scale=scale, precision=precision, is_causal=is_causal, how=how)
     return "the Hopper kernel" if why_not is None else None
+
+
+# ELSA_COMPILE_OP=auto: calls of at least this many multiply-adds (QK^T and PV, B * Hq * Nq * Nk * (D + Dv), halved
+# when causal) trace to the opaque op. About 100 us of kernel time on an H100/H200 (CLIP-L/14-336 fp32 b8's call,
+# 5.4e9 in precise: 174 us on an H200, session 52), far above the opaque op's extra host time (~50 us a call, session
+# 34), which a call this long hides; the inline op costs torch 2.11's Inductor 0.2-0.3 s of compile time for each
+# launch of a user kernel (session 53, H200: CLIP-L/14-336 fp32 cold compile 15.8 s native, 25.8 s inline with 48
+# launches, 21.6 s with 24, 13.8 s opaque).
+OPAQUE_MACS = {torch.float32: 3e9, torch.float16: 1e10, torch.bfloat16: 1e10}
+
+
+def long_call(q, k, v, is_causal: bool) -> Optional[str]:
+    """Why ``ELSA_COMPILE_OP=auto`` traces this call to the opaque op (:data:`OPAQUE_MACS`), or None."""
+    if knobs.get(knobs.COMPILE_OP) != "auto":
+        return None
+    B, Hq, Nq, D = q.shape
+    macs = B * Hq * Nq * k.shape[2] * (D + v.shape[3]) * (0.5 if is_causal else 1.0)
+    bound = OPAQUE_MACS.get(q.dtype, OPAQUE_MACS[torch.float32])
+    if macs < bound:
+        return None
+    return f"a long call ({macs:.3g} multiply-adds >= {bound:.3g}, ELSA_COMPILE_OP=auto)"
 
 
 def mask_tile_classes(mask, nq: int, nk: int, block_m: int, block_n: int) -> torch.Tensor:

@@ -119,8 +119,8 @@ def _dense_inline(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_len
     """The inline op's body: :func:`_dense_inference` itself on real tensors (the op called outside Inductor); traced
     on fake tensors, the same launcher with every kernel handed to ``wrap_triton`` (``replay.wrapped_launches``), so
     that Inductor's code launches the kernels planned here, without the launcher's host time on each call. Calls
-    ``launch.not_inline`` names (the Hopper kernel's, K/V staged in carved buffers) and calls with symbolic sizes
-    trace to the opaque op instead."""
+    ``launch.not_inline`` names (the Hopper kernel's, K/V staged in carved buffers, ``ELSA_COMPILE_OP=auto``'s long
+    calls) and calls with symbolic sizes trace to the opaque op instead."""
     if type(q) is Tensor:
         return _dense_inference(q, k, v, mask, q_lengths, kv_lengths, scale, is_causal, precision, return_lse)
     if _static(q, k, v, mask, q_lengths, kv_lengths):  # (dynamic shapes: the planner needs sizes, the opaque op not)

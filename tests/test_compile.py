@@ -472,7 +472,13 @@ split = {knobs.PRECISE_SPLIT: "f16"}  # K and V split into fp16 pieces by the la
 # that would invalidate it are not observed then)
 for name, kw, env, dynamic in (("masked", {}, {}, False), ("precise", dict(mask=False, n=2048, d=64), split, False),
                                ("heads", dict(mask=False, n=2048, d=64), {**split, knobs.STAGE_PLAN: "heads:1"}, False),
-                               ("dynamic", {}, {}, True)):
+                               ("dynamic", {}, {}, True),
+                               # ELSA_COMPILE_OP=auto: a long call (8.6e9 multiply-adds) opaque, a shorter one inline
+                               ("long_auto", dict(mask=False, n=4096, d=64), {**split, knobs.COMPILE_OP: "auto"},
+                                False),
+                               ("short_auto", dict(mask=False, n=2048, d=64), {**split, knobs.COMPILE_OP: "auto"},
+                                False),
+                               ("long_inline", dict(mask=False, n=4096, d=64), split, False)):
     os.environ.update(env)
     fn, args = call("strict" if name in ("masked", "dynamic") else "precise", **kw)
     out[name] = traced(fn, *args, dynamic=dynamic)
@@ -510,8 +516,33 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
                                  as_strided=False, omitted=[]), got
     assert got["precise"] == dict(kernels=["elsa_fwd", "split_f16"], opaque=False, as_strided=False,
                                   omitted=[]), got
-    for name in ("heads", "dynamic"):
+    for name in ("heads", "dynamic", "long_auto"):
         assert got[name]["opaque"] and not got[name]["kernels"], got
+    for name in ("short_auto", "long_inline"):  # (auto's short call and the default's long one: the inline op)
+        assert got[name] == got["precise"], got
+
+
+def test_auto_compile_op_sends_long_calls_to_the_opaque_op(monkeypatch):
+    """``ELSA_COMPILE_OP=auto``'s rule (``launch.long_call``): a call of at least ``launch.OPAQUE_MACS`` multiply-adds
+    for its dtype (B * Hq * Nq * Nk * (D + Dv), halved when causal) is named, with its count; a shorter one, and every
+    call under ``inline`` or ``opaque``, is not."""
+    from elsa_surgery.kernels import launch
+
+    def call(n, dtype=torch.float32, heads=4, d=64, causal=False):
+        q = torch.empty(1, heads, n, d, dtype=dtype, device="meta")
+        k = torch.empty(1, heads, n, d, dtype=dtype, device="meta")
+        return launch.long_call(q, k, k, causal)
+
+    monkeypatch.setenv("ELSA_COMPILE_OP", "auto")
+    assert launch.OPAQUE_MACS[torch.float32] < launch.OPAQUE_MACS[torch.bfloat16] == launch.OPAQUE_MACS[torch.float16]
+    assert call(2048) is None  # 2.1e9 < 3e9
+    said = call(4096)
+    assert said is not None and "8.59e+09 multiply-adds >= 3e+09" in said and "ELSA_COMPILE_OP=auto" in said, said
+    assert call(4096, causal=True) is not None and call(3072, causal=True) is None  # (4.8e9 and 2.4e9: halved)
+    assert call(4096, dtype=torch.bfloat16) is None and call(8192, dtype=torch.bfloat16) is not None
+    for other in ("inline", "opaque"):
+        monkeypatch.setenv("ELSA_COMPILE_OP", other)
+        assert call(8192) is None
 
 
 _TTIR_MEMO = r"""
