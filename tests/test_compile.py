@@ -782,6 +782,30 @@ def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision
 
 
 @pytest.mark.gpu
+def test_auto_compile_op_traces_long_calls_to_the_opaque_op_gpu(monkeypatch):
+    """``ELSA_COMPILE_OP=auto`` on the GPU: in one compiled function, a short fp32 ``precise`` call's kernels are
+    launched from Inductor's code and a long causal one's (8.6e9 multiply-adds) through the opaque op; both equal their
+    eager calls within 1e-6 relative."""
+    monkeypatch.setenv("ELSA_COMPILE_OP", "auto")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    short = [torch.randn(1, 4, 300, 64, device="cuda", generator=gen) for _ in range(3)]
+    long = [torch.randn(1, 8, 4096, 64, device="cuda", generator=gen) for _ in range(3)]
+
+    def call(q, k, v, lq, lk, lv):
+        kw = dict(backend="elsa", precision="precise")
+        return elsa_surgery.attention(q, k, v, **kw), elsa_surgery.attention(lq, lk, lv, is_causal=True, **kw)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        got, code = run_and_get_code(torch.compile(call, fullgraph=True), *short, *long)
+        want = call(*short, *long)
+    code = "\n".join(code)
+    assert "def elsa_fwd" in code and "ops.elsa_surgery.attention_inference" in code, code
+    for g, w in zip(got, want):
+        assert _rel(g, w) <= RTOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "precise"), (torch.bfloat16, None)])
 def test_compiled_calls_under_cuda_graphs_gpu(dtype, precision, monkeypatch):
     """``max-autotune`` and ``reduce-overhead`` run the compiled graph as CUDA graphs (cudagraph trees): the ELSA
