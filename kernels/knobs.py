@@ -190,7 +190,7 @@ _DECLARED = (
          "kernels Inductor sees and launches from its own code; calls the Hopper kernel takes, K/V staged by heads or "
          "key chunks and dynamic shapes stay opaque), opaque (one custom op whose Python launcher runs on every "
          "call) or auto (inline, but calls of at least launch.OPAQUE_MACS multiply-adds, about 100 us of kernel "
-         "time, opaque: torch 2.11's Inductor spends 0.2-0.3 s of compile time on each launch of a user kernel, "
+         "time, opaque: each launch of a user kernel costs torch 2.11's Inductor compile time, about 0.1 s, and "
          "and a long call hides the launcher's host time)", _choice("inline", "opaque", "auto"),
          choices=("inline", "opaque", "auto")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,

@@ -783,9 +783,10 @@ def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=N
 # ELSA_COMPILE_OP=auto: calls of at least this many multiply-adds (QK^T and PV, B * Hq * Nq * Nk * (D + Dv), halved
 # when causal) trace to the opaque op. About 100 us of kernel time on an H100/H200 (CLIP-L/14-336 fp32 b8's call,
 # 5.4e9 in precise: 174 us on an H200, session 52), far above the opaque op's extra host time (~50 us a call, session
-# 34), which a call this long hides; the inline op costs torch 2.11's Inductor 0.2-0.3 s of compile time for each
-# launch of a user kernel (session 53, H200: CLIP-L/14-336 fp32 cold compile 15.8 s native, 25.8 s inline with 48
-# launches, 21.6 s with 24, 13.8 s opaque).
+# 34), which a call this long hides; the inline op costs torch 2.11's Inductor compile time for each launch of a user
+# kernel (session 53, H200: CLIP-L/14-336 fp32 cold compile 15.8 s native, 25.8 s inline with 48 launches, 21.6 s with
+# 24, 13.8 s opaque; 0.2-0.3 s a launch, of which the TTIR memo's misses in Inductor's lowering, fixed since, were
+# about 0.1 s).
 OPAQUE_MACS = {torch.float32: 3e9, torch.float16: 1e10, torch.bfloat16: 1e10}
 
 

@@ -205,20 +205,21 @@ def launch(fn, grid, *args, **kwargs):
 
 
 # torch's analysis of which tensors a user Triton kernel reads and writes (``torch._higher_order_ops.
-# triton_kernel_wrap``: ``identify_mutated_tensors`` in torch 2.11, ``identify_accessed_tensors`` in 2.14) compiles
-# the kernel to TTIR (``generate_ttir``) for every launch it traces, with no cache: once when the launch is
-# functionalized and once when Inductor lowers it. A CLIP-L/14-336 (24 calls of ``elsa_fwd`` and ``split_f16``)
-# compiled them 96 times while tracing alone, 4.4 of its 6.9 s on a CPU (session 51; memoised: 3 times, 1.5 s). For
-# ELSA's kernels the TTIR is memoised here by all that ``generate_ttir`` compiles from: the kernel (and an autotuner's
-# first config's arguments), each tensor argument's dtype (it compiles a 2-element tensor of it), each symbolic size
-# as the 2 it substitutes, every other argument's value; and the functions torch reads out of a memoised module
-# (``ttir_to_functions``, a walk of it: another 13 ms a launch). The analyses only read both. Other kernels and
-# modules go to torch's functions as they are.
+# triton_kernel_wrap``: ``identify_mutated_tensors`` in torch 2.11, ``identify_accessed_tensors`` in 2.14) compiles the
+# kernel to TTIR (``generate_ttir``) for every launch it traces, with no cache: once when the launch is functionalized
+# and once when Inductor lowers it. A CLIP-L/14-336 (24 calls of ``elsa_fwd`` and ``split_f16``) compiled them 96 times
+# while tracing alone, 4.4 of its 6.9 s on a CPU (session 51; memoised: 3 times, 1.5 s). For ELSA's kernels the TTIR is
+# memoised here by all that ``generate_ttir`` compiles from: the kernel and its arguments (with an autotuner's first
+# config's, which it compiles with), each tensor argument's dtype (it compiles a 2-element tensor of it), each symbolic
+# size as the 2 it substitutes, every other argument's value; and the functions torch reads out of a memoised module
+# (``ttir_to_functions``, a walk of it: another 13 ms a launch). The analyses only read both. Other kernels and modules
+# go to torch's functions as they are.
 _OURS: Dict[int, object] = {}  # id -> ELSA's kernel (held here: an id is never reused for another kernel)
 _TTIR: Dict[tuple, tuple] = {}
 _FUNCTIONS: Dict[int, list] = {}  # id(a memoised module) -> [module, its functions or None]
 MAX_TTIR = 64
-TTIR_MEMO = {"installed": None, "hits": 0, "misses": 0, "miss_s": 0.0}  # (miss_s: seconds in torch's compiles)
+# (miss_s: seconds in torch's compiles; others: calls the memo passed on, for other kernels or unkeyable arguments)
+TTIR_MEMO = {"installed": None, "hits": 0, "misses": 0, "miss_s": 0.0, "others": 0}
 
 
 def _arg_spec(a):
@@ -253,15 +254,20 @@ def _memo_ttir(fn) -> None:
         return
 
     def generate_ttir(kernel, kwargs, tma_descriptor_metadata, *rest, **kw):
-        base = getattr(kernel, "fn", kernel)  # (an autotuner torch made around ELSA's kernel: its first config)
+        # an autotuner torch made around ELSA's kernel (a traced launch) compiles its kernel with its first config's
+        # arguments; Inductor's lowering hands the kernel itself, those arguments already in kwargs (session 53: the
+        # memo took the JITFunction's Python function for the kernel there and missed every lowered launch)
+        configs = getattr(kernel, "configs", None)
+        base = kernel.fn if configs is not None else kernel
         if rest or kw or tma_descriptor_metadata or _OURS.get(id(base)) is not base:
+            TTIR_MEMO["others"] += 1
             return real(kernel, kwargs, tma_descriptor_metadata, *rest, **kw)
-        configs = getattr(kernel, "configs", None) if kernel is not base else None
+        merged = {**kwargs, **configs[0].kwargs} if configs else kwargs
         try:
-            key = (id(base), tuple(sorted(configs[0].kwargs.items())) if configs else None,
-                   tuple(sorted((name, _arg_spec(a)) for name, a in kwargs.items())))
+            key = (id(base), tuple(sorted((name, _arg_spec(a)) for name, a in merged.items())))
             hash(key)
         except TypeError:
+            TTIR_MEMO["others"] += 1
             return real(kernel, kwargs, tma_descriptor_metadata)
         got = _TTIR.get(key)
         if got is None:

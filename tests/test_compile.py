@@ -648,6 +648,53 @@ def test_torchs_kernel_analysis_compiles_each_elsa_kernel_once_per_specialisatio
     assert memo["answers"] == plain["answers"], (memo["answers"], plain["answers"])
     assert any(a[1] for a in plain["answers"]), plain["answers"]  # (the analysis ran: it found what is written)
 
+_TTIR_LOWERED = _TTIR_MEMO[:_TTIR_MEMO.index("out = {}")] + r"""  # (its inputs and chain of calls)
+import torch._inductor.graph as G
+
+
+class Lowered(Exception):  # raised once Inductor has lowered the graph (its code is not generated: no GPU here)
+    pass
+
+
+def stop(self, *a, **kw):
+    raise Lowered()
+
+
+G.GraphLowering.compile_to_module = stop
+out = {}
+for memo in (True, False):
+    compiled.clear(), answers.clear()
+    if not memo:
+        tkw.generate_ttir = counted
+    torch._dynamo.reset()
+    lowered = False
+    try:
+        torch.compile(chain, fullgraph=True)(q, k, v)
+    except Exception as e:  # (dynamo wraps it)
+        lowered = "Lowered" in repr(e) or "Lowered" in repr(e.__cause__)
+    out["memo" if memo else "plain"] = dict(compiled=list(compiled), analyses=len(answers), lowered=lowered)
+out["stats"] = dict(replay.TTIR_MEMO)
+print(json.dumps(out))
+"""
+
+
+def test_ttir_memo_serves_inductors_lowering():
+    """Inductor's lowering of each launch (``ir.UserDefinedTritonKernel``) runs torch's analysis again, handing the
+    kernel itself with its config's arguments in kwargs, where tracing hands an autotuner around it: the memo serves
+    both (session 53: it took the kernel's Python function for the kernel there, and every lowered launch compiled its
+    TTIR: 2.0 of the 2.6 s of lowering 24 CLIP-L/14-336-shaped calls on a CPU; on an H200 that model's lowering took
+    7.0 s against the native model's 2.0 s). Three fp32 ``precise`` split
+    calls compiled by Inductor up to the end of its lowering (sm_90 target without a GPU, in a process of its own):
+    each kernel compiled once per specialisation, nothing passed on, against one compile an analysis without it."""
+    got = _traced_in_a_process(_TTIR_LOWERED)
+    memo, plain = got["memo"], got["plain"]
+    assert memo["lowered"] and plain["lowered"], got
+    assert sorted(set(plain["compiled"])) == ["elsa_fwd", "split_f16"], plain
+    assert len(plain["compiled"]) == plain["analyses"] >= 12, plain  # (6 launches: traced twice, lowered)
+    assert memo["analyses"] == plain["analyses"] and len(memo["compiled"]) <= 4, memo
+    assert got["stats"]["others"] == 0 and got["stats"]["hits"] >= memo["analyses"] - 4, got["stats"]
+
+
 def test_ttir_memo_keys_arguments_as_torch_compiles_them():
     """The memo's key of an argument is what ``generate_ttir`` compiles it as: a fake tensor as its dtype alone (a
     2-element tensor of it), a real tensor with its address's 16-byte alignment (Triton specialises on it), a symbolic
