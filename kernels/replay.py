@@ -258,7 +258,7 @@ def _memo_ttir(fn) -> None:
         # arguments; Inductor's lowering hands the kernel itself, those arguments already in kwargs (session 53: the
         # memo took the JITFunction's Python function for the kernel there and missed every lowered launch)
         configs = getattr(kernel, "configs", None)
-        base = kernel.fn if configs is not None else kernel
+        base = getattr(kernel, "fn", kernel) if configs is not None else kernel
         if rest or kw or tma_descriptor_metadata or _OURS.get(id(base)) is not base:
             TTIR_MEMO["others"] += 1
             return real(kernel, kwargs, tma_descriptor_metadata, *rest, **kw)
