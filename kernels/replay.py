@@ -195,7 +195,8 @@ def launch(fn, grid, *args, **kwargs):
         from torch.library import wrap_triton
 
         _memo_ttir(fn)
-        wrap_triton(fn)[grid](*args, **with_defaults(fn, args, kwargs))
+        kernel, kwargs = _one_config(fn, kwargs)
+        wrap_triton(kernel)[grid](*args, **with_defaults(fn, args, kwargs))
         return None
     kernel = fn[grid](*args, **kwargs)
     rec = getattr(_local, "rec", None)
@@ -299,6 +300,28 @@ def _memo_ttir(fn) -> None:
         ttir_to_functions.__wrapped__ = real_functions
         tkw.ttir_to_functions = ttir_to_functions
     TTIR_MEMO["installed"] = "yes"
+
+
+_LAUNCH_CONFIG = ("num_warps", "num_stages")  # (the launch options ELSA's launches pass)
+_ONE_CONFIG: Dict[tuple, object] = {}
+
+
+def _one_config(fn, kwargs: dict):
+    """``(kernel, kwargs)`` for a traced launch: ``fn`` with the launch options of ``kwargs`` (num_warps, num_stages)
+    as an autotuner of that one config, made once per kernel and options, and the other kwargs. torch wraps a
+    launch that passes them in a new autotuner of one config each time it traces it, a new entry of its kernel side
+    table each (a CLIP-L/14-336's 48 launches: 146 entries over its traces), and the repro string Inductor writes
+    for every compile (``save_graph_repro``) walks every entry's source; a kernel torch has seen is not added again."""
+    options = {name: kwargs[name] for name in _LAUNCH_CONFIG if name in kwargs}
+    if not options:
+        return fn, kwargs
+    key = (id(fn), tuple(sorted(options.items())))
+    kernel = _ONE_CONFIG.get(key)
+    if kernel is None or kernel.fn is not fn:
+        import triton
+
+        kernel = _ONE_CONFIG[key] = triton.autotune(configs=[triton.Config({}, **options)], key=[])(fn)
+    return kernel, {name: value for name, value in kwargs.items() if name not in options}
 
 
 def with_defaults(fn, args: tuple, kwargs: dict) -> dict:

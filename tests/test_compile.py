@@ -435,7 +435,7 @@ ops = dispatch.kernels_module().ops
 g = torch.Generator().manual_seed(0)
 def r(*shape):
     return torch.randn(*shape, generator=g)
-def traced(fn, *args, dynamic=False):
+def traced(fn, *args, dynamic=False, count=False):
     graphs = []
     def capture(gm, example):
         graphs.append(gm)
@@ -459,8 +459,11 @@ def traced(fn, *args, dynamic=False):
         given.update({name: None for c in configs for name in c.kwargs})
         omitted.update(f"{jit.fn.__name__}.{p.name}" for p in jit.params if p.name not in given)
     omitted = sorted(omitted)
-    return dict(kernels=kernels, opaque=any("attention_inference" in str(n.target) for n in nodes),
-                as_strided=any("as_strided" in str(n.target) for n in nodes), omitted=omitted)
+    got = dict(kernels=kernels, opaque=any("attention_inference" in str(n.target) for n in nodes),
+               as_strided=any("as_strided" in str(n.target) for n in nodes), omitted=omitted)
+    if count:  # (the launches, and the kernel side table's entries they name)
+        got.update(launches=len(launches), entries=len({n.kwargs["kernel_idx"] for n in launches}))
+    return got
 def call(precision, mask=True, n=300, d=16):
     q, k, v = r(1, 4, n, d), r(1, 2, n, d), r(1, 2, n, d)
     m = (torch.arange(n)[:, None] >= torch.arange(n)[None])[None, None] if mask else None
@@ -484,6 +487,17 @@ for name, kw, env, dynamic in (("masked", {}, {}, False), ("precise", dict(mask=
     out[name] = traced(fn, *args, dynamic=dynamic)
     for key in env:
         os.environ.pop(key)
+os.environ.update(split)
+fn, args = call("precise", mask=False, n=2048, d=64)
+
+
+def chain(q, k, v, m):  # three identical calls: their launches name one side-table entry a kernel
+    for _ in range(3):
+        q = fn(q, k, v, m)[0] + 0
+    return q
+
+
+out["chain"] = traced(chain, *args, count=True)
 print(json.dumps(out))
 """
 
@@ -520,6 +534,9 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
         assert got[name]["opaque"] and not got[name]["kernels"], got
     for name in ("short_auto", "long_inline"):  # (auto's short call and the default's long one: the inline op)
         assert got[name] == got["precise"], got
+    # each launch's options (num_warps, num_stages) as one autotuner a kernel (replay._one_config), not a new one a
+    # launch: torch's kernel side table holds each kernel once (a CLIP-L/14-336: 2 entries, not 146)
+    assert got["chain"] == dict(got["precise"], launches=6, entries=2), got["chain"]
 
 
 def test_auto_compile_op_sends_long_calls_to_the_opaque_op(monkeypatch):
