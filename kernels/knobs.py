@@ -191,7 +191,7 @@ _DECLARED = (
          "key chunks and dynamic shapes stay opaque), opaque (one custom op whose Python launcher runs on every "
          "call) or auto (inline, but calls of at least launch.OPAQUE_MACS multiply-adds, about 100 us of kernel "
          "time, opaque: each launch of a user kernel costs torch 2.11's Inductor compile time, about 0.1 s, and "
-         "and a long call hides the launcher's host time)", _choice("inline", "opaque", "auto"),
+         "a long call hides the launcher's host time)", _choice("inline", "opaque", "auto"),
          choices=("inline", "opaque", "auto")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),

@@ -315,9 +315,9 @@ def _one_config(fn, kwargs: dict):
     options = {name: kwargs[name] for name in _LAUNCH_CONFIG if name in kwargs}
     if not options:
         return fn, kwargs
-    key = (id(fn), tuple(sorted(options.items())))
+    key = (id(fn), tuple(sorted(options.items())))  # (the autotuner holds fn: its id is not reused while kept)
     kernel = _ONE_CONFIG.get(key)
-    if kernel is None or kernel.fn is not fn:
+    if kernel is None:
         import triton
 
         kernel = _ONE_CONFIG[key] = triton.autotune(configs=[triton.Config({}, **options)], key=[])(fn)

@@ -700,9 +700,9 @@ def test_ttir_memo_serves_inductors_lowering():
     kernel itself with its config's arguments in kwargs, where tracing hands an autotuner around it: the memo serves
     both (session 53: it took the kernel's Python function for the kernel there, and every lowered launch compiled its
     TTIR: 2.0 of the 2.6 s of lowering 24 CLIP-L/14-336-shaped calls on a CPU; on an H200 that model's lowering took
-    7.0 s against the native model's 2.0 s). Three fp32 ``precise`` split
-    calls compiled by Inductor up to the end of its lowering (sm_90 target without a GPU, in a process of its own):
-    each kernel compiled once per specialisation, nothing passed on, against one compile an analysis without it."""
+    7.0 s against the native model's 2.0 s). Three fp32 ``precise`` split calls compiled by Inductor up to the end
+    of its lowering (sm_90 target without a GPU, in a process of its own): each kernel compiled once per
+    specialisation, nothing passed on, against one compile an analysis without it."""
     got = _traced_in_a_process(_TTIR_LOWERED)
     memo, plain = got["memo"], got["plain"]
     assert memo["lowered"] and plain["lowered"], got
