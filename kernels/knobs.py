@@ -185,13 +185,14 @@ _DECLARED = (
          "every block through the masked loops",
          _choice("0", "forward", "all"), scope="tuning",
          choices=("0", "forward", "all")),
-    Knob(COMPILE_OP, "choice", _choices("inline", "opaque", "auto"), "inline",
+    Knob(COMPILE_OP, "choice", _choices("inline", "opaque", "auto"), "auto",
          "which operator a converted model's inference calls trace to under torch.compile: inline (a triton_op whose "
          "kernels Inductor sees and launches from its own code; calls the Hopper kernel takes, K/V staged by heads or "
          "key chunks and dynamic shapes stay opaque), opaque (one custom op whose Python launcher runs on every "
          "call) or auto (inline, but calls of at least launch.OPAQUE_MACS multiply-adds, about 100 us of kernel "
          "time, opaque: each launch of a user kernel costs torch 2.11's Inductor compile time, about 0.1 s, and "
-         "a long call hides the launcher's host time)", _choice("inline", "opaque", "auto"),
+         "a long call hides the launcher's host time; default since session 54: H200, the same compiled speed as "
+         "inline, CLIP-L/14-336 fp32 cold compile 1.28x -> 1.21x native)", _choice("inline", "opaque", "auto"),
          choices=("inline", "opaque", "auto")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),

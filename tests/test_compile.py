@@ -481,7 +481,8 @@ for name, kw, env, dynamic in (("masked", {}, {}, False), ("precise", dict(mask=
                                 False),
                                ("short_auto", dict(mask=False, n=2048, d=64), {**split, knobs.COMPILE_OP: "auto"},
                                 False),
-                               ("long_inline", dict(mask=False, n=4096, d=64), split, False)):
+                               ("long_inline", dict(mask=False, n=4096, d=64), {**split, knobs.COMPILE_OP: "inline"},
+                                False)):
     os.environ.update(env)
     fn, args = call("strict" if name in ("masked", "dynamic") else "precise", **kw)
     out[name] = traced(fn, *args, dynamic=dynamic)
@@ -532,7 +533,7 @@ def test_inline_op_traces_to_kernel_launches_without_a_gpu():
                                   omitted=[]), got
     for name in ("heads", "dynamic", "long_auto"):
         assert got[name]["opaque"] and not got[name]["kernels"], got
-    for name in ("short_auto", "long_inline"):  # (auto's short call and the default's long one: the inline op)
+    for name in ("short_auto", "long_inline"):  # (auto's short call and inline's long one: the inline op)
         assert got[name] == got["precise"], got
     # each launch's options (num_warps, num_stages) as one autotuner a kernel (replay._one_config), not a new one a
     # launch: torch's kernel side table holds each kernel once (a CLIP-L/14-336: 2 entries, not 146)
@@ -622,6 +623,7 @@ g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 4, 2048, 64, generator=g) for _ in range(3))
 from elsa_surgery.kernels import knobs
 os.environ[knobs.PRECISE_SPLIT] = "f16"  # (K and V split into fp16 pieces)
+os.environ[knobs.COMPILE_OP] = "inline"  # (4.3e9 multiply-adds: auto, the default, would trace them to the opaque op)
 
 
 def chain(q, k, v):
@@ -734,16 +736,20 @@ def test_ttir_memo_keys_arguments_as_torch_compiles_them():
         replay._arg_spec([1, 2])
 
 def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, caplog):
-    """Which op a compiled inference call traces to (``interface.inference_op``): the inline one by default; the
-    opaque one with ``ELSA_COMPILE_OP=opaque``, under the interpreter (whose kernels ``wrap_triton`` cannot trace),
-    and where this torch has no ``triton_op``, said once in the log; the inline op on real tensors (called outside
-    Inductor) is the opaque op's kernel, the eager launcher."""
+    """Which op a compiled inference call traces to (``interface.inference_op``): the inline one by default (``auto``,
+    whose long calls the inline op's body sends on, ``launch.long_call``) and with ``inline``; the opaque one with
+    ``ELSA_COMPILE_OP=opaque``, under the interpreter (whose kernels ``wrap_triton`` cannot trace), and where this
+    torch has no ``triton_op``, said once in the log; the inline op on real tensors (called outside Inductor) is the
+    opaque op's kernel, the eager launcher."""
     from elsa_surgery.kernels import interface, occupancy
 
     k = dispatch.kernels_module()
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
     monkeypatch.delenv("ELSA_COMPILE_OP", raising=False)
+    assert knobs.get(knobs.COMPILE_OP) == "auto"
     if ops.attention_inline_op is not None:
+        assert interface.inference_op() is ops.attention_inline_op
+        monkeypatch.setenv("ELSA_COMPILE_OP", "inline")
         assert interface.inference_op() is ops.attention_inline_op
     monkeypatch.setenv("ELSA_COMPILE_OP", "opaque")
     assert interface.inference_op() is ops.attention_inference_op
@@ -769,6 +775,28 @@ def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, ca
         a = ops.attention_inline_op(q, kk, v, None, None, None, 0.25, True, "strict", False)
         b = ops.attention_inference_op(q, kk, v, None, None, None, 0.25, True, "strict", False)
         assert torch.equal(a[0], b[0])
+
+
+def test_traced_inline_plan_matches_the_ptxas_before_inductor_compiles(monkeypatch):
+    """A call traced to the inline op matches Triton's ptxas to Inductor's (``internals.match_inductor_ptxas``) when it
+    is planned, as plain Python at trace time: a warm start (AOTAutograd's cache hit) traces no launch of the op's
+    body, and Inductor compiles the graph's ELSA kernels again in this process, which with Triton's own ptxas missed
+    the cold start's cache entries (session 54, H200: the warm-start GPU test found a new ``elsa_fwd`` entry). A call
+    planned on the opaque op leaves it to that op's first launch."""
+    from elsa_surgery import callcache
+    from elsa_surgery.kernels import interface, internals
+
+    calls = []
+    monkeypatch.setattr(internals, "match_inductor_ptxas", lambda: calls.append(1))
+    cpu = torch.device("cpu")
+    shape = (1, 2, 8, 16)
+    sig = (shape, torch.float32, cpu, False) * 3 + (None, 0.0, False, None, False, "elsa", "strict", False, False,
+                                                     False)
+    for op, kind, want in ((ops.attention_inference_op, callcache._OPAQUE, []),
+                           (ops.attention_inline_op, callcache._INLINE, [1])):
+        monkeypatch.setattr(interface, "inference_op", lambda op=op: op)
+        plan = callcache._traced_plan(sig)
+        assert plan is not None and plan[6] == kind and calls == want, (plan, calls)
 
 
 def _inline_calls(dtype, precision):
@@ -801,12 +829,13 @@ def _inline_calls(dtype, precision):
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "precise"), (torch.float32, "strict"),
                                              (torch.float32, "turbo"), (torch.bfloat16, None)])
 def test_inline_op_launches_its_kernels_from_inductors_code_gpu(dtype, precision, monkeypatch):
-    """``ELSA_COMPILE_OP=inline`` (the default): Inductor's generated code launches the ELSA kernels itself (no call
-    of the op in it, ``elsa_fwd`` and the mask-tile kernels defined in it), torch's analysis of what each kernel
-    writes succeeded (where it fails it assumes every argument written and copies the inputs), and the compiled
-    calls equal the eager ones: fp32 within 1e-6 relative. Calls the Hopper kernel takes (unmasked bf16/fp16, fp32
-    strict and turbo) stay on the opaque op. ``precise``'s split call launches ``split_f16`` from Inductor's code
-    too (its constexprs left to their defaults once broke Inductor's launcher: ``replay.with_defaults``)."""
+    """The inline op (``ELSA_COMPILE_OP=auto``, the default, for these short calls): Inductor's generated code launches
+    the ELSA kernels itself (no call of the op in it, ``elsa_fwd`` and the mask-tile kernels defined in it), torch's
+    analysis of what each kernel writes succeeded (where it fails it assumes every argument written and copies the
+    inputs), and the compiled calls equal the eager ones: fp32 within 1e-6 relative. Calls the Hopper kernel takes
+    (unmasked bf16/fp16, fp32 strict and turbo) stay on the opaque op. ``precise``'s split call launches
+    ``split_f16`` from Inductor's code too (its constexprs left to their defaults once broke Inductor's launcher:
+    ``replay.with_defaults``)."""
     from elsa_surgery.kernels import hopper
 
     from torch._higher_order_ops import triton_kernel_wrap
