@@ -803,8 +803,4 @@ def _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, d
         kind = _GRAD_OP
     else:
         kind = _INLINE if interface.inference_op() is interface.ops.attention_inline_op else _OPAQUE
-        if kind == _INLINE:
-            # before Inductor compiles the graph's ELSA kernels: on a warm start (AOTAutograd's cache hit) the op's
-            # body is not traced, so no launch would match the ptxas before Inductor compiles them in this process
-            internals.match_inductor_ptxas()
     return (squeeze, q_to, k_to, v_to, m_view, m_to, kind, *common, d.precision or "", float(p.dropout_p), None)

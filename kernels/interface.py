@@ -158,7 +158,21 @@ def inference_op():
             _INLINE_LOGGED.append(True)
             log.warning("elsa_surgery: compiled calls use the opaque ELSA op: %s", ops.INLINE_UNAVAILABLE)
         return ops.attention_inference_op
+    _inline_ptxas()
     return ops.attention_inline_op
+
+
+@torch.compiler.assume_constant_result
+def _inline_ptxas() -> bool:
+    """Matches Triton's ptxas to Inductor's (``internals.match_inductor_ptxas``) for a call traced to the inline op,
+    as plain Python while torch.compile traces it, warm or cold: on a warm start (AOTAutograd's cache hit) the op's
+    body is not traced, so no launch of ours ran before Inductor compiled the graph's ELSA kernels again in this
+    process, with Triton's own ptxas, whose version is in Triton's cache key: the kernels compiled again (session 54,
+    H200, the warm-start GPU test). True (a constant of the trace)."""
+    from . import internals
+
+    internals.match_inductor_ptxas()
+    return True
 
 
 _INLINE_LOGGED = []

@@ -745,6 +745,7 @@ def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, ca
 
     k = dispatch.kernels_module()
     monkeypatch.setattr(occupancy, "interpreting", lambda: False)
+    monkeypatch.setattr(interface, "_inline_ptxas", lambda: True)  # (this process's ptxas left alone)
     monkeypatch.delenv("ELSA_COMPILE_OP", raising=False)
     assert knobs.get(knobs.COMPILE_OP) == "auto"
     if ops.attention_inline_op is not None:
@@ -777,26 +778,30 @@ def test_compiled_calls_take_the_inline_op_unless_told_or_unable(monkeypatch, ca
         assert torch.equal(a[0], b[0])
 
 
-def test_traced_inline_plan_matches_the_ptxas_before_inductor_compiles(monkeypatch):
-    """A call traced to the inline op matches Triton's ptxas to Inductor's (``internals.match_inductor_ptxas``) when it
-    is planned, as plain Python at trace time: a warm start (AOTAutograd's cache hit) traces no launch of the op's
-    body, and Inductor compiles the graph's ELSA kernels again in this process, which with Triton's own ptxas missed
-    the cold start's cache entries (session 54, H200: the warm-start GPU test found a new ``elsa_fwd`` entry). A call
-    planned on the opaque op leaves it to that op's first launch."""
-    from elsa_surgery import callcache
-    from elsa_surgery.kernels import interface, internals
+def test_a_call_traced_to_the_inline_op_matches_the_ptxas_before_inductor_compiles(monkeypatch):
+    """A call traced to the inline op matches Triton's ptxas to Inductor's (``internals.match_inductor_ptxas``) when the
+    op is chosen (``interface.inference_op``), as plain Python while dynamo traces (no graph break): a warm start
+    (AOTAutograd's cache hit) traces no launch of the op's body, and Inductor compiles the graph's ELSA kernels again
+    in this process, which with Triton's own ptxas missed the cold start's cache entries (session 54, H200: the
+    warm-start GPU test found a new ``elsa_fwd`` entry). The traced route's plans choose the op the same way
+    (``callcache._make_traced_plan``); a call on the opaque op leaves the match to that op's first launch."""
+    from elsa_surgery.kernels import interface, internals, occupancy
 
+    if ops.attention_inline_op is None:
+        pytest.skip(ops.INLINE_UNAVAILABLE)
     calls = []
     monkeypatch.setattr(internals, "match_inductor_ptxas", lambda: calls.append(1))
-    cpu = torch.device("cpu")
-    shape = (1, 2, 8, 16)
-    sig = (shape, torch.float32, cpu, False) * 3 + (None, 0.0, False, None, False, "elsa", "strict", False, False,
-                                                     False)
-    for op, kind, want in ((ops.attention_inference_op, callcache._OPAQUE, []),
-                           (ops.attention_inline_op, callcache._INLINE, [1])):
-        monkeypatch.setattr(interface, "inference_op", lambda op=op: op)
-        plan = callcache._traced_plan(sig)
-        assert plan is not None and plan[6] == kind and calls == want, (plan, calls)
+    monkeypatch.setattr(occupancy, "interpreting", lambda: False)
+
+    def f(x):
+        return x + (1 if interface.inference_op() is ops.attention_inline_op else 2)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2)), torch.ones(2))
+    assert calls == [1], calls
+    monkeypatch.setenv("ELSA_COMPILE_OP", "opaque")
+    assert interface.inference_op() is ops.attention_inference_op and calls == [1]
+    torch._dynamo.reset()
 
 
 def _inline_calls(dtype, precision):
