@@ -749,6 +749,22 @@ def _traced_plan(sig: tuple) -> Optional[tuple]:
     return plan
 
 
+def _precompile(p, d) -> None:
+    """Starts compiling the kernels of a traced inference call that will run on the opaque op, in the background
+    (``launch.precompile``); why not is counted in ``launch.PRECOMPILE["not"]``. Never raises: a kernel not
+    compiled here compiles at the call's first run."""
+    from .kernels import launch
+
+    try:
+        why = launch.precompile(p.q, p.k, p.v, scale=float(p.scale), mask=p.mask, is_causal=bool(p.is_causal),
+                                precision=d.precision)
+    except Exception as e:  # noqa: BLE001 - an optimisation, never the call's failure
+        why = f"failed: {type(e).__name__}: {e}"[:200]
+    if why is not None:
+        seen = launch.PRECOMPILE["not"]
+        seen[why] = seen.get(why, 0) + 1
+
+
 def _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, dropout_p, is_causal, scale,
                       enable_gqa, backend, precision, return_lse, windowed_mask, grad_mode):
     from torch._guards import detect_fake_mode
@@ -803,4 +819,5 @@ def _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, d
         kind = _GRAD_OP
     else:
         kind = _INLINE if interface.inference_op() is interface.ops.attention_inline_op else _OPAQUE
+        _precompile(p, d)
     return (squeeze, q_to, k_to, v_to, m_view, m_to, kind, *common, d.precision or "", float(p.dropout_p), None)

@@ -43,6 +43,7 @@ BWD_SHORT = "ELSA_BWD_SHORT"
 BWD_SPLIT = "ELSA_BWD_SPLIT"
 MASK_TILES = "ELSA_MASK_TILES"
 COMPILE_OP = "ELSA_COMPILE_OP"
+PRECOMPILE = "ELSA_PRECOMPILE"
 
 _MAX_CACHED = 32  # parsed values kept per knob (by raw value)
 
@@ -194,6 +195,12 @@ _DECLARED = (
          "a long call hides the launcher's host time; default since session 54: H200, the same compiled speed as "
          "inline, CLIP-L/14-336 fp32 cold compile 1.28x -> 1.21x native)", _choice("inline", "opaque", "auto"),
          choices=("inline", "opaque", "auto")),
+    Knob(PRECOMPILE, "choice", _choices("0", "1"), "1",
+         "1: while torch.compile traces a call that will run on the opaque op (a long call under ELSA_COMPILE_OP=auto, "
+         "or every call under opaque), the Triton kernels its first run would compile are compiled in a background "
+         "thread (launch.precompile: its launches recorded on fake tensors, then Triton's warmup), overlapping "
+         "Inductor's own compile; 0: they compile at that first run", _choice("0", "1"),
+         choices=("0", "1")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),
     Knob(TEST_RANDOM_CASES, "int", "an integer >= 0", 8,

@@ -14,6 +14,8 @@ signature in :func:`cached_plan` while the ``ELSA_*`` knobs it read keep their v
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -23,6 +25,8 @@ import torch
 from . import knobs
 from . import occupancy as occ
 from . import replay
+
+log = logging.getLogger("elsa_surgery.kernels")
 
 LOG2E = 1.4426950408889634
 
@@ -750,7 +754,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
 
 
 def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,
-               precision=None) -> Optional[str]:
+               precision=None, long: bool = True) -> Optional[str]:
     """Why :func:`attention` on these (fake) tensors cannot be traced into ``wrap_triton`` launches (the inline op,
     kernels/ops.py, then traces to the opaque one), or None. Planned as a call is:
 
@@ -759,12 +763,12 @@ def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=N
     * K/V are staged by heads or key chunks (a memory budget, which the pieces :meth:`_Region.carve` allocates
       while tracing would not keep; the reverse chunks are carved from the output itself, a mutation through
       ``as_strided`` that torch.compile's functionalization refuses);
-    * ``ELSA_COMPILE_OP=auto`` and a long call (:func:`long_call`)."""
+    * ``ELSA_COMPILE_OP=auto`` and a long call (:func:`long_call`; not asked with ``long=False``)."""
     from . import hopper
 
-    long = long_call(q, k, v, is_causal)
-    if long is not None:
-        return long
+    why_long = long_call(q, k, v, is_causal) if long else None
+    if why_long is not None:
+        return why_long
     if q.dtype == torch.float32 and precision is None:
         precision = default_precision(q.device)
     out = _new_out(q, *q.shape[:3], v.shape[3])
@@ -800,6 +804,106 @@ def long_call(q, k, v, is_causal: bool) -> Optional[str]:
     if macs < bound:
         return None
     return f"a long call ({macs:.3g} multiply-adds >= {bound:.3g}, ELSA_COMPILE_OP=auto)"
+
+
+# launch.precompile: the kernels of calls traced to the opaque op, compiled in the background while torch.compile
+# traces (issue 33's compile time, session 54: the opaque op compiles them on its first run, after Inductor's compile,
+# serially; Triton's compile leaves Python most of the GIL: a pure-Python thread kept 84 % of its rate beside one on a
+# CPU). Stats for benchmarks/lab/compile_cache.py; one submission per call signature.
+PRECOMPILE = {"calls": 0, "kernels": 0, "compiled_s": 0.0, "errors": 0, "last_error": None, "not": {}}
+_PRECOMPILED: set = set()
+_POOL: list = []  # [ThreadPoolExecutor], made at the first submission
+
+
+def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None) -> Optional[str]:
+    """Starts compiling, in a background thread, the Triton kernels that :func:`attention` would launch for a call on
+    these fake tensors (static sizes, a CUDA device), for a call that torch.compile traces to the opaque op: its
+    launches are recorded on the fake tensors (``replay.collected_launches``, the launcher as the inline op traces
+    it) and each kernel is compiled by Triton's ``warmup`` for the same specialisation (tensors as their dtype and
+    16-byte alignment), into the caches its first run reads. Returns None when started, else why not: the knob
+    (``ELSA_PRECOMPILE=0``), a call the inline op takes (Inductor compiles its kernels), or one the launcher cannot
+    plan on fake tensors (the Hopper kernel, K/V staged by heads or key chunks: they compile at their first run)."""
+    from . import interface, ops
+
+    if knobs.get(knobs.PRECOMPILE) == "0":
+        return "ELSA_PRECOMPILE=0"
+    if occ.interpreting() or not _triton_device(q):
+        return "not a CUDA call compiled by Triton"
+    if not all(type(n) is int for t in (q, k, v, mask) if t is not None
+               for n in (*t.shape, *t.stride(), t.storage_offset())):
+        return "symbolic sizes"
+    precision = precision or None
+    if q.dtype == torch.float32 and precision is None:
+        precision = default_precision(q.device)
+    if interface.inference_op() is ops.attention_inline_op and long_call(q, k, v, is_causal) is None:
+        return "the inline op: Inductor compiles its kernels"
+    sig = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, q.device,
+           None if mask is None else (tuple(mask.shape), mask.stride(), mask.dtype), float(scale), bool(is_causal),
+           precision)
+    if sig in _PRECOMPILED:
+        return "submitted before"
+    _PRECOMPILED.add(sig)
+    launches: list = []
+    with torch._guards.detect_fake_mode((q, k, v)) or contextlib.nullcontext(), replay.collected_launches(launches):
+        why = not_inline(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, long=False)
+        if why is not None:
+            return why
+        attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, return_lse=False)
+    if not launches:
+        return "no launches"
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="elsa-precompile"))
+    PRECOMPILE["calls"] += 1
+    specs = [(fn, grid, tuple(_mock(a) for a in args), {n: _mock(a) for n, a in kwargs.items()})
+             for fn, grid, args, kwargs in launches]
+    index = q.device.index if q.device.index is not None or q.device.type != "cuda" else torch.cuda.current_device()
+    _POOL[0].submit(_warm, specs, index)
+    return None
+
+
+def _triton_device(t) -> bool:
+    """Whether ``t``'s calls run Triton's compiled kernels (a CUDA device; a test without a GPU says yes for CPU fake
+    tensors on an sm_90 target)."""
+    return t.device.type == "cuda"
+
+
+def _mock(a):
+    """A launch argument for Triton's ``warmup``: a (fake) tensor as a mock of its dtype and 16-byte alignment (its
+    storage offset: Inductor's and the caching allocator's storages are aligned), anything else as it is."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    from triton.runtime.jit import MockTensor
+
+    class _Aligned(MockTensor):  # (MockTensor's own address is 0: aligned)
+        def __init__(self, t):
+            super().__init__(t.dtype, list(t.shape))
+            self._ptr = t.storage_offset() * t.element_size()
+
+        def data_ptr(self):
+            return self._ptr
+
+    return _Aligned(a)
+
+
+def _warm(specs, device_index) -> None:
+    """Compiles each recorded launch's kernel (background thread); a failure is counted and logged, and the kernel
+    then compiles at its first run."""
+    import time
+
+    for fn, grid, args, kwargs in specs:
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
+                fn.warmup(*args, grid=grid, **kwargs)
+            PRECOMPILE["kernels"] += 1
+        except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
+            PRECOMPILE["errors"] += 1
+            PRECOMPILE["last_error"] = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
+            log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s",
+                     PRECOMPILE["last_error"])
+        PRECOMPILE["compiled_s"] += time.perf_counter() - t0
 
 
 def mask_tile_classes(mask, nq: int, nk: int, block_m: int, block_n: int) -> torch.Tensor:

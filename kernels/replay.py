@@ -121,12 +121,25 @@ def wrapped_launches():
     """Inside the block, :func:`launch` hands every kernel to ``torch.library.wrap_triton`` (the body of a
     ``triton_op`` traced by torch.compile on fake tensors: ``kernels/ops.py``'s inline op) and nothing is recorded
     or replayed (:func:`wanted` is False): Inductor's generated code launches the kernels itself."""
-    prev = getattr(_local, "wrap", False)
-    _local.wrap = True
+    prev = getattr(_local, "wrap", False), getattr(_local, "collect", None)
+    _local.wrap, _local.collect = True, None
     try:
         yield
     finally:
-        _local.wrap = prev
+        _local.wrap, _local.collect = prev
+
+
+@contextlib.contextmanager
+def collected_launches(into: list):
+    """Inside the block, :func:`launch` appends every launch to ``into`` as ``(fn, grid, args, kwargs)`` and runs
+    nothing, as inside :func:`wrapped_launches` otherwise (the launcher on fake tensors, nothing recorded or
+    replayed): what ``launch.precompile`` compiles ahead of a call's first run."""
+    prev = getattr(_local, "wrap", False), getattr(_local, "collect", None)
+    _local.wrap, _local.collect = True, into
+    try:
+        yield
+    finally:
+        _local.wrap, _local.collect = prev
 
 
 def wrapping() -> bool:
@@ -192,6 +205,10 @@ def launch(fn, grid, *args, **kwargs):
     if not internals._ptxas_matched and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):  # (once a process)
         internals.match_inductor_ptxas()
     if getattr(_local, "wrap", False):
+        into = getattr(_local, "collect", None)
+        if into is not None:
+            into.append((fn, grid, args, kwargs))
+            return None
         from torch.library import wrap_triton
 
         _memo_ttir(fn)

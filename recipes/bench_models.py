@@ -429,6 +429,7 @@ def isolated_compile_times(name, dt, batch, mode, args) -> dict:
                 rec[f"{side}_compile_{run}_s"] = got["compile_s"]
                 if side == "converted":
                     rec[f"ttir_memo_{run}"] = got.get("ttir_memo")
+                    rec[f"precompile_{run}"] = got.get("precompile")
                 print(f"  isolated compile, {name} {dt} b{batch} {mode}, {side} {run}: "
                       f"{rec[f'{side}_compile_{run}_s']:.1f} s (process {time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
@@ -498,7 +499,7 @@ def compile_child(args) -> int:
     converted), one eager call (as the in-process cell makes: the converted side's kernels compile there), Inductor's
     start-up taken by a tiny function, then the seconds of the first compiled call, printed as JSON."""
     import elsa_surgery
-    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits, misses, seconds)
+    from elsa_surgery.kernels import launch, replay  # (torch's analysis of ELSA's kernels, memoised; precompiles)
 
     side, name, dt, batch, mode = args.compile_child.split(",")
     device = "cpu" if args.cpu_smoke else "cuda"
@@ -513,7 +514,8 @@ def compile_child(args) -> int:
         benchmark.synchronize(device)
         warm_up_compiler(args, device)
         _, seconds = compile_first_call(model, call, mode, args, device)
-    print(json.dumps({"side": side, "compile_s": seconds, "ttir_memo": dict(replay.TTIR_MEMO)}), flush=True)
+    print(json.dumps({"side": side, "compile_s": seconds, "ttir_memo": dict(replay.TTIR_MEMO),
+                      "precompile": dict(launch.PRECOMPILE)}), flush=True)
     return 0
 
 

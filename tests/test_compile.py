@@ -804,6 +804,137 @@ def test_a_call_traced_to_the_inline_op_matches_the_ptxas_before_inductor_compil
     torch._dynamo.reset()
 
 
+_PRECOMPILE = r"""
+import json, os, sys, tempfile, torch
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # (every kernel compiled here, not read from a cache)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class Sm90:  # Triton's compiler for an sm_90 target without a GPU (ptxas included)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+driver.set_active(Sm90())
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.runtime.jit import JITFunction
+from elsa_surgery.kernels import knobs, launch, replay
+os.environ[knobs.COMPILE_OP] = "opaque"
+os.environ[knobs.PRECISE_SPLIT] = "f16"
+launch._triton_device = lambda t: True
+compiles = []
+real_compile = JITFunction._do_compile
+
+
+def counted(self, *a, **kw):
+    compiles.append(self.fn.__name__)
+    return real_compile(self, *a, **kw)
+
+
+JITFunction._do_compile = counted
+calls = [("masked", (1, 4, 300, 16), (1, 2, 300, 16), True, "strict"),
+         ("precise", (1, 4, 2048, 64), (1, 4, 2048, 64), False, "precise")]
+out = {}
+with FakeTensorMode():
+    fakes = {}
+    for name, qs, ks, masked, prec in calls:
+        q, k, v = torch.empty(qs), torch.empty(ks), torch.empty(ks)
+        n = qs[2]
+        m = torch.empty(1, 1, n, n, dtype=torch.bool) if masked else None
+        fakes[name] = (q, k, v, m, prec)
+        out[name] = launch.precompile(q, k, v, scale=0.125, mask=m, precision=prec)
+    out["again"] = launch.precompile(*fakes["masked"][:3], scale=0.125, mask=fakes["masked"][3],
+                                     precision="strict")
+launch._POOL[0].shutdown(wait=True)
+out["background"] = sorted(compiles)
+out["stats"] = {k: v for k, v in launch.PRECOMPILE.items() if k != "not"}
+# the launches a real first run makes, on real tensors of the same sizes, strides and alignment: all found compiled
+compiles.clear()
+relaunched = []
+for name, (q, k, v, m, prec) in fakes.items():
+    launches = []
+    with FakeTensorMode(), replay.collected_launches(launches):
+        q2, k2, v2 = (torch.empty(t.shape) for t in (q, k, v))
+        m2 = None if m is None else torch.empty(m.shape, dtype=torch.bool)
+        launch.attention(q2, k2, v2, scale=0.125, mask=m2, precision=prec, return_lse=False)
+
+    def real(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        base = torch.empty(a.storage_offset() + max(1, sum((s - 1) * st for s, st in zip(a.shape, a.stride())) + 1),
+                           dtype=a.dtype)
+        return base.as_strided(a.shape, a.stride(), a.storage_offset())
+
+    for fn, grid, args, kwargs in launches:
+        fn.run(*[real(a) for a in args], grid=grid, warmup=True, **{n: real(a) for n, a in kwargs.items()})
+        relaunched.append(fn.fn.__name__)
+out["relaunched"] = sorted(relaunched)
+out["compiled_again"] = compiles
+print(json.dumps(out))
+"""
+
+
+def test_precompile_compiles_what_the_first_run_launches():
+    """``launch.precompile`` (calls traced to the opaque op: a long one under ``auto``, every one under ``opaque``)
+    records a call's launches on fake tensors and compiles their kernels in a background thread with Triton's
+    ``warmup``, for an sm_90 target without a GPU (ptxas included): a masked GQA ``strict`` call (the mask-tile
+    kernels and ``elsa_fwd``) and a ``precise`` call over the fp16 split (``split_f16`` and ``elsa_fwd``), each
+    kernel once; the same signature is not submitted again; and the launches of the calls' first run, on real tensors
+    of the same sizes, strides and alignment, find every kernel compiled (Triton compiles nothing again: the warmup's
+    specialisation is the launch's). Triton 3.6 and 3.8 alike."""
+    got = _traced_in_a_process(_PRECOMPILE)
+    assert got["masked"] is None and got["precise"] is None and got["again"] == "submitted before", got
+    want = ["elsa_fwd", "elsa_fwd", "mask_tile_classes", "mask_tile_ranges", "split_f16"]
+    assert got["background"] == want and got["relaunched"] == want, got
+    assert got["stats"]["kernels"] == 5 and got["stats"]["errors"] == 0 and got["stats"]["calls"] == 2, got
+    assert got["compiled_again"] == [], got
+
+
+def test_precompile_says_why_not(monkeypatch):
+    """What ``launch.precompile`` leaves to the first run, and why: ``ELSA_PRECOMPILE=0``, the interpreter or a
+    device Triton does not compile for, and a call the inline op takes (Inductor compiles its kernels:
+    a short call under ``auto``); ``callcache._precompile`` counts the reasons and never raises."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from elsa_surgery import callcache
+    from elsa_surgery.kernels import interface, launch, occupancy
+
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 64, 16)
+    assert launch.precompile(q, q, q, scale=0.25) == "not a CUDA call compiled by Triton"  # (CI: the interpreter)
+    monkeypatch.setattr(occupancy, "interpreting", lambda: False)
+    assert launch.precompile(q, q, q, scale=0.25) == "not a CUDA call compiled by Triton"  # (a CPU tensor)
+    monkeypatch.setattr(launch, "_triton_device", lambda t: True)
+    monkeypatch.setenv("ELSA_PRECOMPILE", "0")
+    assert launch.precompile(q, q, q, scale=0.25) == "ELSA_PRECOMPILE=0"
+    monkeypatch.setenv("ELSA_PRECOMPILE", "1")
+    if ops.attention_inline_op is not None:
+        monkeypatch.setattr(interface, "_inline_ptxas", lambda: True)
+        assert launch.precompile(q, q, q, scale=0.25) == "the inline op: Inductor compiles its kernels"
+    monkeypatch.setitem(launch.PRECOMPILE, "not", {})
+
+    def boom(*a, **k):
+        raise RuntimeError("no plan")
+
+    monkeypatch.setattr(launch, "precompile", boom)
+    p = SimpleNamespace(q=q, k=q, v=q, scale=0.25, mask=None, is_causal=False)
+    callcache._precompile(p, SimpleNamespace(precision=None))
+    assert launch.PRECOMPILE["not"] == {"failed: RuntimeError: no plan": 1}
+
+
 def _inline_calls(dtype, precision):
     """``(call, inputs)``: four ELSA calls as converted models make them (a bool window mask and GQA, causal GQA,
     a causal-shaped bool mask over 1,100 keys whose tiles are classified first, and an unmasked call over 2,048 keys

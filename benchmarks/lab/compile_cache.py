@@ -65,7 +65,7 @@ def main():
         return both_sides(a)
     import elsa_surgery
     from elsa_surgery import callcache
-    from elsa_surgery.kernels import replay  # (torch's analysis of ELSA's kernels, memoised: hits and misses)
+    from elsa_surgery.kernels import launch, replay  # (torch's analysis of ELSA's kernels, memoised; precompiles)
 
     if a.full_path:
         callcache.traced = lambda *args: None
@@ -105,7 +105,7 @@ def main():
     keep = ("cache", "bypass", "calls_captured", "unique_graphs", "fxgraph")
     counters = {g: {k: v for k, v in c.items() if any(s in k for s in keep)} for g, c in counters.items()}
     print(json.dumps({"side": a.side, "full_path": a.full_path, "traced": callcache.TRACED, "workload": a.workload,
-                      "ttir_memo": dict(replay.TTIR_MEMO),
+                      "ttir_memo": dict(replay.TTIR_MEMO), "precompile": dict(launch.PRECOMPILE),
                       "dtype": a.dtype, "compile_s": seconds, "first_eager_call_s": eager_s,
                       "max_abs_diff_vs_eager": float((out.float() - ref.float()).abs().max()),
                       "counters": counters, "bypass_logs": bypasses.seen[:8]}), flush=True)
