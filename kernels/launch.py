@@ -842,6 +842,8 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
            precision)
     if sig in _PRECOMPILED:
         return "submitted before"
+    if len(_PRECOMPILED) >= 4096:  # (signatures without end, as a growing cache's: compiled again at worst)
+        _PRECOMPILED.clear()
     _PRECOMPILED.add(sig)
     launches: list = []
     with torch._guards.detect_fake_mode((q, k, v)) or contextlib.nullcontext(), replay.collected_launches(launches):
@@ -874,17 +876,22 @@ def _mock(a):
     storage offset: Inductor's and the caching allocator's storages are aligned), anything else as it is."""
     if not isinstance(a, torch.Tensor):
         return a
-    from triton.runtime.jit import MockTensor
+    if not _MOCK:
+        from triton.runtime.jit import MockTensor
 
-    class _Aligned(MockTensor):  # (MockTensor's own address is 0: aligned)
-        def __init__(self, t):
-            super().__init__(t.dtype, list(t.shape))
-            self._ptr = t.storage_offset() * t.element_size()
+        class Aligned(MockTensor):  # (MockTensor's own address is 0: aligned)
+            def __init__(self, t):
+                super().__init__(t.dtype, list(t.shape))
+                self.address = t.storage_offset() * t.element_size()
 
-        def data_ptr(self):
-            return self._ptr
+            def data_ptr(self):
+                return self.address
 
-    return _Aligned(a)
+        _MOCK.append(Aligned)
+    return _MOCK[0](a)
+
+
+_MOCK: list = []  # [the mock tensor class], made at the first use (triton imported then)
 
 
 def _warm(specs, device_index) -> None:

@@ -901,6 +901,38 @@ def test_precompile_compiles_what_the_first_run_launches():
     assert got["compiled_again"] == [], got
 
 
+def test_traced_calls_ask_for_their_kernels_precompiled(monkeypatch):
+    """A call that torch.compile traces through the traced route asks ``launch.precompile`` for its kernels, with the
+    plan's fake tensors (canonical ``[B, H, N, D]`` views, the mask, causal flag, scale and precision), while dynamo
+    traces (plain Python: no graph break); whatever it answers, the call is traced as before."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from elsa_surgery.kernels import launch
+
+    seen = []
+
+    def record(q, k, v, *, scale, mask=None, is_causal=False, precision=None):
+        seen.append((type(q) is FakeTensor, tuple(q.shape), tuple(k.shape), None if mask is None else mask.dtype,
+                     is_causal, scale, precision))
+        return "recorded"
+
+    monkeypatch.setattr(launch, "precompile", record)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 40, 16, generator=gen) for h in (4, 2, 2))
+    mask = torch.rand(40, 40, generator=gen) > 0.3
+
+    def f(q, k, v, mask):
+        return elsa_surgery.attention(q, k, v, mask, backend="elsa", precision="strict", enable_gqa=True)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(f, backend="eager", fullgraph=True)(q, k, v, mask)
+        want = f(q, k, v, mask)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert seen == [(True, (1, 4, 40, 16), (1, 2, 40, 16), torch.bool, False, 0.25, "strict")], seen
+    torch._dynamo.reset()
+
+
 def test_precompile_says_why_not(monkeypatch):
     """What ``launch.precompile`` leaves to the first run, and why: ``ELSA_PRECOMPILE=0``, the interpreter or a
     device Triton does not compile for, and a call the inline op takes (Inductor compiles its kernels:
