@@ -1066,6 +1066,63 @@ def test_auto_compile_op_traces_long_calls_to_the_opaque_op_gpu(monkeypatch):
         assert _rel(g, w) <= RTOL
 
 
+_PRECOMPILE_GPU = r"""
+import json, os, tempfile, threading, torch
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # (nothing compiled before)
+import elsa_surgery
+from triton.runtime.jit import JITFunction
+from elsa_surgery.kernels import launch
+compiled = {"main": [], "background": []}
+real = JITFunction._do_compile
+
+
+def counted(self, *a, **kw):
+    side = "main" if threading.current_thread() is threading.main_thread() else "background"
+    compiled[side].append(self.fn.__name__)
+    return real(self, *a, **kw)
+
+
+JITFunction._do_compile = counted
+gen = torch.Generator(device="cuda").manual_seed(8)
+q, k, v = (torch.randn(1, 8, 4096, 64, device="cuda", generator=gen) for _ in range(3))
+pos = torch.arange(4096, device="cuda")
+mask = (pos[:, None] >= pos[None])[None, None]
+
+
+def f(q, k, v, mask):
+    return elsa_surgery.attention(q, k, v, mask, backend="elsa", precision="precise")
+
+
+with torch.no_grad():
+    got = torch.compile(f, fullgraph=True)(q, k, v, mask)
+    if launch._POOL:
+        launch._POOL[0].shutdown(wait=True)
+    want = f(q, k, v, mask)
+print(json.dumps(dict(stats={n: x for n, x in launch.PRECOMPILE.items() if n != "compiled_s"}, compiled=compiled,
+                      rel=float((got - want).norm() / want.norm()))))
+"""
+
+
+@pytest.mark.gpu
+def test_precompile_compiles_a_long_masked_calls_kernels_while_traced_gpu():
+    """A long masked fp32 call (8.6e9 multiply-adds: the opaque op under ``auto``, the default) has its kernels
+    compiled in the background while torch.compile traces it (``launch.precompile``), in a process of its own on an
+    empty Triton cache: one call submitted, the mask-tile kernels and ``elsa_fwd`` compiled there without an error,
+    and the compiled call equals the eager one (fp32 within 1e-6 relative). Which thread compiled what is printed."""
+    import json
+    import subprocess
+    import sys
+
+    env = {n: x for n, x in os.environ.items() if n not in ("TRITON_INTERPRET", "ELSA_COMPILE_OP", "ELSA_PRECOMPILE")}
+    p = subprocess.run([sys.executable, "-c", _PRECOMPILE_GPU], capture_output=True, text=True, env=env, timeout=500)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["stats"]["calls"] == 1 and got["stats"]["errors"] == 0, got
+    assert {"elsa_fwd", "mask_tile_classes", "mask_tile_ranges"} <= set(got["compiled"]["background"]), got
+    assert got["rel"] <= RTOL, got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "precise"), (torch.bfloat16, None)])
 def test_compiled_calls_under_cuda_graphs_gpu(dtype, precision, monkeypatch):
