@@ -819,5 +819,9 @@ def _make_traced_plan(qs, qd, qdev, qg, ks, kd, kdev, kg, vs, vd, vdev, vg, m, d
         kind = _GRAD_OP
     else:
         kind = _INLINE if interface.inference_op() is interface.ops.attention_inline_op else _OPAQUE
+        # ELSA_COMPILE_OP=auto's long call: the opaque op itself, not the inline op whose body would send it there
+        # while AOTAutograd traces each call
+        if kind == _INLINE and interface.launch.long_call(p.q, p.k, p.v, bool(p.is_causal)) is not None:
+            kind = _OPAQUE
         _precompile(p, d)
     return (squeeze, q_to, k_to, v_to, m_view, m_to, kind, *common, d.precision or "", float(p.dropout_p), None)

@@ -933,6 +933,44 @@ def test_traced_calls_ask_for_their_kernels_precompiled(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_traced_long_calls_go_to_the_opaque_op_itself(monkeypatch):
+    """Under ``ELSA_COMPILE_OP=auto`` (the default) a long call's traced plan names the opaque op itself
+    (``launch.long_call``), so the graph dynamo hands on holds ``attention_inference``, not the inline op whose body
+    would send it there while AOTAutograd traces; a short call's plan names the inline op (here in a process the
+    inline op serves, as a GPU's: the interpreter's takes the opaque op for every call)."""
+    from elsa_surgery import callcache
+    from elsa_surgery.kernels import interface, launch
+
+    if ops.attention_inline_op is None:
+        pytest.skip(ops.INLINE_UNAVAILABLE)
+    monkeypatch.setattr(interface, "inference_op", lambda: ops.attention_inline_op)
+    monkeypatch.setattr(launch, "precompile", lambda *a, **k: "not here")
+    sig = ((1, 2, 32, 16), torch.float32, torch.device("cpu"), False) * 3 + (None, 0.0, False, None, False, "elsa",
+                                                                             "strict", False, False, False)
+    for long, kind in ((None, callcache._INLINE), ("a long call", callcache._OPAQUE)):
+        monkeypatch.setattr(launch, "long_call", lambda q, k, v, causal, long=long: long)
+        plan = callcache._traced_plan(sig)
+        assert plan is not None and plan[6] == kind, (long, plan)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=gen) for _ in range(3))
+
+    def f(q, k, v):
+        return elsa_surgery.attention(q, k, v, backend="elsa", precision="strict")
+
+    ops_in_graph = []
+
+    def capture(gm, example):
+        ops_in_graph.extend(str(n.target) for n in gm.graph.nodes if "elsa_surgery" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(f, backend=capture, fullgraph=True)(q, k, v)
+        assert torch.allclose(got, f(q, k, v), rtol=1e-6, atol=1e-7)
+    assert ops_in_graph == ["elsa_surgery.attention_inference.default"], ops_in_graph
+    torch._dynamo.reset()
+
+
 def test_precompile_says_why_not(monkeypatch):
     """What ``launch.precompile`` leaves to the first run, and why: ``ELSA_PRECOMPILE=0``, the interpreter or a
     device Triton does not compile for, and a call the inline op takes (Inductor compiles its kernels:
