@@ -818,9 +818,9 @@ _POOL: list = []  # [ThreadPoolExecutor], made at the first submission
 def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None) -> Optional[str]:
     """Starts compiling, in a background thread, the Triton kernels that :func:`attention` would launch for a call on
     these fake tensors (static sizes, a CUDA device), for a call that torch.compile traces to the opaque op: its
-    launches are recorded on the fake tensors (``replay.collected_launches``, the launcher as the inline op traces
-    it) and each kernel is compiled by Triton's ``warmup`` for the same specialisation (tensors as their dtype and
-    16-byte alignment), into the caches its first run reads. Returns None when started, else why not: the knob
+    launches are recorded on the fake tensors (``replay.wrapped_launches`` given a list, the launcher as the inline
+    op traces it) and each kernel is compiled by Triton's ``warmup`` for the same specialisation (tensors as their
+    dtype and 16-byte alignment), into the caches its first run reads. Returns None when started, else why not: the knob
     (``ELSA_PRECOMPILE=0``), a call the inline op takes (Inductor compiles its kernels), or one the launcher cannot
     plan on fake tensors (the Hopper kernel, K/V staged by heads or key chunks: they compile at their first run)."""
     from . import interface, ops
@@ -829,8 +829,7 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
         return "ELSA_PRECOMPILE=0"
     if occ.interpreting() or not _triton_device(q):
         return "not a CUDA call compiled by Triton"
-    if not all(type(n) is int for t in (q, k, v, mask) if t is not None
-               for n in (*t.shape, *t.stride(), t.storage_offset())):
+    if not ops._static(q, k, v, mask):
         return "symbolic sizes"
     precision = precision or None
     if q.dtype == torch.float32 and precision is None:
@@ -846,7 +845,7 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
         _PRECOMPILED.clear()
     _PRECOMPILED.add(sig)
     launches: list = []
-    with torch._guards.detect_fake_mode((q, k, v)) or contextlib.nullcontext(), replay.collected_launches(launches):
+    with torch._guards.detect_fake_mode((q, k, v)) or contextlib.nullcontext(), replay.wrapped_launches(launches):
         why = not_inline(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, long=False)
         if why is not None:
             return why

@@ -117,23 +117,12 @@ def reread_env(names) -> None:
 
 
 @contextlib.contextmanager
-def wrapped_launches():
+def wrapped_launches(into: Optional[list] = None):
     """Inside the block, :func:`launch` hands every kernel to ``torch.library.wrap_triton`` (the body of a
     ``triton_op`` traced by torch.compile on fake tensors: ``kernels/ops.py``'s inline op) and nothing is recorded
-    or replayed (:func:`wanted` is False): Inductor's generated code launches the kernels itself."""
-    prev = getattr(_local, "wrap", False), getattr(_local, "collect", None)
-    _local.wrap, _local.collect = True, None
-    try:
-        yield
-    finally:
-        _local.wrap, _local.collect = prev
-
-
-@contextlib.contextmanager
-def collected_launches(into: list):
-    """Inside the block, :func:`launch` appends every launch to ``into`` as ``(fn, grid, args, kwargs)`` and runs
-    nothing, as inside :func:`wrapped_launches` otherwise (the launcher on fake tensors, nothing recorded or
-    replayed): what ``launch.precompile`` compiles ahead of a call's first run."""
+    or replayed (:func:`wanted` is False): Inductor's generated code launches the kernels itself. Given ``into``,
+    :func:`launch` appends every launch to it as ``(fn, grid, args, kwargs)`` instead and runs nothing: what
+    ``launch.precompile`` compiles ahead of a call's first run."""
     prev = getattr(_local, "wrap", False), getattr(_local, "collect", None)
     _local.wrap, _local.collect = True, into
     try:

@@ -864,7 +864,7 @@ compiles.clear()
 relaunched = []
 for name, (q, k, v, m, prec) in fakes.items():
     launches = []
-    with FakeTensorMode(), replay.collected_launches(launches):
+    with FakeTensorMode(), replay.wrapped_launches(launches):
         q2, k2, v2 = (torch.empty(t.shape) for t in (q, k, v))
         m2 = None if m is None else torch.empty(m.shape, dtype=torch.bool)
         launch.attention(q2, k2, v2, scale=0.125, mask=m2, precision=prec, return_lse=False)
