@@ -76,7 +76,10 @@ def _out_arg(q: Tensor, v: Tensor) -> Optional[Tensor]:
 def dense_forward(q, k, v, mask, q_lengths, kv_lengths, scale: float, is_causal: bool, precision: str,
                   return_lse: bool = True):
     """``(out, lse)`` of :data:`attention_op`: its kernel, also called without the op's dispatch (the eager training
-    path, ``training.EagerAttention``); ``return_lse=False`` (the inference op's kernel): lse is None."""
+    path, ``training.EagerAttention``); ``return_lse=False`` (the inference op's kernel): lse is None. Kernels still
+    compiling in the background for a traced call (``launch.precompile``) are waited for first."""
+    if launch.PENDING:
+        launch.wait_precompiled()
     return launch.attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, q_lengths=q_lengths,
                             kv_lengths=kv_lengths, precision=precision or None, return_lse=return_lse,
                             out=_out_arg(q, v))

@@ -132,8 +132,10 @@ def wrapped_launches(into: Optional[list] = None):
 
 
 def wrapping() -> bool:
-    """Whether launches go to ``wrap_triton`` (inside :func:`wrapped_launches`)."""
-    return getattr(_local, "wrap", False)
+    """Whether launches go to ``wrap_triton`` (inside :func:`wrapped_launches` without a list). Launches collected
+    into a list are made as a real run makes them (``launch.precompile`` compiles them for that run: session 55 found
+    a bool mask collected as ``*u1``, where the run reads it as a ``*u8`` view, and its kernels compiled twice)."""
+    return getattr(_local, "wrap", False) and getattr(_local, "collect", None) is None
 
 
 def aligned16(t: torch.Tensor) -> bool:
