@@ -777,3 +777,10 @@ def bwd_short(
     _store_kv_grads(DK, DV, dk, dv, scale, b64, hk64, k_row0, cols, col_ok, Nk, offs_d, offs_dv,
                     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                     D, DV_, VARLEN)
+
+
+# every kernel's Triton cache key computed callees first, once, at import: the same key in every process (Triton 3.6's
+# key of a caller depends on the order otherwise; internals.settle_cache_keys)
+from . import internals  # noqa: E402
+
+internals.settle_cache_keys(globals())

@@ -360,3 +360,28 @@ def match_inductor_ptxas() -> str:
     _ptxas_matched.append(reason)
     logger.info("elsa_surgery: %s", reason)
     return reason
+
+
+def settle_cache_keys(namespace: dict) -> int:
+    """Computes the cache key of every Triton function defined in ``namespace`` (a kernel module's globals) callees
+    first, so that it does not depend on which one a process happened to compute first; returns how many passes it
+    took. Triton 3.6 (``DependenciesFinder._update_hash``; 3.8 computes the callee's key first) merges a called
+    function's global constexprs into its caller's key only when the callee's key was computed before the caller's:
+    session 55 found ``elsa_fwd``'s key different in a cold ``torch.compile`` process (torch's analysis computed its
+    helpers' keys first) and in a warm one (``elsa_fwd``'s own first), and the warm start compiled it again. Passes
+    from scratch until no key changes: each pass completes one more level of calls."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    fns = [f for f in namespace.values() if isinstance(f, JITFunction) and f.__module__ == namespace.get("__name__")]
+    before, passes = None, 0
+    while passes < 16:
+        for f in fns:
+            f.hash = None
+        keys = [f.cache_key for f in fns]
+        passes += 1
+        if keys == before:
+            break
+        before = keys
+    return passes

@@ -732,3 +732,10 @@ def split_f16(
         if pid_r * BLOCK_RV < R:
             _split_tile(V, VH, VL, VI, R, H, pid_r, pid_bh, stride_vb, stride_vh, stride_vr, stride_vc,
                         stride_vhb, stride_vhh, stride_vib, stride_vih, DV, BLOCK_RV, BLOCK_DV, V_ROWS, HI_ONLY)
+
+
+# every kernel's Triton cache key computed callees first, once, at import: the same key in every process (Triton 3.6's
+# key of a caller depends on the order otherwise; internals.settle_cache_keys)
+from . import internals  # noqa: E402
+
+internals.settle_cache_keys(globals())

@@ -163,3 +163,64 @@ def test_first_launch_matches_ptxas_unless_interpreting(fresh_ptxas, monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     replay.launch(_Fn(), (1,))
     assert calls == [1]
+
+
+
+_CACHE_KEY_ORDER = r"""
+import json
+from triton.runtime import jit
+from elsa_surgery.kernels import internals, scan
+ours = [f for f in vars(scan).values() if isinstance(f, jit.JITFunction) and f.__module__ == scan.__name__]
+settled = {f.__name__: f.cache_key for f in ours}  # (at import: 3.8's finder)
+
+
+def triton36_update_hash(self, func):  # (3.6's order: the callee's globals read before its key is computed)
+    self.used_global_vals.update(func.used_global_vals)
+    self.hasher.update((func.cache_key + str(getattr(func, "noinline", False))).encode("utf-8"))
+
+
+def fresh():
+    for f in ours:
+        f.hash, f.used_global_vals = None, {}
+
+
+real = jit.DependenciesFinder._update_hash
+jit.DependenciesFinder._update_hash = triton36_update_hash
+fresh()
+kernel_first = scan.elsa_fwd.cache_key
+fresh()
+for f in ours:
+    if f is not scan.elsa_fwd:
+        f.cache_key  # (helpers first, as torch's analysis of a traced launch computes them)
+helpers_first = scan.elsa_fwd.cache_key
+fresh()
+scan.elsa_fwd.cache_key  # (the order that gave the other key)
+passes = internals.settle_cache_keys(vars(scan))
+settled36 = scan.elsa_fwd.cache_key
+jit.DependenciesFinder._update_hash = real
+print(json.dumps(dict(kernel_first=kernel_first, helpers_first=helpers_first, settled36=settled36, passes=passes,
+                      settled=settled["elsa_fwd"])))
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_the_order_they_were_computed_in():
+    """``internals.settle_cache_keys`` (run at the import of ``scan`` and ``backward``) gives every ELSA kernel the
+    Triton cache key computed callees first. Triton 3.6's ``DependenciesFinder._update_hash`` merged a called
+    function's global constexprs into the caller's key only when the callee's key was computed already (3.8 computes
+    it first), emulated here in a process of its own (compiled Triton functions, not the interpreter's; no GPU
+    needed): ``elsa_fwd``'s key computed before its helpers' differs from the one computed after them (session 55: a
+    warm ``torch.compile`` start compiled it again, its key not the cold process's), and settling gives the latter
+    whatever was computed before, the key settling at import gave under this Triton's own finder."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _CACHE_KEY_ORDER], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["kernel_first"] != got["helpers_first"], got  # (the emulation shows the order dependence)
+    assert got["settled36"] == got["helpers_first"] and got["passes"] >= 2, got
+    assert got["settled"] == got["helpers_first"], got  # (what settling at import gave: the same key)
