@@ -634,3 +634,10 @@ def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Opti
                              "use smaller tiles or unset it") from e
         raise
     return out, lse
+
+
+# every kernel's Triton cache key computed callees first, once, at import (internals.settle_cache_keys)
+if gluon is not None:
+    from . import internals  # noqa: E402
+
+    internals.settle_cache_keys(globals())

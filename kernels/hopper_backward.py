@@ -326,3 +326,9 @@ def _backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale, is_causal, atomic, 
                       num_warps=warps)
     return dq, dk, dv
 
+
+# every kernel's Triton cache key computed callees first, once, at import (internals.settle_cache_keys)
+if gluon is not None:
+    from . import internals  # noqa: E402
+
+    internals.settle_cache_keys(globals())

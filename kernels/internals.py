@@ -369,19 +369,27 @@ def settle_cache_keys(namespace: dict) -> int:
     function's global constexprs into its caller's key only when the callee's key was computed before the caller's:
     session 55 found ``elsa_fwd``'s key different in a cold ``torch.compile`` process (torch's analysis computed its
     helpers' keys first) and in a warm one (``elsa_fwd``'s own first), and the warm start compiled it again. Passes
-    from scratch until no key changes: each pass completes one more level of calls."""
+    from scratch until no key changes: each pass completes one more level of calls. Never raises (a Triton whose keys
+    cannot be computed so: logged, -1; the keys are then computed as Triton computes them)."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return 0
     fns = [f for f in namespace.values() if isinstance(f, JITFunction) and f.__module__ == namespace.get("__name__")]
     before, passes = None, 0
-    while passes < 16:
+    try:
+        while passes < 16:
+            for f in fns:
+                f.hash = None
+            keys = [f.cache_key for f in fns]
+            passes += 1
+            if keys == before:
+                break
+            before = keys
+    except Exception as e:  # noqa: BLE001 - the keys' stability across processes, not the kernels' use
         for f in fns:
             f.hash = None
-        keys = [f.cache_key for f in fns]
-        passes += 1
-        if keys == before:
-            break
-        before = keys
+        logger.info("elsa_surgery: the Triton cache keys of %s were not settled (%s: %s); a warm torch.compile start "
+                    "may compile its kernels again", namespace.get("__name__"), type(e).__name__, e)
+        return -1
     return passes

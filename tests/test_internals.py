@@ -169,7 +169,9 @@ def test_first_launch_matches_ptxas_unless_interpreting(fresh_ptxas, monkeypatch
 _CACHE_KEY_ORDER = r"""
 import json
 from triton.runtime import jit
-from elsa_surgery.kernels import internals, scan
+from elsa_surgery.kernels import backward, hopper, hopper_backward, internals, scan
+unsettled = [f"{m.__name__}.{n}" for m in (scan, backward, hopper, hopper_backward) for n, f in vars(m).items()
+             if isinstance(f, jit.JITFunction) and f.__module__ == m.__name__ and f.hash is None]
 ours = [f for f in vars(scan).values() if isinstance(f, jit.JITFunction) and f.__module__ == scan.__name__]
 settled = {f.__name__: f.cache_key for f in ours}  # (at import: 3.8's finder)
 
@@ -198,13 +200,13 @@ scan.elsa_fwd.cache_key  # (the order that gave the other key)
 passes = internals.settle_cache_keys(vars(scan))
 settled36 = scan.elsa_fwd.cache_key
 jit.DependenciesFinder._update_hash = real
-print(json.dumps(dict(kernel_first=kernel_first, helpers_first=helpers_first, settled36=settled36, passes=passes,
+print(json.dumps(dict(unsettled=unsettled, kernel_first=kernel_first, helpers_first=helpers_first, settled36=settled36, passes=passes,
                       settled=settled["elsa_fwd"])))
 """
 
 
 def test_kernel_cache_keys_do_not_depend_on_the_order_they_were_computed_in():
-    """``internals.settle_cache_keys`` (run at the import of ``scan`` and ``backward``) gives every ELSA kernel the
+    """``internals.settle_cache_keys`` (run at the import of each kernel module) gives every ELSA kernel the
     Triton cache key computed callees first. Triton 3.6's ``DependenciesFinder._update_hash`` merged a called
     function's global constexprs into the caller's key only when the callee's key was computed already (3.8 computes
     it first), emulated here in a process of its own (compiled Triton functions, not the interpreter's; no GPU
@@ -221,6 +223,28 @@ def test_kernel_cache_keys_do_not_depend_on_the_order_they_were_computed_in():
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["unsettled"] == [], got  # (every kernel module settles its keys at import)
     assert got["kernel_first"] != got["helpers_first"], got  # (the emulation shows the order dependence)
     assert got["settled36"] == got["helpers_first"] and got["passes"] >= 2, got
     assert got["settled"] == got["helpers_first"], got  # (what settling at import gave: the same key)
+
+
+def test_cache_keys_not_settled_are_logged_not_raised(monkeypatch, caplog):
+    """A Triton whose keys cannot be computed so (here: computing one raises) leaves the kernel module importable:
+    ``settle_cache_keys`` logs why, returns -1 and leaves the keys to Triton."""
+    pytest.importorskip("triton")
+    from triton.runtime import jit
+
+    def kernel(x):
+        return x
+
+    namespace = {"__name__": __name__, "kernel": jit.JITFunction(kernel)}
+
+    def broken(self):
+        raise RuntimeError("no key here")
+
+    monkeypatch.setattr(jit.JITFunction, "cache_key", property(broken))
+    with caplog.at_level(logging.INFO, logger="elsa_surgery"):
+        assert internals.settle_cache_keys(namespace) == -1
+    assert namespace["kernel"].hash is None
+    assert any("were not settled" in r.getMessage() and "no key here" in r.getMessage() for r in caplog.records)

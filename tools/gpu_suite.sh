@@ -4,7 +4,7 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   races | compile-time | compile-time-2 | compile-autotune | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -168,6 +168,29 @@ case "$part" in
     timeout 150 python3 benchmarks/lab/bwd_host.py --profile 30 2>&1 | tee "$out/bwd_host.log" | grep -v "^ "
     timeout 400 python3 benchmarks/lab/host_profile.py 2>&1 | tee "$out/host_profile.log" \
       | grep -E "^(GPU|dynamo|compiled|  host|converted step|train|bert)" ;;
+  compile-time|compile-time-2)  # issue 33's compile-time target (<= 1.2x native; compile_cache.py --side both: each
+    # side in processes of its own on caches of its own, one cold then one warm) for every cell of the issue's table and
+    # LLaMA 4K prefill, in two parts of ~7-9 min on an H200 (CLIP and LLaMA: ~45 s a process). Args (optional):
+    # cells WORKLOAD:DTYPE:BATCH replacing the part's own
+    if [ "$part" = compile-time ]; then cells=(llama13b_2l_4k:fp32:1 llama13b_2l_4k:bf16:1 vit_l14_clip_336:fp32:8)
+    else cells=(vit_b16:bf16:8 vit_b16:fp32:8 swin_t:fp32:8 deit3_s:bf16:64); fi
+    [ $# -gt 0 ] && cells=("$@")
+    for c in "${cells[@]}"; do
+      IFS=: read -r w dt b <<< "$c"
+      timeout 280 python3 benchmarks/lab/compile_cache.py --side both --warm 1 --workload "$w" --dtype "$dt" \
+        --batch "$b" 2>&1 | grep -E '^(GPU|====|\{|summary)' | tee "$out/compile_time_${w}_${dt}.log" \
+        | grep -E '^(====|summary)'
+    done ;;
+  compile-autotune)  # issue 33 under max-autotune: VGGT-shaped 100 frames fp32, then CLIP-L/14-336 fp32 b8 (auto:
+    # their long calls on the opaque op inside CUDA graphs). fp32 GEMMs autotune in 30-50 s a shape (session 52), so
+    # Inductor's cache goes back as $out/ind.tgz: carry it as .ind/ind.tgz (run's carry) to go on where a call stopped
+    mkdir -p /tmp/ind && { [ -f .ind/ind.tgz ] && tar xzf .ind/ind.tgz -C /tmp/ind; true; }
+    for w in vggt_100f:1 vit_l14_clip_336:8; do
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind timeout 250 python3 recipes/bench_models.py --compile max-autotune \
+        --workloads "${w%%:*}" --dtypes fp32 --batches "${w##*:}" --rounds 5 --calls 5 --out "$out/autotune_${w%%:*}.json" \
+        2>&1 | tee "$out/autotune_${w%%:*}.log" | grep -v '^ '
+    done
+    tar czf "$out/ind.tgz" -C /tmp/ind . ;;
   compile)
     timeout 560 python3 recipes/bench_models.py --compile default --workloads vit_b16,swin_t --dtypes fp32,bf16 \
       --batches 8 --rounds 3 --calls 5 --profile --out "$out/compile.json" 2>&1 | tee "$out/compile.log" | tail -30 ;;
