@@ -197,9 +197,10 @@ _DECLARED = (
          choices=("inline", "opaque", "auto")),
     Knob(PRECOMPILE, "choice", _choices("0", "1"), "1",
          "1: while torch.compile traces a call that will run on the opaque op (a long call under ELSA_COMPILE_OP=auto, "
-         "or every call under opaque), the Triton kernels its first run would compile are compiled in a background "
-         "thread (launch.precompile: its launches recorded on fake tensors, then Triton's warmup), overlapping "
-         "Inductor's own compile; 0: they compile at that first run", _choice("0", "1"),
+         "or every call under opaque), the Triton kernels its first run would compile are compiled in two background "
+         "threads (launch.precompile: its launches recorded on fake tensors, then Triton's warmup), overlapping "
+         "Inductor's own compile, and the first run waits for any still compiling; 0: they compile at that first run",
+         _choice("0", "1"),
          choices=("0", "1")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
          "set by benchmarks/lab/ncu_profile.py in the process it profiles", _flag, scope="internal"),

@@ -819,11 +819,12 @@ PENDING: list = []  # the futures of kernels submitted and not yet waited for (w
 
 
 def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=None) -> Optional[str]:
-    """Starts compiling, in a background thread, the Triton kernels that :func:`attention` would launch for a call on
+    """Starts compiling, in background threads, the Triton kernels that :func:`attention` would launch for a call on
     these fake tensors (static sizes, a CUDA device), for a call that torch.compile traces to the opaque op: its
-    launches are recorded on the fake tensors (``replay.wrapped_launches`` given a list, the launcher as the inline
-    op traces it) and each kernel is compiled by Triton's ``warmup`` for the same specialisation (tensors as their
-    dtype and 16-byte alignment), into the caches its first run reads. Returns None when started, else why not: the knob
+    launches are recorded on the fake tensors (``replay.wrapped_launches`` given a list: the launches a real run
+    makes, a bool mask as its ``uint8`` view) and each kernel is compiled by Triton's ``warmup`` for the same
+    specialisation (tensors as their dtype and 16-byte alignment), into the caches its first run reads; the opaque op
+    waits for those still compiling (:func:`wait_precompiled`). Returns None when started, else why not: the knob
     (``ELSA_PRECOMPILE=0``), a call the inline op takes (Inductor compiles its kernels), or one the launcher cannot
     plan on fake tensors (the Hopper kernel, K/V staged by heads or key chunks: they compile at their first run)."""
     from . import interface, ops

@@ -183,3 +183,38 @@ def test_compile_cache_counts_the_kernels_a_warm_process_compiled(load_recipe, m
             (tmp_path / d / f"{n}.json").write_text("{}")
         (tmp_path / d / "x.cubin").write_text("")
     assert cc._triton_entries(str(tmp_path)) == {("A", "elsa_fwd"), ("B", "mask_tile_ranges")}
+
+
+def test_compile_cache_runs_each_cold_process_on_fresh_caches(load_recipe, monkeypatch, tmp_path, capsys):
+    """``compile_cache.py --side both --cold 2 --warm 1``: two cold processes a side, each on caches of its own that
+    nothing compiled into before, then a warm one on the last cold one's; the summary's ratios are of the medians."""
+    import argparse
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
+    cc = load_recipe("compile_cache")
+    seen = []
+
+    def fake_run(cmd, env, **kw):
+        side = cmd[cmd.index("--side") + 1]
+        cache = env["TRITON_CACHE_DIR"]
+        fresh = not os.path.exists(cache)
+        os.makedirs(cache, exist_ok=True)
+        seen.append((side, cache, fresh))
+        s = {"native": 10.0, "converted": 11.0}[side] * (1 if fresh else 0.2) + len(seen) / 100
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps({"compile_s": s}) + "\n", stderr="")
+
+    monkeypatch.setattr(cc.subprocess, "run", fake_run)
+    monkeypatch.setattr(cc.torch.cuda, "get_device_name", lambda *a: "test")
+    a = argparse.Namespace(cold=2, warm=1, workload="swin_t", dtype="fp32", batch=8, full_path=False)
+    assert cc.both_sides(a) == 0
+    assert [(s, f) for s, _, f in seen] == [("native", True), ("converted", True), ("native", True),
+                                            ("converted", True), ("native", False), ("converted", False)]
+    caches = [c for _, c, _ in seen]
+    assert len(set(caches[:4])) == 4 and caches[4] == caches[2] and caches[5] == caches[3]
+    summary = json.loads(capsys.readouterr().out.split("converted / native):", 1)[1])
+    assert summary["native_cold_s"] == [10.01, 10.03] and summary["converted_cold_s"] == [11.02, 11.04]
+    assert summary["cold_ratio_of_medians"] == round(11.03 / 10.02, 3)

@@ -168,18 +168,18 @@ case "$part" in
     timeout 150 python3 benchmarks/lab/bwd_host.py --profile 30 2>&1 | tee "$out/bwd_host.log" | grep -v "^ "
     timeout 400 python3 benchmarks/lab/host_profile.py 2>&1 | tee "$out/host_profile.log" \
       | grep -E "^(GPU|dynamo|compiled|  host|converted step|train|bert)" ;;
-  compile-time|compile-time-2)  # issue 33's compile-time target (<= 1.2x native; compile_cache.py --side both: each
-    # side in processes of its own on caches of its own, one cold then one warm) for every cell of the issue's table and
-    # LLaMA 4K prefill, in two parts of ~7-9 min on an H200 (CLIP and LLaMA: ~45 s a process). Args (optional):
-    # cells WORKLOAD:DTYPE:BATCH replacing the part's own
-    if [ "$part" = compile-time ]; then cells=(llama13b_2l_4k:fp32:1 llama13b_2l_4k:bf16:1 vit_l14_clip_336:fp32:8)
-    else cells=(vit_b16:bf16:8 vit_b16:fp32:8 swin_t:fp32:8 deit3_s:bf16:64); fi
+  compile-time|compile-time-2)  # issue 33's compile-time target (<= 1.2x native) for every cell of the issue's table
+    # and LLaMA 4K prefill (compile_cache.py --side both: each side in processes of its own on caches of its own; COLD
+    # cold processes a side (default 2, fresh caches each), WARM warm ones (default 0)), in two parts of ~8 min on an
+    # H200 (LLaMA and CLIP: ~45 s a process). Args (optional): cells WORKLOAD:DTYPE:BATCH replacing the part's own
+    if [ "$part" = compile-time ]; then cells=(llama13b_2l_4k:fp32:1 vit_l14_clip_336:fp32:8 vit_b16:bf16:8)
+    else cells=(llama13b_2l_4k:bf16:1 vit_b16:fp32:8 swin_t:fp32:8 deit3_s:bf16:64); fi
     [ $# -gt 0 ] && cells=("$@")
     for c in "${cells[@]}"; do
       IFS=: read -r w dt b <<< "$c"
-      timeout 280 python3 benchmarks/lab/compile_cache.py --side both --warm 1 --workload "$w" --dtype "$dt" \
-        --batch "$b" 2>&1 | grep -E '^(GPU|====|\{|summary)' | tee "$out/compile_time_${w}_${dt}.log" \
-        | grep -E '^(====|summary)'
+      timeout 250 python3 benchmarks/lab/compile_cache.py --side both --cold "${COLD:-2}" --warm "${WARM:-0}" \
+        --workload "$w" --dtype "$dt" --batch "$b" 2>&1 | grep -E '^(GPU|====|\{|summary)' \
+        | tee "$out/compile_time_${w}_${dt}.log" | grep -E '^(====|summary)'
     done ;;
   compile-autotune)  # issue 33 under max-autotune: VGGT-shaped 100 frames fp32, then CLIP-L/14-336 fp32 b8 (auto:
     # their long calls on the opaque op inside CUDA graphs). fp32 GEMMs autotune in 30-50 s a shape (session 52), so
