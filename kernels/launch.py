@@ -863,8 +863,8 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
     PRECOMPILE["calls"] += 1
     index = q.device.index if q.device.index is not None or q.device.type != "cuda" else torch.cuda.current_device()
     for fn, grid, args, kwargs in launches:  # (a kernel a task: the pool's two threads compile two at once)
-        spec = (fn, grid, tuple(_mock(a) for a in args), {n: _mock(a) for n, a in kwargs.items()})
-        PENDING.append(_POOL[0].submit(_warm, [spec], index))
+        PENDING.append(_POOL[0].submit(_warm, fn, grid, tuple(_mock(a) for a in args),
+                                       {n: _mock(a) for n, a in kwargs.items()}, index))
     return None
 
 
@@ -905,24 +905,23 @@ def _mock(a):
 _MOCK: list = []  # [the mock tensor class], made at the first use (triton imported then)
 
 
-def _warm(specs, device_index) -> None:
-    """Compiles each recorded launch's kernel (background thread); a failure is counted and logged, and the kernel
-    then compiles at its first run."""
+def _warm(fn, grid, args, kwargs, device_index) -> None:
+    """Compiles one recorded launch's kernel (a pool thread); a failure is counted and logged, and the kernel then
+    compiles at its first run."""
     import time
 
-    for fn, grid, args, kwargs in specs:
-        t0 = time.perf_counter()
-        error = None
-        try:
-            with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
-                fn.warmup(*args, grid=grid, **kwargs)
-        except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
-            error = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
-            log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s", error)
-        with _STATS_LOCK:  # (the pool's threads)
-            PRECOMPILE["kernels" if error is None else "errors"] += 1
-            PRECOMPILE["last_error"] = error or PRECOMPILE["last_error"]
-            PRECOMPILE["compiled_s"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    error = None
+    try:
+        with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
+            fn.warmup(*args, grid=grid, **kwargs)
+    except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
+        error = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
+        log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s", error)
+    with _STATS_LOCK:  # (the pool's threads)
+        PRECOMPILE["kernels" if error is None else "errors"] += 1
+        PRECOMPILE["last_error"] = error or PRECOMPILE["last_error"]
+        PRECOMPILE["compiled_s"] += time.perf_counter() - t0
 
 
 def mask_tile_classes(mask, nq: int, nk: int, block_m: int, block_n: int) -> torch.Tensor:

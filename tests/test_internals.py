@@ -200,8 +200,8 @@ scan.elsa_fwd.cache_key  # (the order that gave the other key)
 passes = internals.settle_cache_keys(vars(scan))
 settled36 = scan.elsa_fwd.cache_key
 jit.DependenciesFinder._update_hash = real
-print(json.dumps(dict(unsettled=unsettled, kernel_first=kernel_first, helpers_first=helpers_first, settled36=settled36, passes=passes,
-                      settled=settled["elsa_fwd"])))
+print(json.dumps(dict(unsettled=unsettled, kernel_first=kernel_first, helpers_first=helpers_first,
+                      settled36=settled36, passes=passes, settled=settled["elsa_fwd"])))
 """
 
 

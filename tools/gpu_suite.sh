@@ -4,7 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | compile-time | compile-time-2 | compile-autotune | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   races | compile-time | compile-time-2 | compile-autotune | exec (then: OUTDIR COMMAND..., run with the package
+#   mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -187,7 +188,8 @@ case "$part" in
     mkdir -p /tmp/ind && { [ -f .ind/ind.tgz ] && tar xzf .ind/ind.tgz -C /tmp/ind; true; }
     for w in vggt_100f:1 vit_l14_clip_336:8; do
       TORCHINDUCTOR_CACHE_DIR=/tmp/ind timeout 250 python3 recipes/bench_models.py --compile max-autotune \
-        --workloads "${w%%:*}" --dtypes fp32 --batches "${w##*:}" --rounds 5 --calls 5 --out "$out/autotune_${w%%:*}.json" \
+        --workloads "${w%%:*}" --dtypes fp32 --batches "${w##*:}" --rounds 5 --calls 5 \
+        --out "$out/autotune_${w%%:*}.json" \
         2>&1 | tee "$out/autotune_${w%%:*}.log" | grep -v '^ '
     done
     tar czf "$out/ind.tgz" -C /tmp/ind . ;;
