@@ -811,7 +811,7 @@ def long_call(q, k, v, is_causal: bool) -> Optional[str]:
 # traces (issue 33's compile time, session 54: the opaque op compiles them on its first run, after Inductor's compile,
 # serially; Triton's compile leaves Python most of the GIL: a pure-Python thread kept 84 % of its rate beside one on a
 # CPU). Stats for benchmarks/lab/compile_cache.py; one submission per call signature.
-PRECOMPILE = {"calls": 0, "kernels": 0, "compiled_s": 0.0, "errors": 0, "last_error": None, "not": {}}
+PRECOMPILE = {"calls": 0, "kernels": 0, "loaded": 0, "compiled_s": 0.0, "errors": 0, "last_error": None, "not": {}}
 _PRECOMPILED: set = set()
 _POOL: list = []  # [ThreadPoolExecutor], made at the first submission
 _STATS_LOCK = threading.Lock()
@@ -911,17 +911,39 @@ def _warm(fn, grid, args, kwargs, device_index) -> None:
     import time
 
     t0 = time.perf_counter()
-    error = None
-    try:
-        with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
-            fn.warmup(*args, grid=grid, **kwargs)
-    except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
-        error = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
-        log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s", error)
+    error = loaded = None
+    with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
+        try:
+            kernel = fn.warmup(*args, grid=grid, **kwargs)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
+            error = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
+            log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s", error)
+        else:
+            loaded = _load(kernel)
     with _STATS_LOCK:  # (the pool's threads)
         PRECOMPILE["kernels" if error is None else "errors"] += 1
+        PRECOMPILE["loaded"] += loaded is True
         PRECOMPILE["last_error"] = error or PRECOMPILE["last_error"]
         PRECOMPILE["compiled_s"] += time.perf_counter() - t0
+
+
+def _load(kernel) -> Optional[bool]:
+    """Loads a kernel that :func:`_warm` compiled onto the current GPU and builds its launcher (Triton's
+    ``CompiledKernel._init_handles``, which its first launch calls otherwise): the launcher is a C module that Triton
+    builds with the host compiler for each new signature, about 0.25 s each on a cold cache (session 56's profile of
+    LLaMA-13B-shaped 4K bf16: three of the first run's 0.8 s in the main thread). True when loaded, None where there
+    is nothing to load (no GPU: the CPU tests compile for an sm_90 target; a Triton whose kernel has no
+    ``_init_handles``), False on a failure (logged: the first launch loads it)."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is None or not torch.cuda.is_available():
+        return None
+    try:
+        init()
+    except Exception as e:  # noqa: BLE001 - an optimisation: the first launch loads what this did not
+        log.info("elsa_surgery: loading a precompiled kernel failed (its first launch loads it): %s: %s",
+                 type(e).__name__, str(e)[:200])
+        return False
+    return True
 
 
 def mask_tile_classes(mask, nq: int, nk: int, block_m: int, block_n: int) -> torch.Tensor:
