@@ -125,7 +125,8 @@ def test_isolated_compile_times_each_side_in_processes_of_its_own(tmp_path, load
     assert row["compile_cold_ratio"] > 0 and row["compile_warm_ratio"] > 0
     for run_ in ("cold", "warm"):  # the converted child's memo of torch's kernel analysis (none traced on a CPU)
         assert set(row[f"ttir_memo_{run_}"]) == {"installed", "hits", "misses", "miss_s", "others"}, row
-        assert set(row[f"precompile_{run_}"]) == {"calls", "kernels", "compiled_s", "errors", "last_error", "not"}
+        assert set(row[f"precompile_{run_}"]) == {"calls", "kernels", "loaded", "compiled_s", "errors", "last_error",
+                                                    "not"}
     assert [r[0] for r in runs] == ["native", "converted", "native", "converted"]
     assert runs[0][1:] == runs[2][1:] and runs[1][1:] == runs[3][1:] and runs[0][1] != runs[1][1]
     said = [ln.split(", ")[-1].split(":")[0] for ln in capsys.readouterr().out.splitlines()
