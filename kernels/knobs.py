@@ -198,8 +198,9 @@ _DECLARED = (
     Knob(PRECOMPILE, "choice", _choices("0", "1"), "1",
          "1: while torch.compile traces a call that will run on the opaque op (a long call under ELSA_COMPILE_OP=auto, "
          "or every call under opaque), the Triton kernels its first run would compile are compiled in two background "
-         "threads (launch.precompile: its launches recorded on fake tensors, then Triton's warmup), overlapping "
-         "Inductor's own compile, and the first run waits for any still compiling; 0: they compile at that first run",
+         "threads (launch.precompile: its launches recorded on fake tensors, then Triton's warmup; each kernel then "
+         "loaded and its launcher built there), overlapping Inductor's own compile, and the first run waits for any "
+         "still compiling; 0: they compile at that first run",
          _choice("0", "1"),
          choices=("0", "1")),
     Knob(NCU_CHILD, "flag", "any value (unset or empty: off)", False,
