@@ -782,7 +782,10 @@ def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=N
     how = "force" if plan.hopper_mode == "1" else plan.hopper_mode
     why_not = hopper.eligible(q, k, v, out, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, varlen=False,
                               state=None, scale=scale, precision=precision, is_causal=is_causal, how=how)
-    return "the Hopper kernel" if why_not is None else None
+    return HOPPER_CALL if why_not is None else None
+
+
+HOPPER_CALL = "the Hopper kernel"  # (not_inline's answer for a call the Hopper kernel takes)
 
 
 # ELSA_COMPILE_OP=auto: calls of at least this many multiply-adds (QK^T and PV, B * Hq * Nq * Nk * (D + Dv), halved
@@ -826,7 +829,11 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
     specialisation (tensors as their dtype and 16-byte alignment), into the caches its first run reads; the opaque op
     waits for those still compiling (:func:`wait_precompiled`). Returns None when started, else why not: the knob
     (``ELSA_PRECOMPILE=0``), a call the inline op takes (Inductor compiles its kernels), or one the launcher cannot
-    plan on fake tensors (the Hopper kernel, K/V staged by heads or key chunks: they compile at their first run)."""
+    plan on fake tensors (K/V staged by heads or key chunks: they compile at their first run). A call the Hopper
+    kernel takes runs on the opaque op whatever ``ELSA_COMPILE_OP`` says: its Gluon kernel is compiled here too, its
+    TMA descriptors made on the fake tensors (Triton specialises a descriptor on its dtype, block and layout alone;
+    session 56, not yet run on a GPU: a kernel this fails to compile compiles at its first run, the failure
+    logged)."""
     from . import interface, ops
 
     if knobs.get(knobs.PRECOMPILE) == "0":
@@ -838,8 +845,7 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
     precision = precision or None
     if q.dtype == torch.float32 and precision is None:
         precision = default_precision(q.device)
-    if interface.inference_op() is ops.attention_inline_op and long_call(q, k, v, is_causal) is None:
-        return "the inline op: Inductor compiles its kernels"
+    inline = interface.inference_op() is ops.attention_inline_op and long_call(q, k, v, is_causal) is None
     sig = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, q.device,
            None if mask is None else (tuple(mask.shape), mask.stride(), mask.dtype), float(scale), bool(is_causal),
            precision)
@@ -851,7 +857,9 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
     launches: list = []
     with torch._guards.detect_fake_mode((q, k, v)) or contextlib.nullcontext(), replay.wrapped_launches(launches):
         why = not_inline(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, long=False)
-        if why is not None:
+        if why is None and inline:
+            return "the inline op: Inductor compiles its kernels"
+        if why is not None and why != HOPPER_CALL:  # (the Hopper kernel's call runs on the opaque op: compiled here)
             return why
         attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, return_lse=False)
     if not launches:
@@ -912,14 +920,13 @@ def _warm(fn, grid, args, kwargs, device_index) -> None:
 
     t0 = time.perf_counter()
     error = loaded = None
-    with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
-        try:
+    try:
+        with torch.cuda.device(device_index) if device_index is not None else contextlib.nullcontext():
             kernel = fn.warmup(*args, grid=grid, **kwargs)
-        except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
-            error = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
-            log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s", error)
-        else:
-            loaded = _load(kernel)
+            loaded = _load(kernel)  # (never raises)
+    except Exception as e:  # noqa: BLE001 - an optimisation: the first run compiles what this did not
+        error = f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
+        log.info("elsa_surgery: precompiling a kernel failed (it compiles at its first run): %s", error)
     with _STATS_LOCK:  # (the pool's threads)
         PRECOMPILE["kernels" if error is None else "errors"] += 1
         PRECOMPILE["loaded"] += loaded is True
