@@ -804,10 +804,9 @@ def test_a_call_traced_to_the_inline_op_matches_the_ptxas_before_inductor_compil
     torch._dynamo.reset()
 
 
-_PRECOMPILE = r"""
-import json, os, sys, tempfile, torch
+_SM90_COMPILER = r"""
+import contextlib, json, os, sys, tempfile, torch
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # (every kernel compiled here, not read from a cache)
-import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -829,11 +828,7 @@ class Sm90:  # Triton's compiler for an sm_90 target without a GPU (ptxas includ
 driver.set_active(Sm90())
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import JITFunction
-from elsa_surgery.kernels import knobs, launch, replay
-os.environ[knobs.COMPILE_OP] = "opaque"
-os.environ[knobs.PRECISE_SPLIT] = "f16"
-launch._triton_device = lambda t: True
-compiles = []
+compiles = []  # the name of every kernel Triton compiles
 real_compile = JITFunction._do_compile
 
 
@@ -843,6 +838,14 @@ def counted(self, *a, **kw):
 
 
 JITFunction._do_compile = counted
+"""
+
+
+_PRECOMPILE = _SM90_COMPILER + r"""
+from elsa_surgery.kernels import knobs, launch, replay
+os.environ[knobs.COMPILE_OP] = "opaque"
+os.environ[knobs.PRECISE_SPLIT] = "f16"
+launch._triton_device = lambda t: True
 calls = [("masked", (1, 4, 300, 16), (1, 2, 300, 16), True, "strict"),
          ("precise", (1, 4, 2048, 64), (1, 4, 2048, 64), False, "precise")]
 out = {}
@@ -898,30 +901,7 @@ def test_precompile_compiles_what_the_first_run_launches():
     assert got["compiled_again"] == [], got
 
 
-_PRECOMPILE_HOPPER = r"""
-import contextlib, json, os, tempfile, torch
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # (every kernel compiled here, not read from a cache)
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-
-
-class Sm90:  # Triton's compiler for an sm_90 target without a GPU (ptxas included)
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def is_active(self):
-        return True
-
-
-driver.set_active(Sm90())
-from torch._subclasses.fake_tensor import FakeTensorMode
-from triton.runtime.jit import JITFunction
+_PRECOMPILE_HOPPER = _SM90_COMPILER + r"""
 from elsa_surgery.kernels import hopper, knobs, launch, occupancy, replay
 if hopper.gluon is None:
     print(json.dumps({"skip": "no Gluon in this Triton"}))
@@ -934,16 +914,6 @@ occupancy._l2_bytes = lambda index: 50 << 20
 torch.cuda.current_device = lambda: 0
 torch.cuda.device = lambda index: contextlib.nullcontext()
 torch.cuda.is_current_stream_capturing = lambda: False
-compiles = []
-real_compile = JITFunction._do_compile
-
-
-def counted(self, *a, **kw):
-    compiles.append(self.fn.__name__)
-    return real_compile(self, *a, **kw)
-
-
-JITFunction._do_compile = counted
 # bf16 (the wgmma kernel), fp32 strict (the FMA kernel), fp32 turbo (TF32 wgmma), each long enough for the Hopper
 # kernel in an eager call without encoded TMA maps (hopper.MIN_WORK*); causal for one
 calls = [("bf16", torch.bfloat16, (8, 8, 2048, 64), False, None),
