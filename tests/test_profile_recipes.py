@@ -186,8 +186,9 @@ def test_compile_cache_counts_the_kernels_a_warm_process_compiled(load_recipe, m
 
 
 def test_compile_cache_runs_each_cold_process_on_fresh_caches(load_recipe, monkeypatch, tmp_path, capsys):
-    """``compile_cache.py --side both --cold 2 --warm 1``: two cold processes a side, each on caches of its own that
-    nothing compiled into before, then a warm one on the last cold one's; the summary's ratios are of the medians."""
+    """``compile_cache.py --side both --cold 2 --warm 1 --no-eager``: two cold processes a side, each on caches of its
+    own that nothing compiled into before, then a warm one on the last cold one's, each told ``--no-eager``; the
+    summary's ratios are of the medians."""
     import argparse
     import json
     import os
@@ -196,7 +197,7 @@ def test_compile_cache_runs_each_cold_process_on_fresh_caches(load_recipe, monke
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
     cc = load_recipe("compile_cache")
-    seen = []
+    seen, flags = [], []
 
     def fake_run(cmd, env, **kw):
         side = cmd[cmd.index("--side") + 1]
@@ -204,13 +205,15 @@ def test_compile_cache_runs_each_cold_process_on_fresh_caches(load_recipe, monke
         fresh = not os.path.exists(cache)
         os.makedirs(cache, exist_ok=True)
         seen.append((side, cache, fresh))
+        flags.append("--no-eager" in cmd)
         s = {"native": 10.0, "converted": 11.0}[side] * (1 if fresh else 0.2) + len(seen) / 100
         return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps({"compile_s": s}) + "\n", stderr="")
 
     monkeypatch.setattr(cc.subprocess, "run", fake_run)
     monkeypatch.setattr(cc.torch.cuda, "get_device_name", lambda *a: "test")
-    a = argparse.Namespace(cold=2, warm=1, workload="swin_t", dtype="fp32", batch=8, full_path=False)
+    a = argparse.Namespace(cold=2, warm=1, workload="swin_t", dtype="fp32", batch=8, full_path=False, no_eager=True)
     assert cc.both_sides(a) == 0
+    assert flags == [True] * 6  # (--no-eager passed on to every process)
     assert [(s, f) for s, _, f in seen] == [("native", True), ("converted", True), ("native", True),
                                             ("converted", True), ("native", False), ("converted", False)]
     caches = [c for _, c, _ in seen]

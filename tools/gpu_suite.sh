@@ -172,14 +172,15 @@ case "$part" in
   compile-time|compile-time-2)  # issue 33's compile-time target (<= 1.2x native) for every cell of the issue's table
     # and LLaMA 4K prefill (compile_cache.py --side both: each side in processes of its own on caches of its own; COLD
     # cold processes a side (default 2, fresh caches each), WARM warm ones (default 0)), in two parts of ~8 min on an
-    # H200 (LLaMA and CLIP: ~45 s a process). Args (optional): cells WORKLOAD:DTYPE:BATCH replacing the part's own
+    # H200 (LLaMA and CLIP: ~45 s a process); NO_EAGER=1: no eager call first (compile_cache.py --no-eager).
+    # Args (optional): cells WORKLOAD:DTYPE:BATCH replacing the part's own
     if [ "$part" = compile-time ]; then cells=(llama13b_2l_4k:fp32:1 vit_l14_clip_336:fp32:8 vit_b16:bf16:8)
     else cells=(llama13b_2l_4k:bf16:1 vit_b16:fp32:8 swin_t:fp32:8 deit3_s:bf16:64); fi
     [ $# -gt 0 ] && cells=("$@")
     for c in "${cells[@]}"; do
       IFS=: read -r w dt b <<< "$c"
       timeout 250 python3 benchmarks/lab/compile_cache.py --side both --cold "${COLD:-2}" --warm "${WARM:-0}" \
-        --workload "$w" --dtype "$dt" --batch "$b" 2>&1 | grep -E '^(GPU|====|\{|summary)' \
+        --workload "$w" --dtype "$dt" --batch "$b" ${NO_EAGER:+--no-eager} 2>&1 | grep -E '^(GPU|====|\{|summary)' \
         | tee "$out/compile_time_${w}_${dt}.log" | grep -E '^(====|summary)'
     done ;;
   compile-autotune)  # issue 33 under max-autotune: VGGT-shaped 100 frames fp32, then CLIP-L/14-336 fp32 b8 (auto:
