@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import threading
+import warnings
 from dataclasses import dataclass, replace
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -861,7 +862,11 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
             return "the inline op: Inductor compiles its kernels"
         if why is not None and why != HOPPER_CALL:  # (the Hopper kernel's call runs on the opaque op: compiled here)
             return why
-        attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, return_lse=False)
+        with warnings.catch_warnings():
+            # Gluon's TensorDescriptor checks its base's alignment through data_ptr(), which a fake tensor answers
+            # (0, aligned, as Inductor's storages are) with torch's deprecation warning: not the user's concern
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, return_lse=False)
     if not launches:
         return "no launches"
     if not _POOL:
