@@ -849,7 +849,7 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
     inline = interface.inference_op() is ops.attention_inline_op and long_call(q, k, v, is_causal) is None
     sig = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, q.device,
            None if mask is None else (tuple(mask.shape), mask.stride(), mask.dtype), float(scale), bool(is_causal),
-           precision)
+           precision, inline)
     if sig in _PRECOMPILED:
         return "submitted before"
     if len(_PRECOMPILED) >= 4096:  # (signatures without end, as a growing cache's: compiled again at worst)
