@@ -1197,7 +1197,6 @@ def counted(self, *a, **kw):
 
 JITFunction._do_compile = counted
 loaded = {"main": [], "background": [], "eager": []}
-CompiledKernel = type(None)
 try:
     from triton.compiler.compiler import CompiledKernel
     real_init = CompiledKernel._init_handles

@@ -10,9 +10,8 @@ compiled call. ``--profile FILE`` writes a cProfile of that call (``pstats`` for
 ``--side both`` runs the processes itself and gives the ratio (session 41: single warm processes of Swin-T fp32 read
 1.06x and 1.36x on one machine kind): each side on fresh caches of its own, ``--cold`` cold processes (fresh caches
 each), then ``--warm`` warm ones, the two sides alternated (the host's drift falls on both); the summary holds every
-process's seconds and the
-ratio of the medians, converted over native, and how many Triton cache entries each warm process added (kernels it
-compiled again). ``--profile`` is not passed on (cProfile slows the call).
+process's seconds and the ratio of the medians, converted over native, and how many Triton cache entries each warm
+process added (kernels it compiled again). ``--profile`` is not passed on (cProfile slows the call).
 
     python benchmarks/lab/compile_cache.py --side both --workload swin_t --dtype fp32 [--warm 3]
 
