@@ -585,7 +585,20 @@ def tf32_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int
 
 
 def _desc(t: torch.Tensor, block):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(tuple(block), t.dtype))
+    layout = _layout(tuple(block), t.dtype)
+    if not torch._subclasses.fake_tensor.is_fake(t):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    # launch.precompile records the launches on fake tensors. The descriptor's checks read its base's data_ptr(),
+    # which a fake tensor refuses in torch 2.11 (a RuntimeError: session 57's GPU run) and answers with a deprecation
+    # warning in 2.14. Triton specialises a descriptor on its dtype, block and layout alone, and the recorded launch
+    # is only compiled, never run: the fields are set without the checks (the real call's descriptor makes them).
+    import dataclasses
+
+    d = object.__new__(TensorDescriptor)
+    given = dict(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=list(block), layout=layout)
+    for f in dataclasses.fields(TensorDescriptor):
+        object.__setattr__(d, f.name, given[f.name] if f.name in given else f.default)
+    return d
 
 
 def forward(q, k, v, out, lse, *, scale: float, is_causal: bool, precision: Optional[str] = None):

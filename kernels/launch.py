@@ -18,7 +18,6 @@ import contextlib
 import logging
 import math
 import threading
-import warnings
 from dataclasses import dataclass, replace
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -832,9 +831,8 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
     (``ELSA_PRECOMPILE=0``), a call the inline op takes (Inductor compiles its kernels), or one the launcher cannot
     plan on fake tensors (K/V staged by heads or key chunks: they compile at their first run). A call the Hopper
     kernel takes runs on the opaque op whatever ``ELSA_COMPILE_OP`` says: its Gluon kernel is compiled here too, its
-    TMA descriptors made on the fake tensors (Triton specialises a descriptor on its dtype, block and layout alone;
-    session 56, not yet run on a GPU: a kernel this fails to compile compiles at its first run, the failure
-    logged)."""
+    TMA descriptors made on the fake tensors (Triton specialises a descriptor on its dtype, block and layout alone:
+    ``hopper._desc``; a kernel this fails to compile compiles at its first run, the failure logged)."""
     from . import interface, ops
 
     if knobs.get(knobs.PRECOMPILE) == "0":
@@ -862,11 +860,8 @@ def precompile(q, k, v, *, scale: float, mask=None, is_causal=False, precision=N
             return "the inline op: Inductor compiles its kernels"
         if why is not None and why != HOPPER_CALL:  # (the Hopper kernel's call runs on the opaque op: compiled here)
             return why
-        with warnings.catch_warnings():
-            # Gluon's TensorDescriptor checks its base's alignment through data_ptr(), which a fake tensor answers
-            # (0, aligned, as Inductor's storages are) with torch's deprecation warning: not the user's concern
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, return_lse=False)
+        # (the Hopper kernel's TMA descriptors are made on the fake tensors without their checks: hopper._desc)
+        attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal, precision=precision, return_lse=False)
     if not launches:
         return "no launches"
     if not _POOL:

@@ -921,11 +921,22 @@ calls = [("bf16", torch.bfloat16, (8, 8, 2048, 64), False, None),
          ("turbo", torch.float32, (2, 8, 1024, 128), False, "turbo")]
 out = {}
 import warnings
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def no_pointer(self):  # torch 2.11's answer (2.14: 0 with a deprecation warning); session 57's GPU run met it
+    raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)")
+
+
 with warnings.catch_warnings(record=True) as caught, FakeTensorMode():
     warnings.simplefilter("always")
-    for name, dt, shape, causal, prec in calls:
-        q = torch.empty(shape, dtype=dt, device="cuda")
-        out[name] = launch.precompile(q, q, q, scale=0.125, is_causal=causal, precision=prec)
+    FakeTensor.data_ptr = no_pointer
+    try:
+        for name, dt, shape, causal, prec in calls:
+            q = torch.empty(shape, dtype=dt, device="cuda")
+            out[name] = launch.precompile(q, q, q, scale=0.125, is_causal=causal, precision=prec)
+    finally:
+        del FakeTensor.data_ptr
 out["warnings"] = [str(w.message)[:100] for w in caught if "FakeTensor" in str(w.message)]
 launch._POOL[0].shutdown(wait=True)
 out["background"] = sorted(compiles)
@@ -962,7 +973,9 @@ def test_precompile_compiles_the_hopper_kernels_for_their_first_run():
     a GPU (Triton's compiler for that target, the device's properties stubbed), a bf16 call (the wgmma kernel), a
     causal ``strict`` call (the FMA kernel) and a ``turbo`` call (TF32 wgmma) are each submitted and compiled there
     without an error, and the launches of their first run, made as the eager launcher makes them, find every kernel
-    compiled: Triton compiles nothing again (a TMA descriptor made on a fake tensor specialises as the run's)."""
+    compiled: Triton compiles nothing again (a TMA descriptor made on a fake tensor specialises as the run's). The
+    fake tensors refuse ``data_ptr()`` while the calls are submitted, as torch 2.11's do (session 57: the GPU run's
+    failure, which torch 2.14's warning hid here)."""
     got = _traced_in_a_process(_PRECOMPILE_HOPPER)
     if "skip" in got:
         pytest.skip(got["skip"])
@@ -972,7 +985,7 @@ def test_precompile_compiles_the_hopper_kernels_for_their_first_run():
     assert got["background"] == ["_elsa_fwd_sm90", "_elsa_fwd_sm90", "_elsa_fwd_sm90_fma"], got
     assert got["stats"]["calls"] == 3 and got["stats"]["kernels"] == 3 and got["stats"]["errors"] == 0, got
     assert got["compiled_again"] == [], got
-    assert got["warnings"] == [], got  # (Gluon's descriptor reads the fake base's data_ptr: torch's warning kept in)
+    assert got["warnings"] == [], got  # (no data_ptr read of a fake base: hopper._desc)
 
 
 def test_traced_calls_ask_for_their_kernels_precompiled(monkeypatch):
