@@ -213,9 +213,24 @@ _LENGTHS_ATTR = "_elsa_kv_lengths"  # the per-row lengths that elsa_varlen_mask 
 
 
 def _last_visible(mask4d: torch.Tensor) -> torch.Tensor:
+    """One past the last key that any query row of any head sees, per batch row (int32 ``[B|1]``, 0 when none). A
+    decode step's mask (at most :data:`FUSED_PREFIX_MAX` elements) takes two launches, the positions of its visible
+    keys and their maximum; a longer one is reduced over its heads and rows first (no mask-sized int32 copy)."""
+    s = mask4d.shape[-1]
+    key = (s, mask4d.device)
+    position = _POSITIONS.get(key)  # 1..S, made once per length and device (decode steps share it)
+    if position is None:
+        if len(_POSITIONS) >= 16:
+            _POSITIONS.clear()
+        position = _POSITIONS[key] = torch.arange(1, s + 1, device=mask4d.device, dtype=torch.int32)
+    if mask4d.numel() <= FUSED_PREFIX_MAX:
+        return torch.where(mask4d, position, 0).flatten(1).amax(dim=-1)
     seen = mask4d.any(dim=2).any(dim=1)  # [B|1, S]: keys some query row of some head sees
-    position = torch.arange(1, seen.shape[-1] + 1, device=seen.device, dtype=torch.int32)
-    return (seen * position).amax(dim=-1).to(torch.int32)
+    return torch.where(seen, position, 0).amax(dim=-1)
+
+
+FUSED_PREFIX_MAX = 1 << 22  # mask elements up to which _last_visible takes its two-launch form (16 MiB of int32)
+_POSITIONS: dict = {}  # (keys, device) -> int32 positions 1..keys
 
 
 def _visible_prefix(mask4d: torch.Tensor) -> torch.Tensor:

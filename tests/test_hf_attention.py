@@ -611,9 +611,21 @@ def test_static_cache_decode_reads_only_the_filled_keys(monkeypatch):
     assert all(L.dtype == torch.int32 and L.shape == (2,) for L in decode)
 
 
-def test_visible_prefix_of_a_mask():
+@pytest.mark.parametrize("fused_max", [1 << 22, 0])
+def test_visible_prefix_of_a_mask(monkeypatch, fused_max):
+    """Both forms of ``_last_visible`` (a decode step's two launches; a long mask's reductions first), against a
+    Python loop over random masks with per-head rows, batch rows with no visible key, and a mask broadcast over the
+    batch."""
+    monkeypatch.setattr(ta, "FUSED_PREFIX_MAX", fused_max)
     m = torch.zeros(3, 1, 2, 10, dtype=torch.bool)
     m[0, 0, 0, :4] = True
     m[0, 0, 1, 2:7] = True  # the last visible key of any query row counts
     m[1, 0, :, 5] = True  # holes before it stay the mask's business
-    assert ta._last_visible(m).tolist() == [7, 6, 0]
+    got = ta._last_visible(m)
+    assert got.dtype == torch.int32 and got.tolist() == [7, 6, 0]
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((4, 3, 5, 33), (1, 1, 1, 1030), (2, 2, 64, 17)):
+        m = torch.rand(shape, generator=gen) < 0.05
+        m[0] = False
+        want = [max((j + 1 for j in range(shape[-1]) if m[b, :, :, j].any()), default=0) for b in range(shape[0])]
+        assert ta._last_visible(m).tolist() == want, shape
