@@ -14,7 +14,10 @@ left is what the activations and attention need. ``--memory-gib`` caps the memor
 ``generate`` with the ``--cache`` implementations, dynamic and/or static): the native model and a converted deep copy
 held side by side and timed in interleaved rounds (A/B/A/B, ``--iters`` rounds, median), their greedy tokens
 compared; it prints native / converted seconds, the ratio (> 1: converted faster), decode tokens/s and whether the
-tokens are identical.
+tokens are identical. On a CUDA device transformers compiles the decode steps of a static cache itself
+(``torch.compile``, mode ``reduce-overhead``: CUDA graphs) for both models: such a cell is a compiled one, said so in
+its line (``decode compiled``), and its dispatch reasons cover the eager calls alone (the prefill); ``static-eager``
+turns that off (session 57: the Qwen2 static cells of sessions 35-36 were compiled ones).
 
 Examples (the device):
     python recipes/llama_long_context.py --generate --layers 2 --dtype bf16 --seq-lens 4096,32768 --cache dynamic,static
@@ -79,7 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--generate", action="store_true", help="time greedy generation, native vs converted (A/B)")
     p.add_argument("--new-tokens", type=int, default=128, help="--generate: tokens generated after the prompt")
-    p.add_argument("--cache", default="dynamic,static", help="--generate: comma list of dynamic, static")
+    p.add_argument("--cache", default="dynamic,static",
+                   help="--generate: comma list of dynamic, static, static-eager (a static cache with transformers' "
+                        "auto-compile of the decode steps off: generate(disable_compile=True))")
     return p.parse_args(argv)
 
 
@@ -228,6 +233,23 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
     report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
     print(f"# converted {report.num_converted} attention modules (backend={args.backend})", flush=True)
     caches = [c.strip() for c in args.cache.split(",") if c.strip()]
+    unknown = sorted(set(caches) - {"dynamic", "static", "static-eager"})
+    if unknown:
+        raise SystemExit(f"--cache: {unknown} not among dynamic, static, static-eager")
+    compiled = {"calls": 0}  # transformers' get_compiled_call, asked for by generate's auto-compile
+
+    def spy(model):
+        real = model.get_compiled_call
+
+        def counted(*a, **kw):
+            compiled["calls"] += 1
+            return real(*a, **kw)
+
+        model.get_compiled_call = counted
+
+    for model in (native, converted):
+        if hasattr(model, "get_compiled_call"):
+            spy(model)
     g = torch.Generator(device=device).manual_seed(args.seed)
     rows = []
     for n in args.lengths:
@@ -235,8 +257,10 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
         for cache in caches:
             kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                       pad_token_id=0, attention_mask=torch.ones_like(ids))
-            if cache == "static":
+            if cache.startswith("static"):
                 kw["cache_implementation"] = "static"
+            if cache == "static-eager":
+                kw["disable_compile"] = True
 
             def run(model):
                 with torch.inference_mode():
@@ -248,6 +272,7 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                 # the first generation of each: the converted one's includes auto's races (a real user's first
                 # call at these lengths pays them), both include their warm-up
                 t0 = time.perf_counter()
+                compiled["calls"] = 0
                 with elsa_surgery.dispatch.record() as log:
                     out_c = run(converted)
                 _sync(device)
@@ -257,6 +282,7 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                 stage = "timed rounds"
                 _sync(device)
                 row["converted_first_s"], row["native_first_s"] = t1 - t0, time.perf_counter() - t1
+                row["decode_compiled"] = compiled["calls"] > 0
                 row["tokens_identical"] = bool(torch.equal(out_c, out_n))
                 row["tokens_agree"] = float((out_c[:, n:] == out_n[:, n:]).float().mean())
                 row["backends_used"] = sorted({d.backend + (f"/{d.precision}" if d.precision else "") for d in log})
@@ -282,7 +308,10 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                 row.update(status="error", error=f"{stage}: {type(exc).__name__}: {exc}"[:300])
             rows.append(row)
             if row["status"] == "ok":
-                print(f"generate {n:>6} + {args.new_tokens} {cache:7}: native {row['native_s']:.3f} s, converted "
+                print(f"generate {n:>6} + {args.new_tokens} {cache:7}: "
+                      + ("decode compiled by transformers (its auto-compile of a static cache, reduce-overhead by "
+                         "default; the reasons below cover the eager calls), " if row["decode_compiled"] else "")
+                      + f"native {row['native_s']:.3f} s, converted "
                       f"{row['converted_s']:.3f} s, ratio {row['ratio']:.3f}, tokens identical {row['tokens_identical']}"
                       f" ({row['tokens_agree']:.0%} agree), {','.join(row['backends_used'])}; first generation "
                       f"(warm-up, races) native {row['native_first_s']:.3f} s, converted "

@@ -221,3 +221,30 @@ def test_compile_cache_runs_each_cold_process_on_fresh_caches(load_recipe, monke
     summary = json.loads(capsys.readouterr().out.split("converted / native):", 1)[1])
     assert summary["native_cold_s"] == [10.01, 10.03] and summary["converted_cold_s"] == [11.02, 11.04]
     assert summary["cold_ratio_of_medians"] == round(11.03 / 10.02, 3)
+
+
+def test_generate_recipe_says_which_static_cells_transformers_compiled(load_recipe, monkeypatch):
+    """``llama_long_context.py --generate`` on the CPU (tiny shape, 2 layers): every cache kind runs, native and
+    converted give the same greedy tokens, and a cell whose decode steps transformers compiled itself (its
+    auto-compile of a static cache, which it does on CUDA devices: session 57 found the Qwen2 static cells of sessions
+    35-36 to be compiled ones) says so, ``static-eager`` turning that off. The auto-compile is stood in for on the
+    CPU: its criteria say yes for a static cache unless ``disable_compile``, and the 'compiled' call is the model's
+    own."""
+    from transformers import LlamaForCausalLM
+
+    m = load_recipe("llama_long_context")
+    def criteria(self, kw, cfg):
+        return not cfg.disable_compile and type(kw.get("cache")).__name__ == "StaticCache"
+
+    monkeypatch.setattr(LlamaForCausalLM, "_valid_auto_compile_criteria", criteria, raising=False)
+    monkeypatch.setattr(LlamaForCausalLM, "get_compiled_call", lambda self, cfg: self.__call__, raising=False)
+    args = m.parse_args(["--generate", "--shape", "tiny", "--layers", "2", "--device", "cpu", "--new-tokens", "3",
+                         "--iters", "1", "--cache", "dynamic,static,static-eager", "--backend", "reference"])
+    args.lengths = [24]
+    rows = m.generate_ab(args, torch.device("cpu"))
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    assert [r["decode_compiled"] for r in rows] == [False, True, False], rows
+    assert all(r["tokens_identical"] for r in rows), rows
+    with pytest.raises(SystemExit, match="static-graphs"):
+        args.cache = "static-graphs"
+        m.generate_ab(args, torch.device("cpu"))
