@@ -365,20 +365,21 @@ def backward_cell(dname, H, D, N, causal, baselines, B=1):
     return row
 
 
-def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("auto",), row_tiles=("same",)):
+def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("auto",), row_tiles=("same",),
+                   dq_modes=("rows", "atomic")):
     """``--backward --sweep``: the backward alone (one forward, its graph kept; ``torch.autograd.grad`` timed) for
-    every tile configuration of ``space`` (``kernels/backward_launch.set_tiles_override``), with dQ by atomics and
-    by the deterministic row pass, ``bwd_kv`` rows-major and keys-major, against the SDPA backends' backward on the
-    same inputs. Every configuration's gradients, and the baselines', are measured against float64 gradients
-    (SDPA's math kernel on float64 copies): a configuration more than 1.5x further from them than the worst
-    baseline (fp16/bf16; fp32: 1e-4, turbo 1e-2) is reported WRONG, not ranked (session 28: two configurations
-    differed from the others by 5e-3 where the rest agreed within 7e-5; against the first configuration alone, that
-    could not tell which was wrong). ``head_groups``: causal launches' head groups to try (``auto``: the rule of
-    ``occupancy.causal_head_group``; an integer forces ``ELSA_CAUSAL_HEAD_GROUP``; 1 = each head's blocks heaviest
-    first, one head after another: session 29's A/B question). ``row_tiles``: the row pass with the same tile as
-    ``bwd_kv`` (``same``) or transposed (``swapped``: ``set_tiles_override(row_swap=True)``). Each line gives the
-    wall-clock median and the kernels' own GPU time (``benchmark.kernel_ms``); the five fastest by kernel time are
-    returned as ``(kernel ms, wall ms, configuration)``."""
+    every tile configuration of ``space`` (``kernels/backward_launch.set_tiles_override``), with dQ by each of
+    ``dq_modes`` (``ELSA_BWD_DQ``: the deterministic row pass, atomic adds), ``bwd_kv`` rows-major and keys-major,
+    against the SDPA backends' backward on the same inputs. Every configuration's gradients, and the baselines', are
+    measured against float64 gradients (SDPA's math kernel on float64 copies): a configuration more than 1.5x further
+    from them than the worst baseline (fp16/bf16; fp32: 1e-4, turbo 1e-2) is reported WRONG, not ranked (session 28:
+    two configurations differed from the others by 5e-3 where the rest agreed within 7e-5; against the first
+    configuration alone, that could not tell which was wrong). ``head_groups``: causal launches' head groups to try
+    (``auto``: the rule of ``occupancy.causal_head_group``; an integer forces ``ELSA_CAUSAL_HEAD_GROUP``; 1 = each
+    head's blocks heaviest first, one head after another: session 29's A/B question). ``row_tiles``: the row pass with
+    the same tile as ``bwd_kv`` (``same``) or transposed (``swapped``: ``set_tiles_override(row_swap=True)``). Each
+    line gives the wall-clock median and the kernels' own GPU time (``benchmark.kernel_ms``); the five fastest by
+    kernel time are returned as ``(kernel ms, wall ms, configuration)``."""
     from elsa_surgery.kernels import backward_launch
 
     dtype, prec = DTYPES[dname]
@@ -418,8 +419,9 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
     saved = torch.are_deterministic_algorithms_enabled()
     split_only = prec in ("precise", "turbo") and knobs.get(knobs.BWD_SPLIT) == "f16"
     try:
-        for bm, bn, w, st, det, km, hg, rt in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
-                                                                 (False, True), (False, True), head_groups, row_tiles):
+        for bm, bn, w, st, dq, km, hg, rt in itertools.product(space["bm"], space["bn"], space["w"], space["s"],
+                                                                dq_modes, (False, True), head_groups, row_tiles):
+            det = dq == "rows"
             if rt == "swapped" and (not det or bm == bn):  # no row pass (atomic dQ), or the same tile
                 continue
             if not km and bn >= 4 * bm:  # runs keys-major (backward_launch._keys_major): timed on its keys-major line
@@ -429,10 +431,10 @@ def backward_sweep(dname, H, D, N, causal, space, baselines, B=1, head_groups=("
             backward_launch.set_tiles_override(occupancy.TileConfig(bm, bn, w, st), keys_major=km,
                                                row_swap=rt == "swapped")
             torch.use_deterministic_algorithms(det, warn_only=True)
-            tag = (f"bm={bm} bn={bn} w={w} s={st} dq={'rows' if det else 'atomic'} "
+            tag = (f"bm={bm} bn={bn} w={w} s={st} dq={dq} "
                    f"kv={'keys-major' if km else 'rows-major'}" + (f" hg={hg}" if len(head_groups) > 1 else "")
                    + (f" row={rt}" if len(row_tiles) > 1 else ""))
-            env = {"ELSA_BWD_DQ": "rows" if det else "atomic",
+            env = {"ELSA_BWD_DQ": dq,
                    "ELSA_CAUSAL_HEAD_GROUP": None if hg == "auto" else str(hg)}
             try:
                 with benchmark.environ(env):
@@ -472,6 +474,8 @@ def main(argv=None):
                     help="--backward --sweep: causal head groups to try, e.g. 'auto,1' (1: one head after another)")
     ap.add_argument("--bwd-row-tiles", default="same",
                     help="--backward --sweep: the row pass's tile, 'same' as bwd_kv's and/or 'swapped' (transposed)")
+    ap.add_argument("--bwd-dq", default="rows,atomic",
+                    help="--backward --sweep: dQ modes to try (ELSA_BWD_DQ: rows, atomic)")
     ap.add_argument("--graph", action="store_true",
                     help="also time ELSA and the SDPA baselines replayed from CUDA graphs (ratios gx*: kernel "
                          "against kernel, no launch overhead); with --sweep: time every tile that way")
@@ -534,7 +538,8 @@ def main(argv=None):
         for dname, (H, D), N, c in itertools.product(dnames, shapes, ns, causals):
             best = backward_sweep(dname, H, D, N, c, space, baselines,
                                   head_groups=tuple(a.bwd_head_groups.split(",")),
-                                  row_tiles=tuple(a.bwd_row_tiles.split(",")))
+                                  row_tiles=tuple(a.bwd_row_tiles.split(",")),
+                                  dq_modes=tuple(a.bwd_dq.split(",")))
             print(f"BEST backward {dname} H={H} D={D} N={N} causal={c}: {best}", flush=True)
         return
     if a.backward:
