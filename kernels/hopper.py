@@ -29,6 +29,7 @@ import functools
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake as _is_fake
 
 from . import knobs, replay
 from .occupancy import _cuda_index, _sms, capability, causal_head_group
@@ -586,7 +587,7 @@ def tf32_tiles(d: int, dv: int, is_causal: bool, *, tiles_128: int = 0, sms: int
 
 def _desc(t: torch.Tensor, block):
     layout = _layout(tuple(block), t.dtype)
-    if not torch._subclasses.fake_tensor.is_fake(t):
+    if type(t) is torch.Tensor or not _is_fake(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
     # launch.precompile records the launches on fake tensors. The descriptor's checks read its base's data_ptr(),
     # which a fake tensor refuses in torch 2.11 (a RuntimeError: session 57's GPU run) and answers with a deprecation

@@ -233,6 +233,7 @@ def test_generate_recipe_says_which_static_cells_transformers_compiled(load_reci
     from transformers import LlamaForCausalLM
 
     m = load_recipe("llama_long_context")
+
     def criteria(self, kw, cfg):
         return not cfg.disable_compile and type(kw.get("cache")).__name__ == "StaticCache"
 
