@@ -4,8 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | compile-time | compile-time-2 | compile-autotune | exec (then: OUTDIR COMMAND..., run with the package
-#   mapped).
+#   races | compile-time | compile-time-2 | compile-autotune | generate-eager | exec (then: OUTDIR COMMAND..., run
+#   with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -83,6 +83,14 @@ case "$part" in
     timeout 150 python3 recipes/llama_long_context.py --generate --shape qwen2-7b --layers 2 --dtype fp32 \
       --seq-lens 32768 --cache dynamic --iters 2 2>&1 | tee "$out/generate_qwen2_fp32_32k.log" | grep -v '^ ' \
       | cut -c1-300 ;;
+  generate-eager)  # session 57: the generate cells with every decode step eager (transformers compiles a static
+    # cache's decode steps itself on CUDA: --cache static-eager turns that off), LLaMA-13B- and Qwen2-7B-shaped, 2
+    # layers, bf16, 4K (args: lengths [4096], dtype [bf16]); about 1.5 minutes a model at 4K on an H200
+    for shape in 13b qwen2-7b; do
+      timeout 250 python3 recipes/llama_long_context.py --generate --shape $shape --layers 2 --dtype "${2:-bf16}" \
+        --seq-lens "${1:-4096}" --cache dynamic,static-eager --iters 5 2>&1 | tee "$out/generate_eager_$shape.log" \
+        | grep -v '^ ' | cut -c1-300
+    done ;;
   compile-inline)  # session 34: the inline op (ELSA_COMPILE_OP=inline) on the GPU, then compiled Swin-T inline vs
     # opaque in one call (the ops' host cost decides host-bound compiled models)
     gpu_tests pytest_gpu_inline.log "$repo/tests/test_compile.py" -k "inline"
