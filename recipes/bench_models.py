@@ -23,7 +23,8 @@ Qwen2-7B-shaped 2-layer models (prefill), BERT-base with padding, the CLIP ViT-L
 aggregator at 100 frames (``vggt_100f``). Each cell prints
 native ms, converted ms, their ratio (> 1: the converted model is faster), the attention share of the native
 time (``torch.profiler``), the backends the converted calls ran, and the output difference; ``--out`` writes
-JSON and ``--plot`` a PNG heat map of the ratios (matplotlib).
+JSON and ``--plot`` a PNG heat map of the ratios (matplotlib). ``--control`` times an A/A pair instead (both sides
+the native model: the method's noise floor on the host at hand), ``--cpu-smoke`` checks the flow on the CPU.
 
 ``--compile MODES`` (``default``, ``max-autotune``, ``reduce-overhead``; a comma list) runs the same workloads under
 ``torch.compile`` (issue 33): the native model compiled against a deep copy converted with ``convert(verify=False)``
@@ -238,7 +239,9 @@ def attention_share(fn) -> float:
 
 
 def ab_cell(name, dt, batch, args):
-    """One never-slower cell: native and converted (a deep copy) timed in interleaved rounds."""
+    """One never-slower cell: native and converted (a deep copy) timed in interleaved rounds. ``--control``: the A/A
+    control, the second side an unconverted copy (the method's noise floor: session 57 read native ViT-B/16 bf16 at
+    2.66 ms in one process and 5.00 ms in the next); ``--cpu-smoke``: a one-block model on the CPU (the flow only)."""
     import copy
 
     import elsa_surgery
@@ -246,12 +249,17 @@ def ab_cell(name, dt, batch, args):
     dtype, tf32 = AB_DTYPES[dt]
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+    device = "cpu" if args.cpu_smoke else "cuda"
     rec = dict(workload=name, dtype=dt, batch=batch, backend=args.backend)
     try:
-        native, call = ab_build(name, dtype, batch, "cuda")
+        native, call = ab_build(name, dtype, batch, device, smoke=args.cpu_smoke)
         converted = copy.deepcopy(native)
-        report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
-        rec["converted_modules"] = report.num_converted
+        if args.control:
+            rec["control"] = True
+            rec["converted_modules"] = 0
+        else:
+            report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
+            rec["converted_modules"] = report.num_converted
         with torch.inference_mode():
             ref = call(native).float()
             with elsa_surgery.dispatch.record() as log:
@@ -262,10 +270,10 @@ def ab_cell(name, dt, batch, args):
             rec["rel_err_vs_native"] = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
             del out, ref
             times = benchmark.interleaved_ms({"native": lambda: call(native), "converted": lambda: call(converted)},
-                                             rounds=args.rounds, calls=args.calls)
+                                             rounds=args.rounds, calls=args.calls, device=device)
             rec["native_ms"], rec["converted_ms"] = times["native"], times["converted"]
             rec["ratio"] = times["native"] / times["converted"]
-            if args.attn_share:
+            if args.attn_share and not args.cpu_smoke:
                 rec["attention_share"] = attention_share(lambda: call(native))
     except Exception as exc:  # one cell failing (OOM) must not stop the sweep
         rec["error"] = benchmark.error_text(exc)
@@ -299,20 +307,24 @@ def ab_main(args) -> int:
         for c in cells:
             print(*c)
         return 0
-    if not torch.cuda.is_available():
-        print("bench_models.py --eager needs a CUDA GPU", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print("bench_models.py --eager needs a CUDA GPU (or --cpu-smoke to check the script)", file=sys.stderr)
         return 2
-    env = benchmark.env_info("cuda")
-    print(f"# never-slower suite: {env.get('gpu')}, torch {env['torch']}; eager, interleaved rounds "
-          f"({args.rounds} x {args.calls} calls), ratio = native ms / converted ms", flush=True)
+    env = benchmark.env_info("cpu" if args.cpu_smoke else "cuda")
+    print(f"# never-slower suite: {env.get('gpu', 'cpu (smoke run)')}, torch {env['torch']}; eager, interleaved "
+          f"rounds ({args.rounds} x {args.calls} calls), ratio = native ms / converted ms"
+          + ("; A/A control: both sides native" if args.control else ""), flush=True)
+
     def describe(cell, rec):
         w, d, b = cell
         if "error" in rec:
             return [f"{w} {d} b{b}: {rec['error'][:160]}"]
         share = rec.get("attention_share")
-        return [f"{w} {d} b{b}: native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
+        return [f"{w} {d} b{b}: " + ("[A/A control: both sides native] " if rec.get("control") else "")
+                + f"native {rec['native_ms']:.3f} ms, converted {rec['converted_ms']:.3f} ms, "
                 f"ratio {rec['ratio']:.3f}" + (f", attention {share:.0%} of native" if share is not None else "")
-                + f", {','.join(rec['backends_used'])}, rel {rec['rel_err_vs_native']:.1e} ({rec['wall_s']:.0f} s)"]
+                + f", {','.join(rec['backends_used']) or 'no ELSA call'}, rel {rec['rel_err_vs_native']:.1e} "
+                f"({rec['wall_s']:.0f} s)"]
 
     records = sweep(cells, lambda w, d, b: ab_cell(w, d, b, args), describe, args.out, env)
     if args.plot:
@@ -848,8 +860,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="--compile: profile one native and one converted compiled call (where device time goes)")
     p.add_argument("--control", action="store_true",
-                   help="--compile: an A/A control: the second side is an unconverted deep copy of the native model, "
-                        "compiled and timed the same way (the ratio any difference in the method alone makes)")
+                   help="--compile, --eager: an A/A control: the second side is an unconverted deep copy of the native "
+                        "model, (compiled and) timed the same way (the ratio any difference in the method alone makes)")
     p.add_argument("--isolated-compile", action="store_true",
                    help="--compile: also time each side's first compiled call in processes of its own, with Inductor "
                         "and Triton caches of its own: cold (fresh caches: a first run on a new machine), then warm "
@@ -890,9 +902,9 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run the flow on the CPU (eager only, wall-clock timing of 3 calls, no memory numbers; "
-                        f"with --compile: one-block models of {', '.join(SMOKE_WORKLOADS)}, batch 1, at most 2 rounds "
-                        f"of 2 calls; with --train: {TRAIN_SMOKE_WORKLOAD} one block, fp32, batch 2, reference "
-                        "backend): a check of this script, not a measurement")
+                        f"with --compile and --eager: one-block models of {', '.join(SMOKE_WORKLOADS)}, batch 1, at "
+                        f"most 2 rounds of 2 calls; with --train: {TRAIN_SMOKE_WORKLOAD} one block, fp32, batch 2, "
+                        "reference backend): a check of this script, not a measurement")
     a = p.parse_args(argv)
     if a.eager + (a.compile is not None) + a.train > 1:
         p.error("--eager, --compile and --train are separate suites: choose one")
@@ -902,12 +914,7 @@ def parse_args(argv=None):
         if a.dtypes == p.get_default("dtypes"):
             a.dtypes = "fp32" if a.cpu_smoke else "fp32,bf16-autocast"
         if a.cpu_smoke:
-            smoke = set(comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")) - set(SMOKE_WORKLOADS)
-            if smoke:
-                p.error(f"--train --cpu-smoke runs the workloads {', '.join(SMOKE_WORKLOADS)}, not "
-                        f"{', '.join(sorted(smoke))}")
-            a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
-            a.batches = a.batches or "2"
+            _shrink_for_smoke(p, a, "--train", "2")
     if a.processes != 1 and a.compile is None:
         p.error("--processes runs --compile cells in processes of their own: use it with --compile")
     if a.compile is not None:
@@ -927,6 +934,12 @@ def parse_args(argv=None):
             a.batches = a.batches or "1"
             if a.workloads == p.get_default("workloads"):
                 a.workloads = ",".join(SMOKE_WORKLOADS)
+    if a.eager and a.cpu_smoke:  # one-block models, few calls: a check of the script
+        if a.workloads == p.get_default("workloads"):
+            a.workloads = ",".join(SMOKE_WORKLOADS)
+        _shrink_for_smoke(p, a, "--eager", "1")
+    if a.control and not (a.eager or a.compile is not None):
+        p.error("--control is the A/A control of --eager and --compile")
     if a.eager or a.compile is not None or a.train:
         a.workloads = comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")
         a.ab_dtypes = comma_list(p, "--dtypes", a.dtypes, TRAIN_DTYPES if a.train else AB_DTYPES, "dtype")
@@ -945,6 +958,16 @@ def parse_args(argv=None):
     if a.warmup < 0 or a.iters < 1:
         p.error("--warmup must be >= 0 and --iters >= 1")
     return a
+
+
+def _shrink_for_smoke(p, a, suite: str, batch: str) -> None:
+    """``--cpu-smoke`` for ``suite``: the one-block workloads only (``SMOKE_WORKLOADS``), at most 2 rounds of 2 calls,
+    batch ``batch`` unless given."""
+    smoke = set(comma_list(p, "--workloads", a.workloads, WORKLOADS, "workload")) - set(SMOKE_WORKLOADS)
+    if smoke:
+        p.error(f"{suite} --cpu-smoke runs the workloads {', '.join(SMOKE_WORKLOADS)}, not {', '.join(sorted(smoke))}")
+    a.rounds, a.calls = min(a.rounds, 2), min(a.calls, 2)
+    a.batches = a.batches or batch
 
 
 def configs(args):

@@ -72,6 +72,34 @@ def test_compile_control_run_converts_nothing(tmp_path, load_recipe, capsys):
     assert "[A/A control: both sides native]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("control", [False, True])
+def test_eager_smoke_and_control_runs(tmp_path, load_recipe, capsys, control):
+    """``--eager --cpu-smoke`` (the never-slower suite's flow on one-block models on the CPU) and its ``--control``
+    A/A run (session 57: both sides native, nothing converted, marked in the row and the line); ``--control`` outside
+    --eager/--compile and a workload the smoke run cannot shrink are refused."""
+    m = load_recipe("bench_models")
+    out = tmp_path / "rows.json"
+    assert m.main(["--eager", "--cpu-smoke", "--workloads", "deit3_s,llama13b_2l_512", "--dtypes", "fp32",
+                   "--out", str(out)] + (["--control"] if control else [])) == 0
+    rows = json.loads(out.read_text())["records"]
+    assert [r["workload"] for r in rows] == ["deit3_s", "llama13b_2l_512"]
+    for row in rows:
+        assert "error" not in row, row["error"]
+        assert row["ratio"] > 0 and row["batch"] == 1
+        if control:
+            assert row["control"] and row["converted_modules"] == 0 and row["rel_err_vs_native"] == 0
+            assert not row["backends_used"]
+        else:
+            assert "control" not in row and row["converted_modules"] >= 1 and row["backends_used"]
+    text = capsys.readouterr().out
+    assert ("[A/A control: both sides native]" in text) == control
+    for argv, words in ((["--control"], "--control is the A/A control"),
+                        (["--eager", "--cpu-smoke", "--workloads", "swin_t"], "--eager --cpu-smoke runs")):
+        with pytest.raises(SystemExit):
+            m.parse_args(argv)
+        assert words in capsys.readouterr().err
+
+
 def test_compile_native_first_compiles_the_native_model_first(tmp_path, load_recipe, monkeypatch):
     """``--native-first``: the native model's compile runs before the converted one's (the order decides which side
     finds the other's kernels in Inductor's caches), and the row says which went first."""
