@@ -224,6 +224,10 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
     import elsa_surgery
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    caches = [c.strip() for c in args.cache.split(",") if c.strip()]
+    unknown = sorted(set(caches) - {"dynamic", "static", "static-eager"})
+    if unknown:  # (before the models are built)
+        raise SystemExit(f"--cache: {unknown} not among dynamic, static, static-eager")
     cfg = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max(args.lengths) + args.new_tokens + 1,
                       rope_theta=10000.0, attn_implementation="sdpa", **SHAPES[args.shape])
     torch.manual_seed(args.seed)
@@ -232,10 +236,6 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
     converted = copy.deepcopy(native)
     report = elsa_surgery.convert(converted, backend=args.backend, precision=args.precision, verify=False)
     print(f"# converted {report.num_converted} attention modules (backend={args.backend})", flush=True)
-    caches = [c.strip() for c in args.cache.split(",") if c.strip()]
-    unknown = sorted(set(caches) - {"dynamic", "static", "static-eager"})
-    if unknown:
-        raise SystemExit(f"--cache: {unknown} not among dynamic, static, static-eager")
     compiled = {"calls": 0}  # transformers' get_compiled_call, asked for by generate's auto-compile
 
     def spy(model):
