@@ -31,6 +31,14 @@ before, the signature and the route's extras built and looked up apart; 7.9 µs 
 the cheapest eager path there is; :func:`learn` makes routes after a call ran. A route is dropped with its plan
 (``replay.clear``), when a knob the plan read changes, and with its entry.
 
+Decode steps of a growing KV cache are each a new signature (one more key, new K/V strides). Where SDPA won their
+band's race (:func:`key_band`), the band's later steps run plain SDPA through the family's route; where the kernels
+run them (the race won, or ``backend="elsa"``), through the kernels' family route: the first step's launch plan made
+to run the step's own number of keys by ``kernels.launch.KeysFamily``, which declines (the full path then runs) where
+the planner or Triton would treat the step otherwise (session 58, H200, 1 x 28:4 x 128 from 4,096 keys, 2 layers a
+step: 72 µs of host time a call against 421 µs planned anew and 54 µs for a repeated call;
+``benchmarks/lab/decode_growing.py``).
+
 Calls with ``q_lengths`` / ``kv_lengths`` tensors are memoised on the lengths' shape, dtype and device too; their
 values are checked on every call (``semantics.canonical_lengths``; a check is skipped for lengths checked before and
 unchanged, or made by an adapter that trusts them). Calls with ``kv_lengths`` alone have direct routes, taken while
@@ -95,6 +103,7 @@ def clear() -> None:
     _routes.clear()
     _families.clear()
     _family_routes.clear()
+    _kernel_routes.clear()
 
 
 # auto's race verdicts shared by signatures that differ only in their number of keys (key_band): family ->
@@ -107,6 +116,43 @@ BANDS_PER_OCTAVE = 4
 # would each take the full path once: ~45 µs of host time per layer and step): family route key (_family_key) ->
 # (family, its raced decision, the decision to announce, enable_gqa, scale); valid while _families holds that race
 _family_routes: dict = {}
+
+
+# The kernels' launch plan shared by a family's calls (the same decode steps, when the kernels run them: each step
+# would be planned and recorded again, 421 µs of host time against 43 µs replayed; H200, session 58,
+# benchmarks/lab/decode_growing.py): family route key (_family_key, with K's and V's 16-byte alignment) ->
+# _KernelFamily. Valid while its race holds (auto) or, with no race, while the entry it was made from lives; and while
+# the plan is (its replay generation and environment).
+_kernel_routes: dict = {}
+KERNEL_FAMILY = {"runs": 0, "made": 0}  # calls run through a kernel family's route, such routes made
+
+
+class _KernelFamily:
+    __slots__ = ("fam", "raced", "shown", "family", "routes", "generation")
+
+    def __init__(self, fam, raced, shown, family, routes, generation):
+        self.fam, self.raced, self.shown, self.family, self.routes, self.generation = (fam, raced, shown, family,
+                                                                                       routes, generation)
+
+    def run(self, entry_routes, q, k, v, return_lse):
+        """The call's result through the family's plan, or None (the full path)."""
+        if self.raced is not None:
+            if _families.get(self.fam, (None,))[0] is not self.raced:
+                return None
+        elif entry_routes is not self.routes:
+            return None
+        family = self.family
+        if replay.GENERATION[0] != self.generation or not family.plan.env_unchanged():
+            return None
+        plan = family.plan_for(k, v)
+        if plan is None:
+            return None
+        STATS["hits"] += 1
+        DIRECT["runs"] += 1
+        KERNEL_FAMILY["runs"] += 1
+        dispatch.announce_eager(self.shown)
+        out, lse, _ = plan.replay({"q": q, "k": k, "v": v, "kv_lengths": None, "mask": None})
+        return (out, lse) if return_lse else out
 
 
 def key_band(n: int) -> Tuple[int, int]:
@@ -474,8 +520,10 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
     except TypeError:  # an unhashable scalar: no route (the full path validates it)
         return _NO_ROUTE
     if got is None:
+        fkey = None
         if _family_routes and m is None and kv_lengths is None:
-            shared = _family_routes.get(_family_key(rkey, k, v))
+            fkey = _family_key(rkey, k, v)
+            shared = _family_routes.get(fkey)
             if shared is not None:
                 fam, raced, d, gqa, scale_ = shared
                 if _families.get(fam, (None,))[0] is raced:
@@ -484,6 +532,13 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                     dispatch.announce_eager(d)
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale_,
                                                                             enable_gqa=gqa)
+        if _kernel_routes and m is None and kv_lengths is None:
+            shared = _kernel_routes.get((fkey or _family_key(rkey, k, v), rkey[9], rkey[14]))
+            if shared is not None:
+                entry = shared[0]
+                res = shared[1].run(entry.routes, q, k, v, return_lse)
+                if res is not None:
+                    return res
         return Miss(rkey)
     entry, routes, route = got
     if entry.routes is not routes:  # the entry was dropped, or the route was made on the losing side of a race
@@ -567,6 +622,8 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
     if len(_routes) >= MAX_ROUTES and rkey not in _routes:
         del _routes[next(iter(_routes))]
     _routes[rkey] = (entry, entry.routes, route)
+    if d.backend == "elsa" and attn_mask is None and p.kv_lengths is None and not train:
+        _learn_kernel_family(key, rkey, entry, d, route[0], k, v)
     if d.backend == "sdpa" and attn_mask is None and p.kv_lengths is None and not entry.causal:
         fam = _family(key)
         raced = _families.get(fam)
@@ -575,6 +632,28 @@ def learn(key: tuple, rkey: tuple, p: AttentionProblem, d: dispatch.Decision, q,
             if len(_family_routes) >= MAX_ROUTES:
                 del _family_routes[next(iter(_family_routes))]
             _family_routes[_family_key(rkey, k, v)] = (fam, raced[0], shown, route, entry.scale)
+
+
+def _learn_kernel_family(key: tuple, rkey: tuple, entry: _Entry, d: dispatch.Decision, plan, k, v) -> None:
+    """Shares the route of an unmasked call on the kernels with its family (the calls that differ from it only in
+    their number of keys, within its band, and in K's and V's strides) when its plan can run them
+    (``launch.KeysFamily``: a packed short-query launch)."""
+    from .kernels import launch
+
+    fkey = (_family_key(rkey, k, v), rkey[9], rkey[14])
+    fam = _family(key)
+    raced = _families.get(fam)
+    if raced is not None and raced[0].backend != "elsa":
+        return
+    family = launch.keys_family(plan)
+    if family is None:
+        return
+    shown = d if raced is None or d is not raced[0] else _band_decision(raced[0], raced[1], k.shape[-2])
+    if len(_kernel_routes) >= MAX_ROUTES and fkey not in _kernel_routes:
+        del _kernel_routes[next(iter(_kernel_routes))]
+    _kernel_routes[fkey] = (entry, _KernelFamily(fam, None if raced is None else raced[0], shown, family,
+                                                 entry.routes, replay.GENERATION[0]))
+    KERNEL_FAMILY["made"] += 1
 
 
 def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
@@ -606,7 +685,7 @@ def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
             return out
         return run
 
-    counts = dict(STATS), dict(DIRECT)
+    counts = dict(STATS), dict(DIRECT), dict(KERNEL_FAMILY)
     try:
         with dispatch.unrecorded():
             with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
@@ -615,6 +694,7 @@ def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
     finally:
         STATS.update(counts[0])
         DIRECT.update(counts[1])
+        KERNEL_FAMILY.update(counts[2])
     entry.decision, entry.routes = final, sides[final.backend][1]
     # both sides made a route under the call's route key, the later side's left in _routes: direct() drops it unless
     # it is the winner's, and the call itself, run next on the full path, points the key at the winner's (learn)

@@ -15,11 +15,12 @@ signature in :func:`cached_plan` while the ``ELSA_*`` knobs it read keep their v
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
-from dataclasses import dataclass, replace
-from typing import Dict, NamedTuple, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -344,6 +345,88 @@ def attention_plan(q, k, v, *, scale: float, mask=None, is_causal=False, precisi
         num_partitions=None, eta=None))
 
 
+# scan.elsa_fwd's arguments that follow the number of keys in a packed launch of a whole call (one launch, koff = 0):
+# the count itself, the keys the launch reads (klim), each partition's, and K's and V's strides
+_KEYS_ARGS = ("Nk", "klim", "part_len", "stride_kb", "stride_kh", "stride_kn", "stride_kd", "stride_vb", "stride_vh",
+              "stride_vn", "stride_vd")
+_I32 = range(-(2 ** 31), 2 ** 31)
+
+
+def _int_kind(x: int, specialised: bool) -> tuple:
+    """What Triton compiles an integer argument of value ``x`` as: its type (32 or 64 bits) and, where the kernel
+    specialises the argument, its equality to 1 and divisibility by 16. Equal kinds, the same compiled kernel."""
+    return (x in _I32, x == 1, x % 16 == 0) if specialised else (x in _I32,)
+
+
+class KeysFamily:
+    """The launch plan of a packed short-query call (a decode step: ``scan.elsa_fwd`` with ``PACK``, and the row merge
+    when it has partitions) made to run calls that differ from it only in their number of keys and K's and V's
+    strides: the next decode steps of a growing KV cache, each a new signature, which would otherwise be planned and
+    recorded again at every step (H200, session 58: 421 µs of host time a step against 43 µs for a replayed call,
+    1 × 28:4 × 128 from 4,096 keys, ``benchmarks/lab/decode_growing.py``).
+
+    :meth:`plan_for` gives the plan of a call with other K/V, or None when the planner would plan that call otherwise:
+    another partition count or ``BLOCKED_PV`` (the planner's own rule, ``split_keys`` with the partition rule it
+    noted while recording), fewer keys than the packed kernel takes, V's key count not K's, or an argument Triton
+    would specialise differently (a stride's divisibility by 16, a 64-bit value). Everything else the planner reads
+    is the family's by construction: the caller (``elsa_surgery.callcache``) keys families on all of the call's
+    signature but the key count (by band) and K's and V's strides. The plan stays valid while its environment is
+    unchanged (``plan.env_unchanged()``), which the caller checks."""
+
+    __slots__ = ("plan", "rule", "fwd", "at", "specs", "kinds", "last")
+
+    def __init__(self, plan, rule, fwd, at):
+        self.plan, self.rule, self.fwd, self.at = plan, rule, fwd, at
+        self.specs = tuple(sp for _, sp in at)
+        self.kinds = tuple(map(_int_kind, (fwd.vals[i] for i, _ in at), self.specs))
+        self.last = None  # (key count, K's strides, V's strides, plan): the layers of one decode step share it
+
+    def plan_for(self, k, v):
+        n_k = k.shape[2]
+        ks, vs = k.stride(), v.stride()
+        last = self.last
+        if last is not None and last[0] == n_k and last[1] == ks and last[2] == vs:
+            return last[3]
+        parts_of, block_n, dot, parts0, _, blocked0, _ = self.rule
+        if n_k < occ.DECODE_MIN_KEYS or v.shape[2] != n_k:
+            return None
+        parts, part_len = split_keys(parts_of, n_k, block_n)
+        if parts != parts0 or blocked_pv(dot, parts, part_len, n_k) != blocked0:
+            return None
+        vals = (n_k, n_k, part_len, *ks, *vs)
+        if tuple(map(_int_kind, vals, self.specs)) != self.kinds:
+            return None
+        fwd = self.fwd.with_args(self.fwd.grid, {i: b for (i, _), b in zip(self.at, vals)})
+        plan = self.plan.with_launches((fwd,) + self.plan.launches[1:])
+        self.last = (n_k, ks, vs, plan)
+        return plan
+
+
+def keys_family(plan) -> Optional[KeysFamily]:
+    """The :class:`KeysFamily` of a recorded launch plan (:func:`attention_plan`), or None when the plan is not one
+    packed launch of a whole call (and its row merge)."""
+    rule = plan.notes.get("keys") if plan is not None and plan.launches else None
+    if rule is None or len(plan.launches) > 2:
+        return None
+    scan = _scan()
+    fwd = plan.launches[0]
+    if fwd.fn is not scan.elsa_fwd or fwd.descs or (len(plan.launches) == 2
+                                                    and plan.launches[1].fn is not scan.elsa_merge_rows):
+        return None
+    names = [n for n, _ in replay._params(fwd.fn)]
+    val = dict(zip(names, fwd.vals))
+    if not val.get("PACK") or val.get("CHUNKED") or val.get("koff") != 0 or val.get("klim") != val.get("Nk"):
+        return None
+    # (parameter index, whether the compiled kernel is specialised on it): a launch that is not direct goes through
+    # Triton's own dispatch (``fn[grid]``), which specialises whatever it is given
+    params = getattr(fwd.fn, "params", None) if fwd.kernel is not None else ()
+    at = tuple((names.index(n), fwd.kernel is not None and (
+        params is None or not getattr(params[names.index(n)], "do_not_specialize", False))) for n in _KEYS_ARGS)
+    if val.get("part_len") != rule[4] or val.get("BLOCKED_PV") != rule[5] or fwd.grid[1] != rule[3]:
+        return None
+    return KeysFamily(plan, rule, fwd, at)
+
+
 def varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, scale: float,
                 is_causal=False, precision=None, return_lse=True):
     """:func:`attention_plan` of a packed call (:func:`attention_varlen` without provided outputs): ``slots =
@@ -433,6 +516,9 @@ class LaunchPlan:
     hopper_mode: str
     pack_rows: Optional[int] = None  # decode / short queries: rows per K/V head packed in a tile (scan's PACK)
     mask_ranges: bool = False  # classify the mask's tiles first (scan.mask_tile_ranges, ELSA_MASK_TILES)
+    # packed calls: their partition rule, ``parts_of(n_k=...)`` (split_keys), for calls with other key counts
+    # (KeysFamily); not part of the plan's identity
+    parts_of: Optional[Callable[..., int]] = field(default=None, compare=False, repr=False)
 
     @property
     def split(self) -> bool:
@@ -461,8 +547,9 @@ def _dims(sig: CallSignature) -> Dims:
 
 
 def _tiles(sig: CallSignature, d: Dims, dot: int, pack_rows: Optional[int] = None):
-    """(tile config, query blocks, partitions, keys per partition) for one dot kind; ``pack_rows``: the packed
-    short-query kernel's rows per K/V head (its row tiles then count per (batch, K/V head))."""
+    """(tile config, query blocks, partitions, keys per partition, the partition rule ``parts_of``: split_keys) for
+    one dot kind; ``pack_rows``: the packed short-query kernel's rows per K/V head (its row tiles then count per
+    (batch, K/V head))."""
     itemsize = sig.dtype.itemsize
     few = False
     if pack_rows is not None:
@@ -476,11 +563,22 @@ def _tiles(sig: CallSignature, d: Dims, dot: int, pack_rows: Optional[int] = Non
                               causal=sig.is_causal)
         n_mb = -(-d.Nq // cfg.block_m) if d.Nq > 0 else 0
         tiles = n_mb * d.BH
-    parts = occ.num_partitions(sig.device, tiles=tiles, n_k=d.Nk, block_n=cfg.block_n, rows=d.rows, dv=d.Dv,
-                               out_bytes=d.rows * d.Dv * itemsize, eta=sig.eta, forced=sig.num_partitions,
-                               decode=pack_rows is not None, decode_few=few)
-    part_len = _partition_len(d.Nk, parts, cfg.block_n)
-    return cfg, n_mb, max(1, -(-max(d.Nk, 1) // part_len)), part_len
+    parts_of = functools.partial(occ.num_partitions, sig.device, tiles=tiles, block_n=cfg.block_n, rows=d.rows,
+                                 dv=d.Dv, out_bytes=d.rows * d.Dv * itemsize, eta=sig.eta, forced=sig.num_partitions,
+                                 decode=pack_rows is not None, decode_few=few)
+    return (cfg, n_mb, *split_keys(parts_of, d.Nk, cfg.block_n), parts_of)
+
+
+def split_keys(parts_of: Callable[..., int], n_k: int, block_n: int) -> Tuple[int, int]:
+    """``(partitions, keys per partition)`` of a call of ``n_k`` keys whose partition rule is ``parts_of(n_k=...)``
+    (``occupancy.num_partitions`` with the call's other arguments): each partition whole key blocks, none empty."""
+    part_len = _partition_len(n_k, parts_of(n_k=n_k), block_n)
+    return max(1, -(-max(n_k, 1) // part_len)), part_len
+
+
+def blocked_pv(dot: int, parts: int, part_len: int, n_k: int) -> bool:
+    """``scan.elsa_fwd``'s ``BLOCKED_PV`` for a launch of ``parts`` partitions of ``part_len`` keys over ``n_k``."""
+    return occ.blocked_pv(dot, min(part_len, n_k) if parts > 1 else n_k)
 
 
 def _rows_per_kv(sig: CallSignature, d: Dims) -> int:
@@ -536,8 +634,9 @@ def _kernel_plan(sig: CallSignature) -> LaunchPlan:
     # decode / short queries: the GQA group's query rows packed into one row tile (scan.elsa_fwd's PACK)
     pack_rows = occ.decode_rows(n_q=d.Nq, groups=d.groups, n_k=d.Nk, dot=dot, varlen=d.varlen)
     if pack_rows is not None:
-        cfg, n_mb, parts, part_len = _tiles(sig, d, dot, pack_rows)
-        return LaunchPlan(d, dot, cfg, n_mb, parts, part_len, False, ("whole", 0), False, hopper_mode, pack_rows)
+        cfg, n_mb, parts, part_len, parts_of = _tiles(sig, d, dot, pack_rows)
+        return LaunchPlan(d, dot, cfg, n_mb, parts, part_len, False, ("whole", 0), False, hopper_mode, pack_rows,
+                          parts_of=parts_of)
     split_dot = occ.precise_split(dot, _rows_per_kv(sig, d), eligible=not d.varlen and not sig.has_state,
                                   work=float(d.BH) * d.Nq * d.Nk * d.D)
     if split_dot == occ.DOT_F16X3V and (d.BD != d.D or d.BDV != d.Dv):
@@ -545,7 +644,7 @@ def _kernel_plan(sig: CallSignature) -> LaunchPlan:
         # D=40, Dv=32 returned NaN rows (masked) or faulted (unmasked); the full split runs instead
         split_dot = occ.DOT_F16X3
     if split_dot != dot:
-        cfg, n_mb, parts, part_len = _tiles(sig, d, split_dot)
+        cfg, n_mb, parts, part_len, _ = _tiles(sig, d, split_dot)
         stage, staging = _staging(sig, d, split_dot, cfg, n_mb, parts)
         # the split runs with one partition; causal calls whose memory budget allows only key chunks of
         # little work per launch split K alone, V in the kernel: chunks twice as long
@@ -556,7 +655,7 @@ def _kernel_plan(sig: CallSignature) -> LaunchPlan:
         if parts == 1 and d.BD == d.D and d.BDV == d.Dv:  # same tiles ("f16x3"), a plan for K's bytes alone
             stage, staging = _staging(sig, d, occ.DOT_F16X3V, cfg, n_mb, parts)
             return LaunchPlan(d, occ.DOT_F16X3V, cfg, n_mb, parts, part_len, stage, staging, False, hopper_mode)
-    cfg, n_mb, parts, part_len = _tiles(sig, d, dot)
+    cfg, n_mb, parts, part_len, _ = _tiles(sig, d, dot)
     try_hopper = bool(dot in (occ.DOT_LOWP, occ.DOT_IEEE, occ.DOT_TF32) and parts == 1 and n_mb and d.BH)
     stage, staging = _staging(sig, d, dot, cfg, n_mb, parts)
     return LaunchPlan(d, dot, cfg, n_mb, parts, part_len, stage, staging, try_hopper, hopper_mode)
@@ -651,7 +750,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         return out, lse, state
     B, Hq, Nq, Nk, D, Dv, groups = d.B, d.Hq, d.Nq, d.Nk, d.D, d.Dv, d.groups
     BD, BDV, BH, varlen, cfg, parts, dot = d.BD, d.BDV, d.BH, d.varlen, plan.cfg, plan.parts, plan.dot
-    blocked_pv = occ.blocked_pv(dot, min(plan.part_len, Nk) if parts > 1 else Nk)
+    blocked = blocked_pv(dot, parts, plan.part_len, Nk)
     if varlen:
         so = _strides4(out, True)
         sl = (0, lse.stride(0), lse.stride(1)) if want_lse else (0, 0, 0)
@@ -675,6 +774,8 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         pm = ps = pw = dummy
     write_state = parts > 1 or state is not None
     n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
+    if pack_rows is not None and plan.parts_of is not None:  # (KeysFamily)
+        replay.note("keys", (plan.parts_of, cfg.block_n, dot, parts, plan.part_len, blocked, Nk))
 
     def fwd(q_, k_, v_, out_, lse_, mask_, koff, klim, part_len_, pm_, ps_, pw_, write_state_, chunked,
             split_=None, ranges_=None):
@@ -706,7 +807,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
             HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
-            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None, BLOCKED_PV=blocked_pv,
+            WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None, BLOCKED_PV=blocked,
             HAS_RANGES=ranges_ is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -190,6 +190,15 @@ def derived(name: str, t: torch.Tensor, make: Callable) -> None:
         rec.derive(name, t, make)
 
 
+def note(name: str, value) -> None:
+    """Keeps ``value`` with the plan being recorded, as ``plan.notes[name]``: what the planner knew that a later user
+    of the plan needs (``launch.KeysFamily``: the partition rule of a packed short-query call; ``value`` must not hold
+    tensors)."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.notes[name] = value
+
+
 def launch(fn, grid, *args, **kwargs):
     """``fn[grid](*args, **kwargs)``, recorded when a plan is being recorded; through ``wrap_triton`` inside
     :func:`wrapped_launches` (returns None there)."""
@@ -424,6 +433,7 @@ class _Recorder:
         self.prep = []  # (name, geometry to allocate, or a function of the slots deriving it), in call order
         self.launches = []
         self.env: Dict[str, tuple] = {}  # name -> (encoded name, encoded value or None) as read
+        self.notes: dict = {}  # (note)
 
     def fail(self, why: str):
         if self.why is None:
@@ -504,7 +514,7 @@ class _Recorder:
         out, lse, state = result
         names = (self._name(out), self._name(lse), None if state is None else tuple(self._name(t) for t in state))
         return Plan(tuple(self.env.values()), None if self.why else tuple(self.prep),
-                    None if self.why else tuple(self.launches), names, self.why)
+                    None if self.why else tuple(self.launches), names, self.why, self.notes)
 
 
 _TRITON = []  # (get_current_device, get_current_stream, knobs.runtime) of the installed Triton, fetched once
@@ -559,6 +569,15 @@ class _Launch:
             STATS_DESC["through_triton"] += 1
         internals.launch_compiled(kernel, self.grid, self.grid3, stream, None if quiet else (enter, leave), vals)
 
+    def with_args(self, grid, changes) -> "_Launch":
+        """This launch with another ``grid`` and the non-tensor arguments ``changes`` (``{parameter index: value}``)
+        set: the same compiled kernel, which the caller has checked Triton would specialise alike
+        (``launch.KeysFamily``)."""
+        vals = self.vals.copy()
+        for i, val in changes.items():
+            vals[i] = val
+        return _Launch(self.fn, self.kernel, grid, vals, self.subs, self.descs, self.options)
+
     def _vals(self, slots):
         vals = self.vals.copy()
         for i, name, view in self.subs:
@@ -569,11 +588,20 @@ class _Launch:
 
 
 class Plan:
-    __slots__ = ("env", "env_keys", "env_values", "prep", "launches", "result", "why")
+    __slots__ = ("env", "env_keys", "env_values", "prep", "launches", "result", "why", "notes")
 
-    def __init__(self, env, prep, launches, result, why):
+    def __init__(self, env, prep, launches, result, why, notes=None):
         self.env, self.prep, self.launches, self.result, self.why = env, prep, launches, result, why
         self.env_keys, self.env_values = tuple(e[0] for e in env), tuple(e[1] for e in env)
+        self.notes = notes or {}
+
+    def with_launches(self, launches) -> "Plan":
+        """This plan (environment, allocations, result) running ``launches`` instead (``_Launch.with_args``)."""
+        plan = Plan.__new__(Plan)
+        plan.env, plan.env_keys, plan.env_values, plan.prep, plan.result, plan.why, plan.notes = (
+            self.env, self.env_keys, self.env_values, self.prep, self.result, self.why, self.notes)
+        plan.launches = tuple(launches)
+        return plan
 
     def env_unchanged(self) -> bool:
         return tuple(map(_RAW.get, self.env_keys)) == self.env_values

@@ -95,6 +95,29 @@ def test_elsa_kept_when_sdpa_is_not_faster_enough(racing):
     assert log[0].backend == "elsa" and "ELSA 104.0 us vs PyTorch SDPA 100.0 us" in log[0].reason
 
 
+def test_decode_steps_of_a_family_won_by_elsa_run_its_retargeted_plan(racing, monkeypatch):
+    """Once a band's race went to the kernels, the band's later decode steps (new signatures) run the raced call's
+    launch plan retargeted to their keys (launch.KeysFamily) instead of the full path; their reason says where the
+    race ran, and the answers are the kernels'."""
+    if DEV == "cpu":
+        monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")
+    racing[0] = _rounds((0.1, 0.2))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 16, generator=g).to(DEV)
+    kv = torch.randn(2, 1, 2, 600, 16, generator=g).to(DEV)
+    before = dict(callcache.KERNEL_FAMILY)
+    lengths = (520, 521, 530, 560)
+    with dispatch.record() as log:
+        outs = [elsa_surgery.attention(q, kv[0, :, :, :n].contiguous(), kv[1, :, :, :n].contiguous(),
+                                       enable_gqa=True) for n in lengths]
+    assert {n: callcache.KERNEL_FAMILY[n] - before[n] for n in before} == {"runs": 3, "made": 1}
+    assert [d.backend for d in log] == ["elsa"] * len(lengths)
+    assert all("raced at 520 keys, shared by the calls of 513-640 keys" in d.reason for d in log[1:]), log
+    for n, out in zip(lengths, outs):
+        ref = F.scaled_dot_product_attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+        assert float((out - ref).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
 def test_decode_steps_share_a_race_per_band_of_key_counts(racing, monkeypatch, times, winner):
     """A growing KV cache makes each decode step a new signature: calls that differ only in their number of keys

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # before the kernels are decorated (kernels/s
 
 from elsa_surgery.kernels import launch, occupancy as occ  # noqa: E402
 
-from test_kernels import TOL, check, oracle, poisoned_run, rand  # noqa: E402
+from test_kernels import TOL, check, oracle, poisoned_run, rand, rel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
@@ -177,3 +177,142 @@ def test_packed_128_key_tiles(nq, hq, hkv, causal, packs, monkeypatch):
         occ.set_config_override(None)
         launch.replay.clear()
     assert packs == [True, True] and blocks == [(128, 3), (128, 3)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a growing KV cache: every decode step a new signature, run through the family's retargeted plan (callcache and
+# launch.KeysFamily)
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def families(monkeypatch):
+    """Launch plans and direct routes on in the interpreter too, nothing remembered from other tests; yields
+    ``callcache.KERNEL_FAMILY``'s counts from here on."""
+    import elsa_surgery
+    from elsa_surgery import callcache
+
+    monkeypatch.setenv("ELSA_LAUNCH_PLANS", "1")
+    callcache.clear()
+    launch.replay.clear()
+    before = dict(callcache.KERNEL_FAMILY)
+    yield elsa_surgery, lambda: {n: callcache.KERNEL_FAMILY[n] - before[n] for n in before}
+    callcache.clear()
+    launch.replay.clear()
+
+
+def _steps(lengths, B=1, Hq=4, Hkv=2, D=16, dtype=torch.float32):
+    """One query and contiguous K/V of each length (a dynamic cache's steps: new tensors, new strides)."""
+    k_all, v_all = rand(B, Hkv, max(lengths), D, dtype=dtype), rand(B, Hkv, max(lengths), D, dtype=dtype)
+    return [(rand(B, Hq, 1, D, dtype=dtype), k_all[:, :, :n].contiguous(), v_all[:, :, :n].contiguous())
+            for n in lengths]
+
+
+def _route_plan(elsa_surgery, q, k, v, **kw):
+    """The launch plan the full path records for this exact call (routes forgotten first)."""
+    from elsa_surgery import callcache
+
+    callcache.clear()
+    out = elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True, **kw)
+    miss = callcache.direct(q, k, v, None, 0.0, kw.get("is_causal", False), None, True, "elsa", None, False, False)
+    assert type(miss) is not callcache.Miss  # the call has its own route now
+    return out, next(route[2][0] for rkey, route in callcache._routes.items())
+
+
+@pytest.mark.parametrize("dtype,parts,causal", [(torch.float32, None, False), (torch.bfloat16, "3", False),
+                                                (torch.float16, "2", True)])
+def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, families, monkeypatch):
+    """Decode steps of 520-527 keys (one band): the first runs the full path and makes the family's route; the next
+    seven run its plan retargeted to their keys, with the kernels' exact answer; each retargeted plan launches what
+    the planner records for that call itself (same kernels, grids and arguments)."""
+    from elsa_surgery import callcache
+
+    if parts:
+        monkeypatch.setenv("ELSA_NUM_PARTITIONS", parts)
+    elsa_surgery, counts = families
+    steps = _steps(range(520, 528), dtype=dtype)
+    outs = [elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True, is_causal=causal) for q, k, v in steps]
+    assert counts() == {"runs": 7, "made": 1}
+    for (q, k, v), out in zip(steps, outs):
+        ref, _ = oracle(q, k, v, is_causal=causal)
+        assert rel(out, ref) <= TOL["strict" if dtype == torch.float32 else dtype]
+    (_, fam), = callcache._kernel_routes.values()
+    for q, k, v in steps[3:5]:
+        got = fam.family.plan_for(k, v)
+        out, want = _route_plan(elsa_surgery, q, k, v, is_causal=causal)
+        assert len(got.launches) == len(want.launches) == (1 if parts is None else 2)
+        for a, b in zip(got.launches, want.launches):
+            assert (a.fn, a.kernel, a.grid, a.vals, a.subs, a.options) == (b.fn, b.kernel, b.grid, b.vals, b.subs,
+                                                                          b.options)
+        assert got.prep == want.prep and got.result == want.result
+
+
+def test_growing_cache_family_steps_aside_where_the_plan_would_differ(families, monkeypatch):
+    """The family's plan is not used where the planner would plan otherwise: another partition count (a knob changed:
+    the plan's environment), another band; V with another number of keys than K gets the full path's error."""
+    from elsa_surgery import callcache
+
+    elsa_surgery, counts = families
+    for q, k, v in _steps((520, 522, 521, 524), D=8):
+        out = elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)
+        assert rel(out, oracle(q, k, v)[0]) <= TOL["strict"]
+    assert counts() == {"runs": 3, "made": 1}
+    monkeypatch.setenv("ELSA_NUM_PARTITIONS", "2")
+    q, k, v = _steps((526,), D=8)[0]
+    assert rel(elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True), oracle(q, k, v)[0]) <= TOL["strict"]
+    assert counts() == {"runs": 3, "made": 2}
+    q, k, v = _steps((700,), D=8)[0]  # another band: its own family
+    elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)
+    assert counts() == {"runs": 3, "made": 3}
+    q, k, v = _steps((528,), D=8)[0]
+    with pytest.raises(ValueError, match="same sequence length"):
+        elsa_surgery.attention(q, k, v[:, :, :527], backend="elsa", enable_gqa=True)
+    assert counts()["runs"] == 3 and len(callcache._kernel_routes) == 2
+
+
+def test_keys_family_keeps_the_compiled_kernels_specialisation(families):
+    """A plan that launches a compiled kernel directly is retargeted only to arguments Triton would specialise alike:
+    K/V strides of the same divisibility by 16 (D = 8: odd lengths give strides that are not multiples of 16), 32-bit
+    values; a plan launched through Triton's own dispatch (the interpreter's) takes any."""
+    from elsa_surgery import callcache
+
+    elsa_surgery, _ = families
+    (q, k, v), = _steps((520,), D=8)
+    elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)
+    (_, shared), = callcache._kernel_routes.values()
+    plan = shared.family.plan
+    fwd = plan.launches[0]
+    direct = launch.replay._Launch(fwd.fn, object(), fwd.grid, fwd.vals, fwd.subs, fwd.descs, fwd.options)
+    compiled = launch.keys_family(plan.with_launches((direct,) + plan.launches[1:]))
+    for n, same in ((522, True), (521, False), (524, True), (536, True)):
+        (_, k, v), = _steps((n,), D=8)
+        assert (compiled.plan_for(k, v) is not None) == same, n
+        assert shared.family.plan_for(k, v) is not None
+    kind = launch._int_kind
+    assert kind(16, False) != kind(2 ** 31, False) and kind(17, True) != kind(1, True) != kind(16, True)
+    assert kind(16, True) == kind(48, True) and kind(17, True) == kind(33, True) and kind(16, False) == kind(17, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_growing_cache_family_on_the_gpu(dtype):
+    """On the GPU the family's plan launches the compiled kernels directly: decode steps 4,097-4,160 of a Qwen2-7B-
+    shaped layer (28:4 heads, D = 128) all after the first run through it, each the kernels' answer for its keys."""
+    import elsa_surgery
+    from elsa_surgery import callcache
+
+    callcache.clear()
+    launch.replay.clear()
+    before = dict(callcache.KERNEL_FAMILY)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kv = torch.randn(2, 1, 4, 4161, 128, device="cuda", dtype=dtype, generator=g)
+    lengths = range(4097, 4161)  # one band (callcache.key_band: 4,096 closes the one before)
+    qs = [torch.randn(1, 28, 1, 128, device="cuda", dtype=dtype, generator=g) for _ in lengths]
+    steps = [(q, kv[0, :, :, :n].contiguous(), kv[1, :, :, :n].contiguous()) for q, n in zip(qs, lengths)]
+    outs = [elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True) for q, k, v in steps]
+    assert {n: callcache.KERNEL_FAMILY[n] - before[n] for n in before} == {"runs": len(lengths) - 1, "made": 1}
+    (_, shared), = callcache._kernel_routes.values()
+    assert shared.family.fwd.kernel is not None  # launched directly: its specialisation checked
+    for (q, k, v), out in zip(steps[::9], outs[::9]):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+        assert rel(out, ref) <= TOL["strict" if dtype == torch.float32 else dtype]
+    callcache.clear()
