@@ -222,6 +222,7 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
     import copy
 
     import elsa_surgery
+    from elsa_surgery import callcache
     from transformers import LlamaConfig, LlamaForCausalLM
 
     caches = [c.strip() for c in args.cache.split(",") if c.strip()]
@@ -273,9 +274,14 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                 # call at these lengths pays them), both include their warm-up
                 t0 = time.perf_counter()
                 compiled["calls"] = 0
+                routed = dict(callcache.DIRECT), dict(callcache.KERNEL_FAMILY)
                 with elsa_surgery.dispatch.record() as log:
                     out_c = run(converted)
                 _sync(device)
+                # calls of the first generation run through a direct route (a replayed plan or SDPA), of which
+                # through a kernel family's route (a decode step of a growing cache replaying an earlier step's plan)
+                row["routes"] = {"direct": callcache.DIRECT["runs"] - routed[0]["runs"],
+                                 "kernel_family": callcache.KERNEL_FAMILY["runs"] - routed[1]["runs"]}
                 t1 = time.perf_counter()
                 stage = "native"
                 out_n = run(native)
@@ -318,6 +324,8 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                       f"{row['converted_first_s']:.3f} s", flush=True)
                 for reason, calls in row["dispatch_reasons"].items():
                     print(f"#   {calls} call(s): {reason[:300]}", flush=True)
+                print(f"#   first generation: {row['routes']['direct']} call(s) through direct routes, "
+                      f"{row['routes']['kernel_family']} of them through a kernel family's (callcache)", flush=True)
             else:
                 print(f"generate {n:>6} {cache}: {row['error']}", flush=True)
             gc.collect()

@@ -246,6 +246,7 @@ def test_generate_recipe_says_which_static_cells_transformers_compiled(load_reci
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
     assert [r["decode_compiled"] for r in rows] == [False, True, False], rows
     assert all(r["tokens_identical"] for r in rows), rows
+    assert all(r["routes"] == {"direct": 0, "kernel_family": 0} for r in rows), rows  # (the reference backend's)
     with pytest.raises(SystemExit, match="static-graphs"):
         args.cache = "static-graphs"
         m.generate_ab(args, torch.device("cpu"))
