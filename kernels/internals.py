@@ -8,7 +8,8 @@ Two fast paths rest on code that neither project promises to keep:
   Public route: ``os.environ`` itself (string keys and values).
 * **Triton's launcher internals** (``replay.py``'s direct replay): a compiled kernel's ``run``, ``function``,
   ``packed_metadata`` and ``launch_metadata``, the hook chains of ``triton.knobs.runtime``, the driver's
-  ``fill_tma_descriptor``, and the closure of the CUDA launcher that expands host TMA descriptors. Within a checked
+  ``fill_tma_descriptor``, the closure of the CUDA launcher that expands host TMA descriptors, and its C launcher's
+  reading of an int pointer argument as the address (:func:`launcher_takes_ints`). Within a checked
   version ``replay.py`` still compares the installed Triton's source with the statements it repeats before it takes
   them. Public route: a replayed launch goes through ``kernel[grid](...)`` (Triton's own binding; the planning is
   still skipped), and the Hopper kernels keep their size threshold for eager calls.
@@ -265,12 +266,13 @@ def expand_descriptors(kernel, vals, subs, descs, desc_module_of=desc_module, fi
             tuple(at_desc))
 
 
-def launch_expanded(how, kernel, grid3, stream, slots, maps_per_descriptor: int) -> None:
+def launch_expanded(how, kernel, grid3, stream, slots, maps_per_descriptor: int, ints: bool = False) -> None:
     """Launches ``kernel`` through the C launcher of ``how`` (:func:`expand_descriptors`) on the call's ``slots``,
-    encoding a descriptor's map once per base address (at most ``maps_per_descriptor`` kept)."""
+    encoding a descriptor's map once per base address (at most ``maps_per_descriptor`` kept); ``ints``: tensors handed
+    over as their addresses (:func:`launcher_takes_ints`)."""
     raw, fill, coop, pdl, template, at_tensor, at_desc = how
-    args = template.copy()
-    for pos, name, view in at_tensor:
+    args = pointer_args(template, at_tensor, slots) if ints else template.copy()
+    for pos, name, view in () if ints else at_tensor:
         args[pos] = slots[name] if view is None else slots[name].view(view)
     for pos, name, static, maps in at_desc:
         ptr = slots[name].data_ptr()
@@ -282,6 +284,52 @@ def launch_expanded(how, kernel, grid3, stream, slots, maps_per_descriptor: int)
         args[pos] = m
     g0, g1, g2 = grid3
     raw(g0, g1, g2, stream, kernel.function, coop, pdl, None, None, kernel.packed_metadata, None, None, None, *args)
+
+
+# How the driver's C launcher reads a pointer argument (Triton 3.6's getPointer template in driver.py, 3.8's
+# extractPointer in driver.c): a Python int is taken as the address itself; anything else has its data_ptr() called and
+# the address checked by the driver (cuPointerGetAttribute), per argument and launch. A replay's key fixes each tensor's
+# device, so a replay may hand over the addresses (one data_ptr() per tensor, not per argument: the scan kernel
+# receives q in place of every pointer it does not read).
+POINTER_FUNCTIONS = ("getPointer(PyObject*obj", "extractPointer(void*ptr,PyObject*obj)")
+POINTER_INT_TEST = "if(PyLong_Check(obj))"
+
+
+@functools.lru_cache(maxsize=None)
+def launcher_takes_ints(cls: type) -> bool:
+    """Whether the C launcher of ``cls`` (a compiled kernel's launcher class) takes a Python int for a pointer argument
+    as the address, before any data_ptr() call (``POINTER_FUNCTIONS``, read in its driver's source: the module and a
+    ``driver.c`` beside it)."""
+    try:
+        path = inspect.getsourcefile(inspect.getmodule(cls))
+        texts = [open(path).read()]
+        c_path = os.path.join(os.path.dirname(path), "driver.c")
+        if os.path.exists(c_path):
+            texts.append(open(c_path).read())
+    except (OSError, TypeError):
+        return False
+    for text in texts:
+        flat = "".join(text.split())
+        for fn in POINTER_FUNCTIONS:
+            at = flat.find(fn)
+            if at < 0:
+                continue
+            body = flat[at:flat.find("data_ptr", at)]
+            return POINTER_INT_TEST in body
+    return False
+
+
+def pointer_args(vals, subs, slots) -> list:
+    """``vals`` with the call's tensors placed as their addresses (:func:`launcher_takes_ints`): ``subs`` ``(position,
+    slot, view dtype)``; one data_ptr() per slot (a dtype view shares its base's address)."""
+    vals = vals.copy()
+    ptrs = {}
+    for i, name, _ in subs:
+        p = ptrs.get(name)
+        if p is None:
+            p = ptrs[name] = slots[name].data_ptr()
+        vals[i] = p
+    return vals
 
 
 def quiet(kernel, enter, leave) -> bool:

@@ -49,6 +49,7 @@ _local = threading.local()
 _plans: Dict[tuple, "Plan"] = {}
 GENERATION = [0]  # bumped by clear(): a plan held outside this module (a direct route) is valid while it holds
 STATS = {"recorded": 0, "replayed": 0, "not_replayable": 0}
+STATS_POINTERS = {"addresses": 0}  # direct launches that handed the launcher the tensors' addresses
 
 
 # os.environ's own store (CPython's, where checked: kernels/internals.py): a replay checks its recorded variables
@@ -409,6 +410,7 @@ def _params(fn):
 
 # Triton's private launch path (kernels/internals.py, behind its version gate); the names tests and recipes patch
 _launches_as_recorded = internals.launches_as_recorded
+_launcher_takes_ints = internals.launcher_takes_ints
 _metadata_needs_hook = internals.metadata_needs_hook
 _desc_module = internals.desc_module
 _idle = internals.idle
@@ -534,13 +536,14 @@ MAPS_PER_DESCRIPTOR = 8  # CUtensorMaps kept per descriptor argument of a launch
 
 
 class _Launch:
-    __slots__ = ("fn", "kernel", "grid", "grid3", "vals", "subs", "descs", "options", "expanded")
+    __slots__ = ("fn", "kernel", "grid", "grid3", "vals", "subs", "descs", "options", "expanded", "ints")
 
     def __init__(self, fn, kernel, grid, vals, subs, descs, options):
         self.fn, self.kernel, self.grid, self.vals = fn, kernel, grid, vals
         self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.subs, self.descs, self.options = tuple(subs), tuple(descs), options
         self.expanded = None if descs and kernel is not None else False  # None: not tried yet
+        self.ints = None  # whether the launcher takes the tensors' addresses (launcher_takes_ints); None: not asked
 
     def _expand(self):
         """How this launch's host descriptors are expanded for Triton's compiled launcher, or False (see
@@ -557,13 +560,20 @@ class _Launch:
         stream = stream(device())
         enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
         quiet = internals.quiet(kernel, enter, leave)
+        ints = self.ints
+        if ints is None:
+            ints = self.ints = _launcher_takes_ints(type(kernel.run))
         if quiet and self.expanded is not False:
             if self.expanded is None:
                 self.expanded = self._expand()
             if self.expanded:
                 STATS_DESC["encoded"] += 1
                 return internals.launch_expanded(self.expanded, kernel, self.grid3, stream, slots,
-                                                 MAPS_PER_DESCRIPTOR)
+                                                 MAPS_PER_DESCRIPTOR, ints)
+        if quiet and ints and not self.descs:  # (no hook reads the arguments: the tensors' addresses will do)
+            STATS_POINTERS["addresses"] += 1
+            return internals.launch_compiled(kernel, self.grid, self.grid3, stream, None,
+                                             internals.pointer_args(self.vals, self.subs, slots))
         vals = self._vals(slots)
         if self.descs:
             STATS_DESC["through_triton"] += 1

@@ -248,3 +248,74 @@ def test_cache_keys_not_settled_are_logged_not_raised(monkeypatch, caplog):
         assert internals.settle_cache_keys(namespace) == -1
     assert namespace["kernel"].hash is None
     assert any("were not settled" in r.getMessage() and "no key here" in r.getMessage() for r in caplog.records)
+
+
+def test_launcher_takes_ints_reads_the_drivers_pointer_extraction(tmp_path, monkeypatch):
+    """A replay hands Triton's C launcher the tensors' addresses only where the driver's source shows that the
+    launcher takes an int as the address before it calls data_ptr() (Triton 3.6: the getPointer template in
+    driver.py; 3.8: extractPointer in driver.c); a launcher that does not, or a source that cannot be read, gets the
+    tensors."""
+    import importlib.util
+    import sys
+
+    from triton.backends.nvidia import driver
+
+    assert internals.launcher_takes_ints(driver.CudaLauncher)  # the installed Triton's
+    for name, test, want in (("takes_ints", "if (PyLong_Check(obj)) {\n    return addr(obj);\n  }", True),
+                             ("calls_data_ptr", "", False)):
+        path = tmp_path / f"{name}.py"
+        path.write_text('SRC = """\nstatic inline DevicePtrInfo getPointer(PyObject *obj, int idx) {\n  '
+                        + test + '\n  PyObject *ptr = PyObject_GetAttrString(obj, "data_ptr");\n}\n"""\n\n\n'
+                        'class Launcher:\n    pass\n')
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        assert internals.launcher_takes_ints(module.Launcher) is want
+    assert internals.launcher_takes_ints(int) is False  # (a built-in: no source)
+
+
+class _Ptr:
+    """A tensor stand-in that counts its data_ptr() calls."""
+
+    def __init__(self, addr):
+        self.addr, self.calls = addr, 0
+
+    def data_ptr(self):
+        self.calls += 1
+        return self.addr
+
+
+@pytest.mark.parametrize("ints", [True, False])
+def test_direct_replay_hands_the_launcher_addresses_where_it_takes_them(monkeypatch, ints):
+    """A direct replay with no launch hook gives the C launcher each tensor's address, read once per tensor however
+    many arguments it fills (the scan kernel receives q for every pointer it does not read); where the launcher does
+    not take ints, the tensors themselves."""
+    import types
+
+    got = []
+
+    class Kernel:
+        function, packed_metadata = "function", "metadata"
+
+        @staticmethod
+        def run(*args):
+            got.append(args)
+
+    monkeypatch.setattr(replay, "_triton", lambda: (lambda: 0, lambda device: 7, types.SimpleNamespace(
+        launch_enter_hook=None, launch_exit_hook=None)))
+    monkeypatch.setattr(internals, "quiet", lambda kernel, enter, leave: True)
+    monkeypatch.setattr(replay, "_launcher_takes_ints", lambda cls: ints)
+    slots = {"q": _Ptr(4096), "out": _Ptr(8192)}
+    one = replay._Launch(None, Kernel(), (2, 3), [None, None, None, 5, "C"], [(0, "q", None), (1, "out", None),
+                                                                           (2, "q", None)], (), {})
+    before = replay.STATS_POINTERS["addresses"]
+    one(slots)
+    (args,) = got
+    assert args[:9] == (2, 3, 1, 7, "function", "metadata", None, None, None)
+    if ints:
+        assert list(args[9:]) == [4096, 8192, 4096, 5, "C"] and slots["q"].calls == 1
+        assert replay.STATS_POINTERS["addresses"] == before + 1
+    else:
+        assert list(args[9:]) == [slots["q"], slots["out"], slots["q"], 5, "C"] and slots["q"].calls == 0
+    assert internals.pointer_args([None, 1], [(0, "q", torch.int32)], slots) == [4096, 1]

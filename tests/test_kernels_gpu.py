@@ -665,6 +665,7 @@ def test_launch_plans_replay_straight_to_the_compiled_kernels(kind, shape):
         B, H, N, D = map(int, shape.split("x"))
         q, k, v = (rand(B, H, N, D, dtype=dtype) for _ in range(3))
     before = dict(launch_plans.STATS)
+    addresses = launch_plans.STATS_POINTERS["addresses"]
     out, lse = poisoned(q, k, v, _precision(kind), is_causal=True)
     assert launch_plans.STATS["recorded"] == before["recorded"] + 1
     assert launch_plans.STATS["replayed"] == before["replayed"] + 1
@@ -672,6 +673,14 @@ def test_launch_plans_replay_straight_to_the_compiled_kernels(kind, shape):
     assert launches and all(one.kernel is not None for one in launches), "a launch replayed through kernel[grid]"
     if shape == "decode":
         assert len(launches) == 2  # split keys: phase 1 and the merge
+    # the replay handed the launcher the tensors' addresses (Triton 3.6's and 3.8's launchers take them), the Gluon
+    # launches their expanded arguments
+    import triton
+
+    takes = launch_plans._launcher_takes_ints(type(launches[0].kernel.run))
+    assert takes or not triton.__version__.startswith(("3.6", "3.8"))
+    assert launch_plans.STATS_POINTERS["addresses"] - addresses == (
+        sum(1 for one in launches if not one.descs) if takes else 0)
     heads, kv_heads = slice(0, 2), slice(0, -(-2 // (q.shape[1] // k.shape[1])))  # two query heads, their K/V
     ro, rl = oracle(q[:, heads], k[:, kv_heads], v[:, kv_heads], is_causal=True)
     assert not out.isnan().any() and not lse.isnan().any()

@@ -16,6 +16,7 @@ import triton.testing
 
 import elsa_surgery
 from elsa_surgery import benchmark
+from elsa_surgery.kernels import replay
 
 
 def main():
@@ -23,6 +24,9 @@ def main():
     ap.add_argument("--shapes", default="16x32x8x64x4096,1x32x8x128x4096,1x32x4x64x32768", help="BxHqxHkvxDxNk")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=2000)
+    ap.add_argument("--ab-pointer-ints", action="store_true",
+                    help="also time ELSA with its replayed launches handing Triton's launcher the tensors themselves "
+                         "('elsa-tensors') instead of their addresses (session 58), interleaved in the rounds")
     a = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
@@ -32,11 +36,21 @@ def main():
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, Hkv, nk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         fns = {"elsa": lambda: elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)}
+        if a.ab_pointer_ints:
+            fns["elsa-tensors"] = fns["elsa"]
         fns.update(benchmark.sdpa_backends(q, k, v, ("cudnn", "flash"), enable_gqa=Hq != Hkv)[0])
         res = {name: [] for name in fns}
         for _ in range(3):  # interleaved rounds
             for name, fn in fns.items():
+                if name.startswith("elsa"):
+                    fn()  # (the plan recorded)
+                    for plan in replay._plans.values():  # every launch of every plan: addresses, or the tensors
+                        for one in plan.launches or ():
+                            one.ints = None if name == "elsa" else False
                 res[name].append(benchmark.host_and_eager_us(fn, a.calls))
+        for plan in replay._plans.values():
+            for one in plan.launches or ():
+                one.ints = None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 fns["elsa"]()
