@@ -273,7 +273,7 @@ def launch_expanded(how, kernel, grid3, stream, slots, maps_per_descriptor: int,
     raw, fill, coop, pdl, template, at_tensor, at_desc = how
     args = pointer_args(template, at_tensor, slots) if ints else template.copy()
     for pos, name, view in () if ints else at_tensor:
-        args[pos] = slots[name] if view is None else slots[name].view(view)
+        args[pos] = tensor_arg(slots, name, view)
     for pos, name, static, maps in at_desc:
         ptr = slots[name].data_ptr()
         m = maps.get(ptr)
@@ -319,16 +319,35 @@ def launcher_takes_ints(cls: type) -> bool:
     return False
 
 
+class Carved(tuple):
+    """A launch argument that is a piece of a slot: ``(shape, strides, offset, byte offset)`` of the view
+    ``slot.as_strided(shape, strides, offset)`` (partition states carved from one allocation: ``replay.carved``)."""
+
+    __slots__ = ()
+
+
+def tensor_arg(slots, name, view):
+    """The tensor a launch receives for slot ``name``: the slot, its dtype view (``view`` a dtype) or a piece of it
+    (``view`` a :class:`Carved`)."""
+    t = slots[name]
+    if view is None:
+        return t
+    if type(view) is Carved:
+        return t.as_strided(view[0], view[1], view[2])
+    return t.view(view)
+
+
 def pointer_args(vals, subs, slots) -> list:
     """``vals`` with the call's tensors placed as their addresses (:func:`launcher_takes_ints`): ``subs`` ``(position,
-    slot, view dtype)``; one data_ptr() per slot (a dtype view shares its base's address)."""
+    slot, view)``; one data_ptr() per slot (a dtype view shares its base's address, a carved piece adds its byte
+    offset)."""
     vals = vals.copy()
     ptrs = {}
-    for i, name, _ in subs:
+    for i, name, view in subs:
         p = ptrs.get(name)
         if p is None:
             p = ptrs[name] = slots[name].data_ptr()
-        vals[i] = p
+        vals[i] = p + view[3] if type(view) is Carved else p
     return vals
 
 

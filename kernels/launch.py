@@ -762,12 +762,21 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
 
     dummy = q
     f32 = dict(device=q.device, dtype=torch.float32)
-    if parts > 1:
+    if parts > 1 and not replay.wrapping():
+        # the partition states m, S and W carved from one allocation (each at a 16-byte boundary): a replay
+        # allocates once, and hands the kernels the pieces' addresses (session 58)
+        n = parts * BH * Nq
+        n16 = -(-n // 4) * 4
+        part = torch.empty(2 * n16 + n * Dv, **f32)
+        replay.allocated("part", part)
+        pm, ps = part[:n].view(parts, BH, Nq), part[n16:n16 + n].view(parts, BH, Nq)
+        pw = part[2 * n16:].view(parts, BH, Nq, Dv)
+        for name, t in (("part_m", pm), ("part_s", ps), ("part_w", pw)):
+            replay.carved(name, t, "part")
+    elif parts > 1:  # traced into wrap_triton launches (kernels/ops.py): three tensors of their own
         pm = torch.empty((parts, BH, Nq), **f32)
         ps = torch.empty((parts, BH, Nq), **f32)
         pw = torch.empty((parts, BH, Nq, Dv), **f32)
-        for name, t in (("part_m", pm), ("part_s", ps), ("part_w", pw)):
-            replay.allocated(name, t)
     elif state is not None:
         pm, ps, pw = state
     else:

@@ -10,8 +10,8 @@ usual while this module records what it launches:
 
 * every tensor a kernel receives must be one of the call's *slots* (q, k, v, mask, lengths, provided outputs,
   by identity, or a same-size dtype view of one, as the bool mask's ``uint8`` view) or a tensor the planner
-  registered with :func:`allocated` (outputs and partition states it creates) or :func:`derived` (V staged
-  transposed); host tensor descriptors (Gluon's TMA descriptors) over a slot are recorded as their fields;
+  registered with :func:`allocated` (outputs and the partition states' allocation it creates), :func:`carved` (the
+  partition states, pieces of that allocation) or :func:`derived` (V staged transposed); host tensor descriptors (Gluon's TMA descriptors) over a slot are recorded as their fields;
 * every environment variable the planner reads is recorded with its value: the ``ELSA_*`` knobs as ``knobs.get``
   reads them (the registry reports each read while a plan records), other variables through :func:`env`.
 
@@ -181,6 +181,15 @@ def allocated(name: str, t: Optional[torch.Tensor]) -> None:
     rec = getattr(_local, "rec", None)
     if rec is not None and t is not None:
         rec.allocate(name, t)
+
+
+def carved(name: str, t: torch.Tensor, base: str) -> None:
+    """Registers ``t``, a piece of the tensor registered as ``base`` (:func:`allocated`; the same dtype), under
+    ``name``: a replay hands the kernels the same piece of its ``base`` (its address plus the offset, or the view),
+    so that one allocation serves several buffers (the partition states)."""
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.carve(name, t, base)
 
 
 def derived(name: str, t: torch.Tensor, make: Callable) -> None:
@@ -411,6 +420,7 @@ def _params(fn):
 # Triton's private launch path (kernels/internals.py, behind its version gate); the names tests and recipes patch
 _launches_as_recorded = internals.launches_as_recorded
 _launcher_takes_ints = internals.launcher_takes_ints
+_tensor_arg = internals.tensor_arg
 _metadata_needs_hook = internals.metadata_needs_hook
 _desc_module = internals.desc_module
 _idle = internals.idle
@@ -436,6 +446,7 @@ class _Recorder:
         self.launches = []
         self.env: Dict[str, tuple] = {}  # name -> (encoded name, encoded value or None) as read
         self.notes: dict = {}  # (note)
+        self.carved: Dict[str, tuple] = {}  # name -> (base slot, internals.Carved) (carved)
 
     def fail(self, why: str):
         if self.why is None:
@@ -453,6 +464,16 @@ class _Recorder:
         if self._new_slot(name, t):
             self.prep.append((name, (tuple(t.shape), t.stride(), t.dtype, t.device)))
 
+    def carve(self, name: str, t: torch.Tensor, base: str):
+        b = self.slots.get(base)
+        if b is None or b.dtype != t.dtype or b.device != t.device:
+            self.fail(f"{name} is not a piece of a registered {base}")
+            return
+        offset = (t.data_ptr() - b.data_ptr()) // t.element_size()
+        if self._new_slot(name, t):
+            self.carved[name] = (base, internals.Carved((tuple(t.shape), t.stride(), offset,
+                                                          offset * t.element_size())))
+
     def derive(self, name: str, t: torch.Tensor, make: Callable):
         if self._new_slot(name, t):
             self.prep.append((name, make))
@@ -461,7 +482,7 @@ class _Recorder:
         """``(slot name, view dtype or None)`` of a tensor argument, or None."""
         name = self.ids.get(id(t))
         if name is not None:
-            return name, None
+            return self.carved.get(name) or (name, None)
         for name, s in self.slots.items():  # a dtype view of a slot (the bool mask as uint8)
             if (s.dtype != t.dtype and s.dtype.itemsize == t.dtype.itemsize and s.data_ptr() == t.data_ptr()
                     and s.shape == t.shape and s.stride() == t.stride() and s.device == t.device):
@@ -508,7 +529,7 @@ class _Recorder:
         if t is None:
             return None
         name = self.ids.get(id(t))
-        if name is None:
+        if name is None or name in self.carved:
             self.fail("a returned tensor is not a tensor of the call")
         return name
 
@@ -535,6 +556,9 @@ STATS_DESC = {"encoded": 0, "through_triton": 0}  # replayed launches with host 
 MAPS_PER_DESCRIPTOR = 8  # CUtensorMaps kept per descriptor argument of a launch, by base address
 
 
+_STREAM = "\0stream"  # a replay's slots: (the current stream, Triton's runtime hooks), once read (not a tensor name)
+
+
 class _Launch:
     __slots__ = ("fn", "kernel", "grid", "grid3", "vals", "subs", "descs", "options", "expanded", "ints")
 
@@ -556,8 +580,11 @@ class _Launch:
             vals = self._vals(slots)
             self.fn[self.grid](*vals, **self.options)
             return
-        device, stream, hooks = _triton()
-        stream = stream(device())
+        got = slots.get(_STREAM)  # the launches of one replay share the current device's stream (read once)
+        if got is None:
+            device, stream, hooks = _triton()
+            got = slots[_STREAM] = (stream(device()), hooks)
+        stream, hooks = got
         enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
         quiet = internals.quiet(kernel, enter, leave)
         ints = self.ints
@@ -591,7 +618,7 @@ class _Launch:
     def _vals(self, slots):
         vals = self.vals.copy()
         for i, name, view in self.subs:
-            vals[i] = slots[name] if view is None else slots[name].view(view)
+            vals[i] = _tensor_arg(slots, name, view)
         for i, name, cls, fields in self.descs:
             vals[i] = cls(slots[name], **fields)
         return vals

@@ -112,7 +112,8 @@ def test_replay_matches_the_oracle(case):
 
 
 def test_replay_allocates_outputs_and_partition_states():
-    """Outputs the planner allocated (out, lse, the partition states of a split call) come new from each replay."""
+    """Outputs the planner allocated (out, lse, the partition states of a split call) come new from each replay; the
+    three partition states are pieces of one allocation, each at a 16-byte boundary."""
     q, k, v = rand(1, 2, 8, 32), rand(1, 2, 600, 32), rand(1, 2, 600, 32)
     first, _ = launch.attention(decoy(q), decoy(k), decoy(v), scale=0.2, precision="strict", num_partitions=3)
     before = replay.STATS["replayed"]
@@ -123,8 +124,12 @@ def test_replay_allocates_outputs_and_partition_states():
                                           backend="reference")
     assert rel(out, ref) <= 2e-6 and rel(lse, ref_lse) <= 1e-6
     (plan,) = replay._plans.values()
-    assert {name for name, _ in plan.prep} == {"out", "lse", "part_m", "part_s", "part_w"}
+    assert {name for name, _ in plan.prep} == {"out", "lse", "part"}
     assert [type(one.fn).__name__ for one in plan.launches] and len(plan.launches) == 2  # phase 1 and the merge
+    pieces = {view for one in plan.launches for _, name, view in one.subs if name == "part"}
+    n = 3 * 2 * 8  # partitions x batch·heads x rows
+    assert sorted((v[0], v[2]) for v in pieces) == [((3, 2, 8), 0), ((3, 2, 8), 48), ((3, 2, 8, 32), 96)]
+    assert all(v[3] % 16 == 0 and v[3] == 4 * v[2] for v in pieces) and n == 48
 
 
 def test_inference_op_replays_the_eager_calls_plan():
