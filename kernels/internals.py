@@ -226,10 +226,10 @@ def desc_module(cls: type):
 
 
 def expand_descriptors(kernel, vals, subs, descs, desc_module_of=desc_module, fill=fill_tma):
-    """``(C launcher, map encoder, cooperative, pdl, template, tensor positions, descriptor positions)``: a compiled
-    kernel's arguments expanded as Triton's launcher expands them, around placeholders for the call's tensors
-    and maps (each descriptor position with its encoder arguments and its maps by base address); False when
-    this Triton or kernel does not allow it (see ``DESC_SOURCE``). ``vals``: the recorded arguments, ``subs``
+    """``(C launcher, map encoder, cooperative, pdl, template, tensor positions, their pointer_plan, descriptor
+    positions)``: a compiled kernel's arguments expanded as Triton's launcher expands them, around placeholders for
+    the call's tensors and maps (each descriptor position with its encoder arguments and its maps by base address);
+    False when this Triton or kernel does not allow it (see ``DESC_SOURCE``). ``vals``: the recorded arguments, ``subs``
     ``(position, slot, view dtype)`` of the tensors, ``descs`` ``(position, slot, class, fields)`` of the host
     descriptors; ``desc_module_of`` and ``fill``: :func:`desc_module` and :func:`fill_tma` (tests stand in)."""
     launcher = kernel.run
@@ -263,15 +263,15 @@ def expand_descriptors(kernel, vals, subs, descs, desc_module_of=desc_module, fi
         else:
             template.append(val)
     return (raw, fill(), launcher.launch_cooperative_grid, launcher.launch_pdl, template, tuple(at_tensor),
-            tuple(at_desc))
+            pointer_plan(at_tensor), tuple(at_desc))
 
 
 def launch_expanded(how, kernel, grid3, stream, slots, maps_per_descriptor: int, ints: bool = False) -> None:
     """Launches ``kernel`` through the C launcher of ``how`` (:func:`expand_descriptors`) on the call's ``slots``,
     encoding a descriptor's map once per base address (at most ``maps_per_descriptor`` kept); ``ints``: tensors handed
     over as their addresses (:func:`launcher_takes_ints`)."""
-    raw, fill, coop, pdl, template, at_tensor, at_desc = how
-    args = pointer_args(template, at_tensor, slots) if ints else template.copy()
+    raw, fill, coop, pdl, template, at_tensor, plan, at_desc = how
+    args = pointer_args(template, plan, slots) if ints else template.copy()
     for pos, name, view in () if ints else at_tensor:
         args[pos] = tensor_arg(slots, name, view)
     for pos, name, static, maps in at_desc:
@@ -337,17 +337,23 @@ def tensor_arg(slots, name, view):
     return t.view(view)
 
 
-def pointer_args(vals, subs, slots) -> list:
-    """``vals`` with the call's tensors placed as their addresses (:func:`launcher_takes_ints`): ``subs`` ``(position,
-    slot, view)``; one data_ptr() per slot (a dtype view shares its base's address, a carved piece adds its byte
-    offset)."""
-    vals = vals.copy()
-    ptrs = {}
+def pointer_plan(subs) -> tuple:
+    """``subs`` ``(position, slot, view)`` grouped for :func:`pointer_args`: ``((slot, ((position, byte offset), ...)),
+    ...)`` (a dtype view shares its base's address, a carved piece adds its byte offset)."""
+    at: dict = {}
     for i, name, view in subs:
-        p = ptrs.get(name)
-        if p is None:
-            p = ptrs[name] = slots[name].data_ptr()
-        vals[i] = p + view[3] if type(view) is Carved else p
+        at.setdefault(name, []).append((i, view[3] if type(view) is Carved else 0))
+    return tuple((name, tuple(pos)) for name, pos in at.items())
+
+
+def pointer_args(vals, plan, slots) -> list:
+    """``vals`` with the call's tensors placed as their addresses (:func:`launcher_takes_ints`), one data_ptr() per
+    slot; ``plan``: :func:`pointer_plan` of the launch's tensor arguments."""
+    vals = vals.copy()
+    for name, at in plan:
+        p = slots[name].data_ptr()
+        for i, off in at:
+            vals[i] = p + off
     return vals
 
 

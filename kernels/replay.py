@@ -567,7 +567,7 @@ class _Launch:
         self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.subs, self.descs, self.options = tuple(subs), tuple(descs), options
         self.expanded = None if descs and kernel is not None else False  # None: not tried yet
-        self.ints = None  # whether the launcher takes the tensors' addresses (launcher_takes_ints); None: not asked
+        self.ints = None  # launcher_takes_ints: the pointer plan, or False; None: not asked
 
     def _expand(self):
         """How this launch's host descriptors are expanded for Triton's compiled launcher, or False (see
@@ -587,20 +587,20 @@ class _Launch:
         stream, hooks = got
         enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
         quiet = internals.quiet(kernel, enter, leave)
-        ints = self.ints
+        ints = self.ints  # the launch's internals.pointer_plan where the launcher takes addresses, else False
         if ints is None:
-            ints = self.ints = _launcher_takes_ints(type(kernel.run))
+            ints = self.ints = _launcher_takes_ints(type(kernel.run)) and internals.pointer_plan(self.subs)
         if quiet and self.expanded is not False:
             if self.expanded is None:
                 self.expanded = self._expand()
             if self.expanded:
                 STATS_DESC["encoded"] += 1
                 return internals.launch_expanded(self.expanded, kernel, self.grid3, stream, slots,
-                                                 MAPS_PER_DESCRIPTOR, ints)
-        if quiet and ints and not self.descs:  # (no hook reads the arguments: the tensors' addresses will do)
+                                                 MAPS_PER_DESCRIPTOR, bool(ints))
+        if quiet and ints is not False and not self.descs:  # (no hook reads the arguments: addresses will do)
             STATS_POINTERS["addresses"] += 1
             return internals.launch_compiled(kernel, self.grid, self.grid3, stream, None,
-                                             internals.pointer_args(self.vals, self.subs, slots))
+                                             internals.pointer_args(self.vals, ints, slots))
         vals = self._vals(slots)
         if self.descs:
             STATS_DESC["through_triton"] += 1

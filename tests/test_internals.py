@@ -318,8 +318,9 @@ def test_direct_replay_hands_the_launcher_addresses_where_it_takes_them(monkeypa
         assert replay.STATS_POINTERS["addresses"] == before + 1
     else:
         assert list(args[9:]) == [slots["q"], slots["out"], slots["q"], 5, "C"] and slots["q"].calls == 0
-    assert internals.pointer_args([None, 1], [(0, "q", torch.int32)], slots) == [4096, 1]
+    plan = internals.pointer_plan
+    assert internals.pointer_args([None, 1], plan([(0, "q", torch.int32)]), slots) == [4096, 1]
     piece = internals.Carved(((2, 3), (3, 1), 5, 20))  # a piece of a slot: its address plus the byte offset
-    assert internals.pointer_args([None, None], [(0, "q", piece), (1, "q", None)], slots) == [4116, 4096]
+    assert internals.pointer_args([None, None], plan([(0, "q", piece), (1, "q", None)]), slots) == [4116, 4096]
     base = torch.arange(12.0)
     assert torch.equal(internals.tensor_arg({"b": base}, "b", piece), base[5:11].view(2, 3))

@@ -340,12 +340,15 @@ def test_idle_hooks_are_none_or_empty_chains():
     assert not replay._idle(print)
 
 
-def test_encoded_descriptor_launch_expands_arguments_as_triton_does(monkeypatch):
+@pytest.mark.parametrize("ints", [False, True])
+def test_encoded_descriptor_launch_expands_arguments_as_triton_does(monkeypatch, ints):
     """The encoded route hands Triton's compiled launcher what Triton 3.6's own path hands it: the base launch
     arguments, then every kernel argument in order with each host descriptor expanded to (CUtensorMap, shape...,
-    strides...); maps are encoded once per base address and at most MAPS_PER_DESCRIPTOR are kept. With a hook
-    set, the launch goes through the kernel's launcher with Triton's metadata instead."""
+    strides...); maps are encoded once per base address and at most MAPS_PER_DESCRIPTOR are kept. Where the
+    launcher takes addresses (``ints``: internals.launcher_takes_ints), a tensor argument goes as its address. With a
+    hook set, the launch goes through the kernel's launcher with Triton's metadata instead."""
     knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.setattr(replay, "_launcher_takes_ints", lambda cls: ints)
 
     @dataclasses.dataclass
     class Desc:  # the fields of Gluon's host TensorDescriptor
@@ -399,7 +402,8 @@ def test_encoded_descriptor_launch_expands_arguments_as_triton_does(monkeypatch)
     assert first == second and fills == [q.data_ptr()]  # one map for one address
     base = (4, 2, 1, "stream", "cu-function", False, True, None, None, "packed", None, None, None)
     assert first[:13] == base
-    assert first[13:] == (("map", q.data_ptr()), 2, 128, 64, 8192, 64, 1, lse, 128, 0.5, 64)
+    assert first[13:] == (("map", q.data_ptr()), 2, 128, 64, 8192, 64, 1, lse.data_ptr() if ints else lse, 128, 0.5,
+                          64)
     for _ in range(replay.MAPS_PER_DESCRIPTOR + 1):
         one({"q": torch.zeros(2, 128, 64, dtype=torch.float16), "lse": lse})
     assert len(one.expanded[-1][0][-1]) <= replay.MAPS_PER_DESCRIPTOR
