@@ -200,10 +200,10 @@ def families(monkeypatch):
     launch.replay.clear()
 
 
-def _steps(lengths, B=1, Hq=4, Hkv=2, D=16, dtype=torch.float32):
-    """One query and contiguous K/V of each length (a dynamic cache's steps: new tensors, new strides)."""
+def _steps(lengths, B=1, Hq=4, Hkv=2, D=16, dtype=torch.float32, nq=1):
+    """``nq`` queries and contiguous K/V of each length (a dynamic cache's steps: new tensors, new strides)."""
     k_all, v_all = rand(B, Hkv, max(lengths), D, dtype=dtype), rand(B, Hkv, max(lengths), D, dtype=dtype)
-    return [(rand(B, Hq, 1, D, dtype=dtype), k_all[:, :, :n].contiguous(), v_all[:, :, :n].contiguous())
+    return [(rand(B, Hq, nq, D, dtype=dtype), k_all[:, :, :n].contiguous(), v_all[:, :, :n].contiguous())
             for n in lengths]
 
 
@@ -218,18 +218,19 @@ def _route_plan(elsa_surgery, q, k, v, **kw):
     return out, next(route[2][0] for rkey, route in callcache._routes.items())
 
 
-@pytest.mark.parametrize("dtype,parts,causal", [(torch.float32, None, False), (torch.bfloat16, "3", False),
-                                                (torch.float16, "2", True)])
-def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, families, monkeypatch):
+@pytest.mark.parametrize("dtype,parts,causal,nq", [(torch.float32, None, False, 1), (torch.bfloat16, "3", False, 1),
+                                                   (torch.float16, "2", True, 1), (torch.float32, "2", True, 3)])
+def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, nq, families, monkeypatch):
     """Decode steps of 520-527 keys (one band): the first runs the full path and makes the family's route; the next
     seven run its plan retargeted to their keys, with the kernels' exact answer; each retargeted plan launches what
-    the planner records for that call itself (same kernels, grids and arguments)."""
+    the planner records for that call itself (same kernels, grids and arguments). Three queries a step, causal: a
+    chunked prefill or speculative step, bottom-right over the step's own keys."""
     from elsa_surgery import callcache
 
     if parts:
         monkeypatch.setenv("ELSA_NUM_PARTITIONS", parts)
     elsa_surgery, counts = families
-    steps = _steps(range(520, 528), dtype=dtype)
+    steps = _steps(range(520, 528), dtype=dtype, nq=nq)
     outs = [elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True, is_causal=causal) for q, k, v in steps]
     assert counts() == {"runs": 7, "made": 1}
     for (q, k, v), out in zip(steps, outs):
