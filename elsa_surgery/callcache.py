@@ -128,18 +128,19 @@ KERNEL_FAMILY = {"runs": 0, "made": 0}  # calls run through a kernel family's ro
 
 
 class _KernelFamily:
-    __slots__ = ("fam", "raced", "shown", "family", "routes", "generation")
+    __slots__ = ("entry", "routes", "fam", "raced", "shown", "family", "generation")
 
-    def __init__(self, fam, raced, shown, family, routes, generation):
-        self.fam, self.raced, self.shown, self.family, self.routes, self.generation = (fam, raced, shown, family,
-                                                                                       routes, generation)
+    def __init__(self, entry, fam, raced, shown, family):
+        self.entry, self.routes, self.fam, self.raced, self.shown, self.family = (entry, entry.routes, fam, raced,
+                                                                                  shown, family)
+        self.generation = replay.GENERATION[0]
 
-    def run(self, entry_routes, q, k, v, return_lse):
+    def run(self, q, k, v, return_lse):
         """The call's result through the family's plan, or None (the full path)."""
         if self.raced is not None:
             if _families.get(self.fam, (None,))[0] is not self.raced:
                 return None
-        elif entry_routes is not self.routes:
+        elif self.entry.routes is not self.routes:  # the entry it was made from was dropped
             return None
         family = self.family
         if replay.GENERATION[0] != self.generation or not family.plan.env_unchanged():
@@ -535,8 +536,7 @@ def direct(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         if _kernel_routes and m is None and kv_lengths is None:
             shared = _kernel_routes.get((fkey or _family_key(rkey, k, v), rkey[9], rkey[14]))
             if shared is not None:
-                entry = shared[0]
-                res = shared[1].run(entry.routes, q, k, v, return_lse)
+                res = shared.run(q, k, v, return_lse)
                 if res is not None:
                     return res
         return Miss(rkey)
@@ -640,19 +640,18 @@ def _learn_kernel_family(key: tuple, rkey: tuple, entry: _Entry, d: dispatch.Dec
     (``launch.KeysFamily``: a packed short-query launch)."""
     from .kernels import launch
 
-    fkey = (_family_key(rkey, k, v), rkey[9], rkey[14])
+    family = launch.keys_family(plan)  # (None for any plan but a packed decode launch's: checked first)
+    if family is None:
+        return
     fam = _family(key)
     raced = _families.get(fam)
     if raced is not None and raced[0].backend != "elsa":
         return
-    family = launch.keys_family(plan)
-    if family is None:
-        return
     shown = d if raced is None or d is not raced[0] else _band_decision(raced[0], raced[1], k.shape[-2])
+    fkey = (_family_key(rkey, k, v), rkey[9], rkey[14])
     if len(_kernel_routes) >= MAX_ROUTES and fkey not in _kernel_routes:
         del _kernel_routes[next(iter(_kernel_routes))]
-    _kernel_routes[fkey] = (entry, _KernelFamily(fam, None if raced is None else raced[0], shown, family,
-                                                 entry.routes, replay.GENERATION[0]))
+    _kernel_routes[fkey] = _KernelFamily(entry, fam, None if raced is None else raced[0], shown, family)
     KERNEL_FAMILY["made"] += 1
 
 

@@ -271,9 +271,12 @@ def launch_expanded(how, kernel, grid3, stream, slots, maps_per_descriptor: int,
     encoding a descriptor's map once per base address (at most ``maps_per_descriptor`` kept); ``ints``: tensors handed
     over as their addresses (:func:`launcher_takes_ints`)."""
     raw, fill, coop, pdl, template, at_tensor, plan, at_desc = how
-    args = pointer_args(template, plan, slots) if ints else template.copy()
-    for pos, name, view in () if ints else at_tensor:
-        args[pos] = tensor_arg(slots, name, view)
+    if ints:
+        args = pointer_args(template, plan, slots)
+    else:
+        args = template.copy()
+        for pos, name, view in at_tensor:
+            args[pos] = tensor_arg(slots, name, view)
     for pos, name, static, maps in at_desc:
         ptr = slots[name].data_ptr()
         m = maps.get(ptr)

@@ -387,7 +387,7 @@ class KeysFamily:
         last = self.last
         if last is not None and last[0] == n_k and last[1] == ks and last[2] == vs:
             return last[3]
-        parts_of, block_n, dot, parts0, _, blocked0, _ = self.rule
+        parts_of, block_n, dot, parts0, _, blocked0 = self.rule
         if n_k < occ.DECODE_MIN_KEYS or v.shape[2] != n_k:
             return None
         parts, part_len = split_keys(parts_of, n_k, block_n)
@@ -396,7 +396,7 @@ class KeysFamily:
         vals = (n_k, n_k, part_len, *ks, *vs)
         if tuple(map(_int_kind, vals, self.specs)) != self.kinds:
             return None
-        fwd = self.fwd.with_args(self.fwd.grid, {i: b for (i, _), b in zip(self.at, vals)})
+        fwd = self.fwd.with_args({i: b for (i, _), b in zip(self.at, vals)})
         plan = self.plan.with_launches((fwd,) + self.plan.launches[1:])
         self.last = (n_k, ks, vs, plan)
         return plan
@@ -784,7 +784,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     write_state = parts > 1 or state is not None
     n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
     if pack_rows is not None and plan.parts_of is not None:  # (KeysFamily)
-        replay.note("keys", (plan.parts_of, cfg.block_n, dot, parts, plan.part_len, blocked, Nk))
+        replay.note("keys", (plan.parts_of, cfg.block_n, dot, parts, plan.part_len, blocked))
 
     def fwd(q_, k_, v_, out_, lse_, mask_, koff, klim, part_len_, pm_, ps_, pw_, write_state_, chunked,
             split_=None, ranges_=None):

@@ -11,7 +11,8 @@ usual while this module records what it launches:
 * every tensor a kernel receives must be one of the call's *slots* (q, k, v, mask, lengths, provided outputs,
   by identity, or a same-size dtype view of one, as the bool mask's ``uint8`` view) or a tensor the planner
   registered with :func:`allocated` (outputs and the partition states' allocation it creates), :func:`carved` (the
-  partition states, pieces of that allocation) or :func:`derived` (V staged transposed); host tensor descriptors (Gluon's TMA descriptors) over a slot are recorded as their fields;
+  partition states, pieces of that allocation) or :func:`derived` (V staged transposed); host tensor descriptors
+  (Gluon's TMA descriptors) over a slot are recorded as their fields;
 * every environment variable the planner reads is recorded with its value: the ``ELSA_*`` knobs as ``knobs.get``
   reads them (the registry reports each read while a plan records), other variables through :func:`env`.
 
@@ -606,14 +607,13 @@ class _Launch:
             STATS_DESC["through_triton"] += 1
         internals.launch_compiled(kernel, self.grid, self.grid3, stream, None if quiet else (enter, leave), vals)
 
-    def with_args(self, grid, changes) -> "_Launch":
-        """This launch with another ``grid`` and the non-tensor arguments ``changes`` (``{parameter index: value}``)
-        set: the same compiled kernel, which the caller has checked Triton would specialise alike
-        (``launch.KeysFamily``)."""
+    def with_args(self, changes) -> "_Launch":
+        """This launch with the non-tensor arguments ``changes`` (``{parameter index: value}``) set: the same compiled
+        kernel and grid, which the caller has checked hold for them (``launch.KeysFamily``)."""
         vals = self.vals.copy()
         for i, val in changes.items():
             vals[i] = val
-        return _Launch(self.fn, self.kernel, grid, vals, self.subs, self.descs, self.options)
+        return _Launch(self.fn, self.kernel, self.grid, vals, self.subs, self.descs, self.options)
 
     def _vals(self, slots):
         vals = self.vals.copy()

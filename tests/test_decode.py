@@ -236,7 +236,7 @@ def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, nq, f
     for (q, k, v), out in zip(steps, outs):
         ref, _ = oracle(q, k, v, is_causal=causal)
         assert rel(out, ref) <= TOL["strict" if dtype == torch.float32 else dtype]
-    (_, fam), = callcache._kernel_routes.values()
+    fam, = callcache._kernel_routes.values()
     for q, k, v in steps[3:5]:
         got = fam.family.plan_for(k, v)
         out, want = _route_plan(elsa_surgery, q, k, v, is_causal=causal)
@@ -279,7 +279,7 @@ def test_keys_family_keeps_the_compiled_kernels_specialisation(families):
     elsa_surgery, _ = families
     (q, k, v), = _steps((520,), D=8)
     elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)
-    (_, shared), = callcache._kernel_routes.values()
+    shared, = callcache._kernel_routes.values()
     plan = shared.family.plan
     fwd = plan.launches[0]
     direct = launch.replay._Launch(fwd.fn, object(), fwd.grid, fwd.vals, fwd.subs, fwd.descs, fwd.options)
@@ -311,7 +311,7 @@ def test_growing_cache_family_on_the_gpu(dtype):
     steps = [(q, kv[0, :, :, :n].contiguous(), kv[1, :, :, :n].contiguous()) for q, n in zip(qs, lengths)]
     outs = [elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True) for q, k, v in steps]
     assert {n: callcache.KERNEL_FAMILY[n] - before[n] for n in before} == {"runs": len(lengths) - 1, "made": 1}
-    (_, shared), = callcache._kernel_routes.values()
+    shared, = callcache._kernel_routes.values()
     assert shared.family.fwd.kernel is not None  # launched directly: its specialisation checked
     for (q, k, v), out in zip(steps[::9], outs[::9]):
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
