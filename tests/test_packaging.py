@@ -65,3 +65,35 @@ def test_bare_kernels_import_from_a_checkout_is_inert():
     res = subprocess.run([sys.executable, "-c", CLASH.format(root=root)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "(1, 2, 5, 8)"
+
+
+HAND_OVER = textwrap.dedent("""
+    import importlib.metadata, sys
+    sys.path.insert(0, {root!r})  # a source checkout's root on sys.path
+    import kernels
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        print("inert", kernels.__file__.startswith({root!r}))
+    else:
+        from kernels import LayerRepository  # what transformers >= 5.25 imports from Hugging Face's package
+        print("theirs", kernels.__file__.startswith({root!r}))
+""")
+
+
+def test_bare_kernels_import_from_a_checkout_is_hugging_faces_where_installed():
+    """From a source checkout's root, a bare ``import kernels`` (transformers >= 5.25 imports Hugging Face's
+    ``kernels`` on every model) gives the installed distribution's package, not this folder; without that
+    distribution, this folder, inert."""
+    import importlib.metadata
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", HAND_OVER.format(root=root)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    try:
+        importlib.metadata.distribution("kernels")
+        assert res.stdout.split() == ["theirs", "False"], res.stdout
+    except importlib.metadata.PackageNotFoundError:
+        assert res.stdout.split() == ["inert", "True"], res.stdout
