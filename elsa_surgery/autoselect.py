@@ -12,9 +12,10 @@ routes, validation, launch plans and all), so the host cost of our Python counts
 user. A training call (autograd records it: q, k or v requires grad) is its own signature, raced forward + backward
 (the backward to q, k, v only). The choice is made once per signature (``elsa_surgery/callcache.py`` keeps it;
 unmasked signatures that differ only in their number of keys, as a growing KV cache's decode steps, share one race
-per quarter octave of it), and its :class:`~.dispatch.Decision` names both timings, so the report's
-``backends_used`` and ``dispatch_reasons`` show it. ``backend="elsa"`` never races, nor does a call with an explicit
-``precision`` (a request for one of ELSA's modes).
+per quarter octave of it, an SDPA verdict only after :func:`probe_new_count`: :func:`band_verdict`), and its
+:class:`~.dispatch.Decision` names both timings, so the report's ``backends_used`` and ``dispatch_reasons`` show
+it. ``backend="elsa"`` never races, nor does a call with an explicit ``precision`` (a request for one of ELSA's
+modes).
 
 Under ``torch.compile`` the choice is made when the call is traced: :func:`choose_compiled` races the custom op an
 inference graph calls (``elsa_surgery::attention_inference``, its dispatch included) against SDPA on fresh tensors
@@ -129,12 +130,13 @@ class _SdpaOutOfMemory(Exception):
 
 
 def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], *, traced: bool = False,
-           training: bool = False, settled_key: Optional[tuple] = None) -> Decision:
+           training: bool = False, settled_key: Optional[tuple] = None, times: Optional[list] = None) -> Decision:
     """``d`` (naming both timings), or an SDPA decision naming them when SDPA is faster by more than
     :data:`MIN_GAIN`; ``elsa`` and ``sdpa`` make the call each way; ``traced``: the race of a call torch.compile
     is tracing (:func:`choose_compiled`); ``training``: each side is a call and its backward; ``settled_key``: the
     eager inference call's :func:`traced_signature`, under which a settled verdict is kept in :data:`SETTLED`
-    for torch.compile's trace of the same call. Where SDPA's side
+    for torch.compile's trace of the same call; ``times``: a list the race's :class:`Times` is appended to. Where
+    SDPA's side
     runs out of GPU memory (its math path, the only one for fp32 GQA, materialises the ``Nq x Nk`` scores: 112 GiB
     for a Qwen2-7B-shaped 32K prefill), ``d`` is kept and says so: the race must never fail a call ELSA can run."""
 
@@ -149,6 +151,8 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
     except _SdpaOutOfMemory as e:
         return Decision(d.backend, d.precision, f"{d.reason}; auto's race: PyTorch SDPA ran out of memory ({e})",
                         d.fallback)
+    if times is not None:
+        times.append(Times(elsa_ms, sdpa_ms, rounds))
     what = "forward + backward of each training call" if training else "call"
     measured = (f"median of {rounds} interleaved rounds" if rounds else
                 f"one timed call of each: at least {SETTLED_MS:g} ms and {SETTLED_RATIO:g}x apart, settled")
@@ -166,6 +170,41 @@ def choose(d: Decision, elsa: Callable[[], object], sdpa: Callable[[], object], 
             del SETTLED[next(iter(SETTLED))]
         SETTLED[settled_key] = final
     return final
+
+
+# A band of key counts shares its race's verdict (elsa_surgery/callcache.py): the calls of a growing KV cache's decode
+# steps, each at a key count not seen before. The race times SDPA repeating one call, but a PyTorch SDPA backend may
+# build something per shape (session 58, H200, torch 2.11: unmasked bf16 decode calls through cuDNN rebuilt its plan
+# at every new key count, 36-50 ms a step against microseconds repeated). Where SDPA wins a band, its first call at
+# another key count of the band is timed once more (:func:`probe_new_count`); where that first call costs more than
+# NEW_COUNT_RATIO times its repeated call and more than ELSA's raced time, the band shares ELSA instead
+# (:func:`band_verdict`): each later step of it would pay SDPA's first-call cost.
+NEW_COUNT_RATIO = 4.0
+
+
+class Probe(NamedTuple):
+    """SDPA's first call at a key count it had not seen, and the same call repeated, in milliseconds."""
+    first_ms: float
+    again_ms: float
+
+
+def probe_new_count(sdpa_other: Callable[[], object]) -> Probe:
+    """:class:`Probe` of ``sdpa_other``: SDPA's call at a key count of the band other than the raced one."""
+    return Probe(_per_call_ms(sdpa_other, 1), _per_call_ms(sdpa_other, 1))
+
+
+def band_verdict(final: Decision, kept: Decision, times: Times, probe: Probe, other_keys: int) -> Decision:
+    """The verdict a band of key counts shares, after a race whose verdict was ``final`` (SDPA) with ``times`` and
+    the :class:`Probe` of SDPA at ``other_keys`` keys: ``final``, or ``kept`` (ELSA's decision) naming the probe
+    when SDPA's first call at a new key count costs more than :data:`NEW_COUNT_RATIO` times its repeated call and
+    more than ELSA's call."""
+    if not (probe.first_ms > NEW_COUNT_RATIO * probe.again_ms and probe.first_ms > times.elsa_ms):
+        return final
+    return Decision(kept.backend, kept.precision,
+                    f"{kept.reason}; auto's race: PyTorch SDPA was faster repeating one call (ELSA "
+                    f"{times.elsa_ms * 1e3:.1f} us vs SDPA {times.sdpa_ms * 1e3:.1f} us), but its first call at "
+                    f"another key count ({other_keys}) took {probe.first_ms * 1e3:.1f} us ({probe.again_ms * 1e3:.1f} "
+                    "us repeated): the band's calls, each at a new key count, share ELSA", kept.fallback)
 
 
 # eager verdicts that one timed call of each side settled (calls of milliseconds, 1.5x apart: the custom op's few

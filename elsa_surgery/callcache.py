@@ -292,10 +292,13 @@ def prepare(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 else:
                     settled_key = (autoselect.traced_signature(p.q, p.k, p.v, p.is_causal, p.scale, d.precision)
                                    if p.mask is None and p.kv_lengths is None else None)
-                    d = _race(entry, call, (q, k, v), settled_key)
+                    kept = entry.decision
+                    d, times = _race(entry, call, (q, k, v), settled_key)
                     if len(_families) >= MAX_ENTRIES:
                         _families.pop(next(iter(_families)))
-                    _families[fam] = (d, k.shape[-2])
+                    # (unmasked, no lengths: the band's later calls would be plain SDPA calls, probed first)
+                    d_band = d if settled_key is None else _band_probe(entry, d, kept, times, q, k, v)
+                    _families[fam] = (d_band, k.shape[-2])
         else:
             STATS["hits"] += 1
             squeeze, scale_, causal, dropout, d = hit.squeeze, hit.scale, hit.causal, hit.dropout, hit.decision
@@ -655,7 +658,23 @@ def _learn_kernel_family(key: tuple, rkey: tuple, entry: _Entry, d: dispatch.Dec
     KERNEL_FAMILY["made"] += 1
 
 
-def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
+def _band_probe(entry: _Entry, d: dispatch.Decision, kept: dispatch.Decision, times, q, k, v) -> dispatch.Decision:
+    """The verdict the race's band shares (``autoselect.band_verdict``): where SDPA won the race of an unmasked
+    non-causal inference call without lengths (the caller's test) of more than 8 keys, SDPA is timed at one key
+    fewer (views of k and v, as the call's SDPA route would run them) before the band shares its verdict."""
+    n = k.shape[-2]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if d.backend != "sdpa" or not times or times[0].rounds == 0 or entry.causal or n <= 8 or training:
+        return d
+    k1, v1 = k.narrow(-2, 0, n - 1), v.narrow(-2, 0, n - 1)
+    gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
+    with dispatch.unrecorded():
+        probe = autoselect.probe_new_count(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k1, v1, None, 0.0, False, scale=entry.scale, enable_gqa=gqa))
+    return autoselect.band_verdict(d, kept, times[0], probe, n - 1)
+
+
+def _race(entry: _Entry, call, qkv, settled_key=None) -> Tuple[dispatch.Decision, list]:
     """auto's race (elsa_surgery/autoselect.py) for a new entry: ``call``, the public call, made with the entry set
     to the ELSA decision and to SDPA's in turn, unrecorded and uncounted; the entry keeps the winner. A training
     call (autograd records it: q, k or v requires grad) is raced as the call and its backward, on detached twins of
@@ -663,10 +682,11 @@ def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
     Tensors the race saves for backward skip any saved-tensor hooks in force (activation checkpointing's: a race
     inside a checkpointed forward would change the number of tensors saved there, which the recomputation, finding
     the signature decided, does not repeat: torch.utils.checkpoint's CheckpointError). ``settled_key``: an unmasked
-    call's key for torch.compile's race (``autoselect.choose``)."""
+    call's key for torch.compile's race (``autoselect.choose``). Returns the verdict and ``[autoselect.Times]`` (empty
+    where SDPA ran out of memory)."""
     d = entry.decision
     sides = {"elsa": (d, entry.routes), "sdpa": (autoselect.SDPA_SIDE, None if entry.routes is None else {})}
-    twins, grads = (), []
+    twins, grads, times = (), [], []
     if torch.is_grad_enabled() and any(t.requires_grad for t in qkv):
         made = {}  # one twin per distinct tensor (q is k stays so: the signature's identity flags)
         for t in qkv:
@@ -689,7 +709,7 @@ def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
         with dispatch.unrecorded():
             with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 final = autoselect.choose(d, side("elsa"), side("sdpa"), training=bool(grads),
-                                          settled_key=settled_key)
+                                          settled_key=settled_key, times=times)
     finally:
         STATS.update(counts[0])
         DIRECT.update(counts[1])
@@ -697,7 +717,7 @@ def _race(entry: _Entry, call, qkv, settled_key=None) -> dispatch.Decision:
     entry.decision, entry.routes = final, sides[final.backend][1]
     # both sides made a route under the call's route key, the later side's left in _routes: direct() drops it unless
     # it is the winner's, and the call itself, run next on the full path, points the key at the winner's (learn)
-    return final
+    return final, times
 
 
 def _share(entry: _Entry, raced: dispatch.Decision, raced_keys: int, keys: int) -> dispatch.Decision:

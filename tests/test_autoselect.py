@@ -29,6 +29,8 @@ def racing(monkeypatch):
     monkeypatch.setattr(dispatch, "auto_runs_kernels_on", lambda device: True)
     monkeypatch.setattr(autoselect, "_eager_cuda", lambda t: True)
     monkeypatch.setattr(autoselect, "race", lambda elsa, sdpa: (elsa(), sdpa(), times[0])[-1])
+    # SDPA's first call at another key count of a band it won costs what its repeated call does (a test may say not)
+    monkeypatch.setattr(autoselect, "probe_new_count", lambda sdpa: (sdpa(), autoselect.Probe(0.1, 0.1))[-1])
     callcache.clear()
     yield times
     callcache.clear()
@@ -82,7 +84,9 @@ def test_each_side_of_the_race_is_the_whole_public_call(racing, monkeypatch):
     before = dict(callcache.STATS)
     with dispatch.record() as log:
         elsa_surgery.attention(q, k, v)
-    assert seen == ["|", "elsa", "|", "sdpa", "|", "sdpa"]  # the race's two sides, then the call itself on SDPA
+    # the race's two sides, SDPA probed at another key count of the band (callcache._band_probe), then the call
+    # itself on SDPA
+    assert seen == ["|", "elsa", "|", "sdpa", "|", "sdpa", "sdpa"]
     assert [d.backend for d in log] == ["sdpa"]
     assert {n: callcache.STATS[n] - before[n] for n in before} == {"hits": 0, "misses": 1, "bypassed": 0}
 
@@ -169,6 +173,48 @@ def test_decode_steps_of_a_family_won_by_sdpa_run_sdpa_directly(racing, monkeypa
     assert log[-1].backend != "sdpa" or "PyTorch SDPA" not in log[-1].reason  # masked calls are not raced
     ref = F.scaled_dot_product_attention(q, kv[0, :, :, :105], kv[1, :, :, :105], enable_gqa=True)
     assert float((masked - ref).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("first_ms", [0.3, 0.15])
+def test_a_band_won_by_sdpa_shares_elsa_when_sdpa_pays_for_each_new_key_count(racing, monkeypatch, first_ms):
+    """SDPA won the race repeating one call (0.1 against ELSA's 0.2 ms), but its first call at another key count of
+    the band (probed at one key fewer, on views of the caller's k and v) costs 0.3 ms, more than 4x its repeated call
+    and more than ELSA's: the band's later calls, each a new key count, share ELSA and say why; the raced call's own
+    signature keeps SDPA. A first call of 0.15 ms (not more than ELSA's) leaves SDPA's verdict shared."""
+    probed = []
+
+    def probe(sdpa):
+        out = sdpa()
+        probed.append(out.shape)
+        return autoselect.Probe(first_ms, 0.02)
+
+    monkeypatch.setattr(autoselect, "probe_new_count", probe)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 16, generator=g).to(DEV)
+    kv = torch.randn(2, 1, 2, 130, 16, generator=g).to(DEV)
+    with dispatch.record() as log:
+        outs = [elsa_surgery.attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+                for n in (100, 101, 105, 100)]
+    assert probed == [(1, 4, 1, 16)]  # once, at the race
+    shared = "elsa" if first_ms == 0.3 else "sdpa"
+    assert [d.backend for d in log] == ["sdpa", shared, shared, "sdpa"], log
+    if shared == "elsa":
+        assert ("its first call at another key count (99) took 300.0 us (20.0 us repeated)" in log[1].reason
+                and "raced at 100 keys, shared by the calls of 97-112 keys" in log[1].reason), log[1].reason
+    for n, out in zip((100, 101, 105, 100), outs):
+        ref = F.scaled_dot_product_attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+        assert float((out - ref).abs().max()) < 1e-5
+
+
+def test_band_verdict_rule():
+    """autoselect.band_verdict: ELSA shared only where SDPA's first call at a new key count costs more than
+    NEW_COUNT_RATIO times its repeated call and more than ELSA's raced time."""
+    sdpa = dispatch.Decision("sdpa", None, "raced")
+    kept = dispatch.Decision("elsa", None, "auto")
+    times = autoselect.Times(0.2, 0.1, 3)
+    assert autoselect.band_verdict(sdpa, kept, times, autoselect.Probe(0.5, 0.1), 99).backend == "elsa"
+    assert autoselect.band_verdict(sdpa, kept, times, autoselect.Probe(0.39, 0.1), 99) is sdpa  # under 4x
+    assert autoselect.band_verdict(sdpa, kept, times, autoselect.Probe(0.19, 0.01), 99) is sdpa  # under ELSA's
 
 
 @pytest.mark.parametrize("times,winner", [((0.2, 0.1), "sdpa"), ((0.1, 0.2), "elsa")])
