@@ -34,10 +34,17 @@ def test_no_top_level_kernels_or_adapters_module():
 
     assert elsa_surgery.kernels.__name__ == "elsa_surgery.kernels"
     assert elsa_surgery.adapters.__name__ == "elsa_surgery.adapters"
+    import importlib.metadata
+
+    owners = importlib.metadata.packages_distributions()
     for name in ("kernels", "adapters"):
+        ours = [d for d in owners.get(name, []) if d.lower().replace("_", "-") == "elsa-surgery"]
+        assert not ours, f"elsa-surgery installs a top-level {name!r}"
         spec = importlib.util.find_spec(name)
-        # run from the repo root, a bare `kernels` could resolve to the source folder; never to an install
-        assert spec is None or "site-packages" not in (spec.origin or str(spec.submodule_search_locations))
+        # run from the repo root, a bare `kernels` could resolve to the source folder; an installed one must be
+        # another distribution's (Hugging Face's `kernels`, which transformers >= 5.25 requires)
+        if spec is not None and "site-packages" in (spec.origin or str(spec.submodule_search_locations)):
+            assert owners.get(name), (name, spec)
 
 
 CLASH = textwrap.dedent("""
