@@ -122,11 +122,11 @@ _REROUTED: set = set()  # the (BLOCK_M, BLOCK_N) that _keys_major moved to the k
 
 def atomic_dq(deterministic: Optional[bool] = None) -> bool:
     """Whether dQ is summed with atomic adds in the key-block pass rather than by the row pass: only when
-    ``ELSA_BWD_DQ=atomic`` and deterministic algorithms are off (``deterministic``, default
+    ``ELSA_BWD_DQ`` is atomic or gluon and deterministic algorithms are off (``deterministic``, default
     ``torch.are_deterministic_algorithms_enabled()``)."""
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    return not deterministic and knobs.get(knobs.BWD_DQ) == "atomic"
+    return not deterministic and knobs.get(knobs.BWD_DQ) in ("atomic", "gluon")
 
 
 class _Call:
@@ -367,6 +367,19 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
         if dense_short:  # the general passes leave rows past the lengths alone
             dq = _zeros("dq", q.shape, dq_dtype, q.device)
     delta = _delta(c, do, out, lse, dlse)
+    if has_keys and atomic and c.dot == occ.DOT_LOWP and _OVERRIDE is None and knobs.get(knobs.BWD_DQ) == "gluon":
+        from . import hopper_backward
+
+        why_not = hopper_backward.lowp_eligible(q, k, v, do, dot=c.dot, mask=c.mask_t, q_lengths=call["q_lengths"],
+                                                kv_lengths=call["kv_lengths"], varlen=c.varlen,
+                                                dropout_p=c.dropout_p, mask_grad=mask_grad)
+        if why_not is None:  # fp16/bf16 on Hopper, ELSA_BWD_DQ=gluon: the Gluon kernel, one launch
+            hopper_backward.lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, scale=c.scale, is_causal=c.is_causal)
+            return dq, dk, dv
+        if why_not not in _LOWP_PORTABLE:
+            _LOWP_PORTABLE.add(why_not)
+            log.info("elsa backward: ELSA_BWD_DQ=gluon, but this fp16/bf16 call runs the portable passes (%s)",
+                     why_not)
     if has_keys and c.dot == occ.DOT_IEEE and _OVERRIDE is None:
         from . import hopper_backward
 
@@ -406,6 +419,7 @@ def _launches(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool, cal
     return (dq, dk, dv) + ((ds,) if ds is not None else ())
 
 
+_LOWP_PORTABLE: set = set()  # why fp16/bf16 calls under ELSA_BWD_DQ=gluon ran the portable passes (logged once)
 _STRICT_PORTABLE: set = set()  # why strict backward calls ran the portable passes, not the Gluon ones (logged once)
 
 

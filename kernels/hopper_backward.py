@@ -1,4 +1,13 @@
-"""``strict``'s backward on Hopper (sm_90), in Gluon: every product an IEEE fp32 FMA (no tensor cores), blocked in
+"""The backward on Hopper (sm_90), in Gluon: strict's FMA passes and (session 59) one fp16/bf16 kernel.
+
+fp16/bf16 (:func:`_lowp_bwd`, where ``ELSA_BWD_DQ=gluon`` asks for it): one program per key block of 64 keys
+a warpgroup and (batch, K/V head), looping over the query tiles that see it, five products a tile on the tensor
+cores (wgmma), dQ added into an fp32 buffer by TMA reduce-adds where Triton's Gluon has them, else by atomic adds.
+The portable passes' deterministic form runs seven N x N products against cuDNN's five (docs/PERF.md, sessions 41
+and 57: 0.73-0.81x cuDNN forward + backward at 4K and 16K non-causal); this kernel runs five. Not yet measured on a
+GPU when it landed (docs/perf/history.md, session 59): it runs only when asked for.
+
+strict: every product an IEEE fp32 FMA (no tensor cores), blocked in
 registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and TMA tiles.
 
 Triton's FMA dot ran the portable backward (``backward.py``, dot kind 1) at ~5-6 TFLOP/s on an H200, 0.21-0.22x
@@ -34,7 +43,8 @@ from .occupancy import causal_head_group
 if gluon is not None:
     from .hopper import (_grid_block, _issue_kv, _kv_tile, _program_block, _release, _start, _store_rows,
                          _visible_scores)
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
     _LOG2E = gl.constexpr(LOG2E)
 
@@ -60,6 +70,53 @@ if gluon is not None:
         lse = gl.load(lse_ptr + off, mask=ok, other=float("-inf"))
         delta = gl.load(delta_ptr + off, mask=ok, other=0.0)
         return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E), delta
+
+    @gluon.jit
+    def _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+        """``(b, hk, n0, off, mb_lo, per_head, n_tiles, m_full)`` of a key-block program: its (batch, K/V head) and
+        first key, the query tiles that see its keys (from tile ``mb_lo`` of each of the group's ``G`` heads,
+        ``per_head`` a head, ``n_tiles`` in all) and the first query row from which a tile sees every key of the
+        block. Causal grids run the heaviest key blocks (the first: every later row sees them) first."""
+        nb, bh = _grid_block(n_nblocks, head_group, IS_CAUSAL, False)
+        b = bh // Hkv
+        hk = bh % Hkv
+        n0 = nb * BLOCK_N
+        off = Nk - Nq
+        n_mb = gl.cdiv(Nq, BLOCK_M)
+        mb_lo = 0
+        if IS_CAUSAL:  # row i sees key j when j <= i + off: the first row that sees key n0 is n0 - off
+            mb_lo = gl.minimum(gl.maximum(n0 - off, 0) // BLOCK_M, n_mb)
+        per_head = n_mb - mb_lo
+        return b, hk, n0, off, mb_lo, per_head, per_head * G, n0 + BLOCK_N - 1 - off
+
+    @gluon.jit
+    def _key_block_start(q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles,
+                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
+                         STAGES: gl.constexpr):
+        """A key-block program's shared memory: its K and V tiles (loaded, returned 2-D), a ring of STAGES q and dO
+        stages with their mbarriers (the first STAGES issued) and the K/V tiles' mbarrier."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+        v_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DV], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DV], do_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_tile)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_tile)
+        for i in gl.static_range(STAGES):
+            if i < n_tiles:
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + i // per_head,
+                          (mb_lo + i % per_head) * BLOCK_M, i)
+        mbarrier.wait(kv_bar, 0)
+        return (k_tile.reshape([BLOCK_N, HEAD_D]), v_tile.reshape([BLOCK_N, HEAD_DV]), q_ring, do_ring, bars,
+                kv_bar)
 
     @gluon.jit
     def _strict_bwd_kv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
@@ -92,46 +149,15 @@ if gluon is not None:
         rows_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         t_shared: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
 
-        # (b, hk, n0): the causal order puts the heaviest key blocks (the first: every later row sees them) first
-        nb, bh = _grid_block(n_nblocks, head_group, IS_CAUSAL, False)
-        b = bh // Hkv
-        hk = bh % Hkv
-        n0 = nb * BLOCK_N
-        off = Nk - Nq
-        n_mb = gl.cdiv(Nq, BLOCK_M)
-        mb_lo = 0
-        if IS_CAUSAL:  # row i sees key j when j <= i + off: the first row that sees key n0 is n0 - off
-            mb_lo = gl.minimum(gl.maximum(n0 - off, 0) // BLOCK_M, n_mb)
-        per_head = n_mb - mb_lo
-        n_tiles = per_head * G
-        # query tiles from this row on see every key of the block (no causal test)
-        m_full = n0 + BLOCK_N - 1 - off
-
-        dtype: gl.constexpr = q_desc.dtype
-        k_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], k_desc.layout)
-        v_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DV], v_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DV], do_desc.layout)
+        b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
+                                                                       BLOCK_N, BLOCK_M, IS_CAUSAL)
         pt_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], t_shared)
         dst_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], t_shared)
         if ATOMIC_DQ:  # dS as computed rows-major too: the left operand of dS·K
             ds_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], t_shared)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_bar, k_tile)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_tile)
-        for i in gl.static_range(STAGES):
-            if i < n_tiles:
-                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + i // per_head,
-                          (mb_lo + i % per_head) * BLOCK_M, i)
-        mbarrier.wait(kv_bar, 0)
-        k_smem = k_tile.reshape([BLOCK_N, HEAD_D])
-        v_smem = v_tile.reshape([BLOCK_N, HEAD_DV])
+        k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(
+            q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
+            HEAD_DV, STAGES)
 
         keys = n0 + gl.arange(0, BLOCK_N, layout=keys_s)
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, k_layout)
@@ -238,6 +264,106 @@ if gluon is not None:
         _store_rows(dq_ptr, dq * scale, b, h, s_qb, s_qh, s_qn,
                     m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, q_layout)), Nq, HEAD_D, q_layout)
 
+    @gluon.jit
+    def _lowp_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
+                  s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
+                  n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                  HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """fp16/bf16: dK, dV of one key block (``BLOCK_N`` keys, 64 a warpgroup) of one (batch, K/V head) and its
+        share of dQ, over the ``BLOCK_M``-row query tiles of its group's ``G`` query heads that see it; five
+        products a tile on the tensor cores, keys-major: ``s^T = K·q^T`` and ``dP^T = V·dO^T`` (both issued
+        together), ``dV += p^T·dO`` and ``dK += dS^T·q`` with p^T and dS^T as register operands, and
+        ``dQ_part = dS·K`` with dS through shared memory, added into the fp32 ``dq`` (zero-filled) by TMA
+        reduce-adds (``DQ_TMA``) or atomic adds of 16 bytes a thread read back from shared memory: not
+        deterministic."""
+        WM: gl.constexpr = BLOCK_M // 16 if BLOCK_M // 16 < num_warps else num_warps  # dQ's warps along rows
+        WN: gl.constexpr = num_warps // WM
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_DV, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
+                                                            instr_shape=[16, HEAD_D // WN, 16])
+        pt_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dst_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        keys_s: gl.constexpr = gl.SliceLayout(1, st_layout)
+        rows_s: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+        b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
+                                                                       BLOCK_N, BLOCK_M, IS_CAUSAL)
+        dtype: gl.constexpr = q_desc.dtype
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        if DQ_TMA:
+            dq_tile = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
+        else:  # the tile goes through shared memory to be added 16 bytes a thread and 32 columns at a time
+            DQ_CHUNK: gl.constexpr = 32 if HEAD_D > 32 else HEAD_D
+            add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ_CHUNK // 4), DQ_CHUNK // 4],
+                                                        [num_warps, 1], [1, 0])
+            dq_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D],
+                                               gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+        k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(
+            q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
+            HEAD_DV, STAGES)
+
+        keys = n0 + gl.arange(0, BLOCK_N, layout=keys_s)
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, dk_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
+        for j in range(0, n_tiles):
+            h = hk * G + j // per_head
+            m0 = (mb_lo + j % per_head) * BLOCK_M
+            st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
+            st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # (made here: not live across the loop)
+            st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=rows_s)
+            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
+            st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
+            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
+            if IS_CAUSAL:
+                if m0 < m_full:
+                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
+            ds_smem.permute((1, 0)).store(dst)
+            fence_async_shared()
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # (p^T, dS^T's registers free)
+            dq = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout), use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            nxt = j + STAGES
+            if nxt < n_tiles:
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + nxt // per_head,
+                          (mb_lo + nxt % per_head) * BLOCK_M, st)
+            if DQ_TMA:
+                tma.store_wait(pendings=0)  # the previous tile's reduce-add has read dq_tile
+                dq_tile.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
+                fence_async_shared()
+                tma.async_atomic_add(dq_desc, [b, h, m0, 0], dq_tile)
+            else:
+                dq_buf.store(dq * scale)
+                qrows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, add_layout))
+                base = dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh + m0.to(gl.int64) * s_qn
+                offs = gl.expand_dims(qrows * s_qn, 1) + gl.expand_dims(gl.arange(0, DQ_CHUNK, gl.SliceLayout(
+                    0, add_layout)), 0)
+                ok = gl.expand_dims(m0 + qrows < Nq, 1)
+                for c in gl.static_range(0, HEAD_D, DQ_CHUNK):
+                    gl.atomic_add(base + c + offs, dq_buf.slice(c, DQ_CHUNK, 1).load(add_layout), mask=ok,
+                                  sem="relaxed")
+
+        _release(kv_bar, bars, STAGES)
+        _store_rows(dk_ptr, (dk * scale).to(dtype), b, hk, s_kb, s_kh, s_kn,
+                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, dk_layout)), Nk, HEAD_D, dk_layout)
+        _store_rows(dv_ptr, dv.to(dtype), b, hk, s_vb, s_vh, s_vn,
+                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, dv_layout)), Nk, HEAD_DV, dv_layout)
+        if DQ_TMA:
+            tma.store_wait(pendings=0)
+
 
 def eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool, dropout_p: float,
              mask_grad: bool) -> Optional[str]:
@@ -254,6 +380,22 @@ def eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool
         return f"{hopper.ENV}=0"
     return hopper.eligible(q, k, v, do, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, varlen=varlen,
                            state=None, scale=1.0, precision="strict", how="force")
+
+
+def lowp_eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool, dropout_p: float,
+                  mask_grad: bool) -> Optional[str]:
+    """``None`` when this fp16/bf16 backward call can run on :func:`_lowp_bwd` (whose dQ is added with atomics: it
+    runs under ``ELSA_BWD_DQ=gluon``, ``backward_launch.atomic_dq``), else why not: the forward's scope
+    (``hopper.eligible``, dO in place of the output; any scale), without its size rule for small eager calls, and no
+    dropout or mask gradient."""
+    from .occupancy import DOT_LOWP
+
+    if dot != DOT_LOWP:
+        return "not an fp16/bf16 call"
+    if dropout_p > 0 or mask_grad:
+        return "dropout and mask gradients run on the portable passes"
+    return hopper.eligible(q, k, v, do, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths, varlen=varlen,
+                           state=None, scale=1.0, precision=None, how="force" if hopper.mode() != "0" else "0")
 
 
 ENV_TILES = knobs.HOPPER_BWD_TILES
@@ -324,6 +466,40 @@ def _backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale, is_causal, atomic, 
                       *dq.stride()[:3], Nq, Nk, Hq, G, float(scale) * LOG2E, float(scale), n_mb, group,
                       BLOCK_M=bm, BLOCK_N=bn, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
                       num_warps=warps)
+    return dq, dk, dv
+
+
+LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query rows, STAGES, num_warps
+
+
+def dq_tma_available() -> bool:
+    """Whether this Triton's Gluon has TMA reduce-adds (``tma.async_atomic_add``)."""
+    return gluon is not None and hasattr(tma, "async_atomic_add")
+
+
+def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, tiles=None,
+                  dq_tma: Optional[bool] = None):
+    """dK, dV (``dk``/``dv``: ``k``'s dtype, inner stride 1) and dQ added into ``dq`` (fp32, zero-filled,
+    contiguous) of a dense fp16/bf16 call from the forward's ``lse`` and ``delta`` (``[B, Hq, Nq]``, one layout): one
+    launch of :func:`_lowp_bwd`. ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``; ``dq_tma``: TMA reduce-adds
+    (default where :func:`dq_tma_available`) or atomic adds."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    bn, bm, stages, warps = tiles or LOWP_TILES
+    if dq_tma is None:
+        dq_tma = dq_tma_available()
+    if not (Nk and Nq and B * Hkv):
+        return dq, dk, dv
+    desc = hopper._desc
+    n_nb = -(-Nk // bn)
+    group = (causal_head_group(q.device, n_k=Nq, kv_bytes_per_key=q.element_size() * (D + Dv) * G, groups=1,
+                               bh=B * Hkv, m_blocks=n_nb) if is_causal else 1)
+    replay.launch(_lowp_bwd, (n_nb * B * Hkv,), desc(q, [1, 1, bm, D]), desc(do, [1, 1, bm, Dv]),
+                  desc(k, [1, 1, bn, D]), desc(v, [1, 1, bn, Dv]), desc(dq, [1, 1, bm, D]), lse, delta,
+                  *lse.stride(), dk, *dk.stride()[:3], dv, *dv.stride()[:3], dq, *dq.stride()[:3], Nq, Nk, Hkv, G,
+                  float(scale) * LOG2E, float(scale), n_nb, group, BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv,
+                  STAGES=stages, IS_CAUSAL=bool(is_causal), DQ_TMA=bool(dq_tma), num_warps=warps)
     return dq, dk, dv
 
 

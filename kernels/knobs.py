@@ -165,11 +165,12 @@ _DECLARED = (
          "keys a row accumulates in one kernel program above which the fp16/bf16/turbo portable kernel adds each key "
          "block's P·V with a round-to-nearest add instead of accumulating in the tensor cores (0: always)",
          _int_at_least(0), scope="tuning"),
-    Knob(BWD_DQ, "choice", _choices("rows", "atomic"), "rows",
+    Knob(BWD_DQ, "choice", _choices("rows", "atomic", "gluon"), "rows",
          "how the backward computes dQ: rows, a pass over query blocks (deterministic; session 28 H100: faster in "
-         "every measured tile), or atomic adds from the key-block pass (never under "
-         "torch.use_deterministic_algorithms(True))", _choice("rows", "atomic"), scope="tuning",
-         choices=("rows", "atomic")),
+         "every measured tile); atomic, atomic adds from the key-block pass; gluon, atomic adds, and fp16/bf16 calls "
+         "in the Hopper kernels' scope through one Gluon kernel of five products a tile (session 59: compiled for "
+         "sm_90, not yet run on a GPU). Never atomic under torch.use_deterministic_algorithms(True)",
+         _choice("rows", "atomic", "gluon"), scope="tuning", choices=("rows", "atomic", "gluon")),
     Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",
          "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
          "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),

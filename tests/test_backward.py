@@ -44,11 +44,30 @@ def test_dq_mode_defaults_to_the_row_pass(monkeypatch):
     assert not backward_launch.atomic_dq(False)
     monkeypatch.setenv("ELSA_BWD_DQ", "atomic")
     assert backward_launch.atomic_dq(False) and not backward_launch.atomic_dq(True)
+    monkeypatch.setenv("ELSA_BWD_DQ", "gluon")  # atomic, and the fp16/bf16 Gluon kernel of Hopper where in scope
+    assert backward_launch.atomic_dq(False) and not backward_launch.atomic_dq(True)
     with _dq_mode(True):
         assert not backward_launch.atomic_dq()
     monkeypatch.setenv("ELSA_BWD_DQ", "sometimes")
     with pytest.raises(ValueError, match="ELSA_BWD_DQ"):
         backward_launch.atomic_dq(False)
+
+
+def test_lowp_gluon_backward_scope(monkeypatch):
+    """Which fp16/bf16 backward calls under ``ELSA_BWD_DQ=gluon`` (deterministic algorithms off) the Gluon kernel of
+    Hopper takes: dense calls without dropout or a mask gradient in the forward's Hopper scope. On
+    this machine's device the reasons are the Hopper scope's (the kernel runs in the GPU tests)."""
+    from elsa_surgery.kernels import hopper, hopper_backward as hb, occupancy as occ
+
+    t = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    scope = dict(mask=None, q_lengths=None, kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False)
+    assert hb.lowp_eligible(t, t, t, t, dot=occ.DOT_IEEE, **scope) == "not an fp16/bf16 call"
+    assert hb.lowp_eligible(t, t, t, t, dot=occ.DOT_LOWP, **dict(scope, dropout_p=0.1)) == (
+        "dropout and mask gradients run on the portable passes")
+    assert hb.lowp_eligible(t, t, t, t, dot=occ.DOT_LOWP, **scope) == (hopper._IMPORT_ERROR or "not a CUDA device")
+    monkeypatch.setenv("ELSA_HOPPER", "0")
+    assert hb.lowp_eligible(t, t, t, t, dot=occ.DOT_LOWP, **scope) == "ELSA_HOPPER=0"
+    monkeypatch.delenv("ELSA_HOPPER")
 
 
 def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
@@ -662,6 +681,49 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
         for det in (True, False):
             assert max(errs[("1", det)]) <= 1e-5, (case, errs)
             assert all(e1 <= 1.5 * e0 + 1e-7 for e1, e0 in zip(errs[("1", det)], errs[("0", True)])), (case, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype):
+    """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel
+    (kernels/hopper_backward._lowp_bwd) for dense calls, and the row pass deterministically: gradients against the
+    float64 oracle as close as the row pass's, over ragged lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows
+    that see no key: zero gradient) and Nq < Nk."""
+    from elsa_surgery.kernels import hopper_backward
+
+    if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
+            *(torch.empty(1, 1, 16, 64, device="cuda", dtype=dtype),) * 4, dot=0, mask=None, q_lengths=None,
+            kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False) is not None:
+        pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
+    ran = []
+    real = hopper_backward.lowp_backward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hopper_backward, "lowp_backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+        for b, hq, hkv, nq, nk, d, dv, causal in [(2, 4, 2, 333, 517, 64, 64, False),
+                                                   (1, 8, 2, 700, 300, 64, 32, True),
+                                                   (2, 2, 2, 257, 1025, 128, 128, True),
+                                                   (1, 4, 1, 200, 200, 16, 32, True),
+                                                   (1, 2, 2, 130, 130, 32, 128, False)]:
+            q, k, v = _leaf(b, hq, nq, d, dtype=dtype), _leaf(b, hkv, nk, d, dtype=dtype), _leaf(b, hkv, nk, dv,
+                                                                                                   dtype=dtype)
+            go = torch.randn(b, hq, nq, dv, device=DEV, dtype=dtype)
+            ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            rg = torch.autograd.grad(elsa_surgery.attention(*ref, is_causal=causal, backend="reference",
+                                                            enable_gqa=True), ref, go.double())
+            errs = {}
+            for det in (False, True):
+                n = len(ran)
+                with _dq_mode(det), benchmark.environ({"ELSA_BWD_DQ": "rows" if det else "gluon"}):
+                    out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", enable_gqa=True)
+                    g = torch.autograd.grad(out, (q, k, v), go)
+                assert (len(ran) > n) == (not det)
+                assert all(torch.isfinite(t).all() for t in g)
+                errs[det] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
+                if causal and nq > nk:  # rows that see no key: zero gradient
+                    assert not g[0][:, :, :nq - nk].any()
+            case = (b, hq, hkv, nq, nk, d, dv, causal)
+            assert all(e1 <= 1.5 * e0 + 2e-3 for e1, e0 in zip(errs[False], errs[True])), (case, errs)
 
 
 @pytest.mark.gpu

@@ -97,11 +97,20 @@ def gluon_variants():
         yield (f"gluon strict_bwd_dq D={d} Dv={dv} causal={causal}", hb._strict_bwd_dq,
                dict(q_desc=(qm, d), do_desc=(qm, dv), k_desc=(qn, d), v_desc=(qn, dv)),
                dict(BLOCK_M=qm, BLOCK_N=qn, HEAD_D=d, HEAD_DV=dv, STAGES=qs, IS_CAUSAL=causal), qw)
+    bn, bm, st, w = hb.LOWP_TILES
+    for d, causal, dq_tma in ((128, False, True), (128, True, False), (64, True, True)):
+        if dq_tma and not hb.dq_tma_available():
+            continue
+        yield (f"gluon lowp_bwd D={d} causal={causal} dq_tma={dq_tma}", hb._lowp_bwd,
+               dict(q_desc=(bm, d, "bf16"), do_desc=(bm, d, "bf16"), k_desc=(bn, d, "bf16"), v_desc=(bn, d, "bf16"),
+                    dq_desc=(bm, d)),
+               dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=dq_tma), w)
 
 
 def gluon_source(fn, descs: dict, const: dict, warps: int):
-    """Gluon's ``GluonASTSource`` of ``fn``: fp32 TMA descriptors ``[1, 1, rows, cols]`` for ``descs``, fp32
-    pointers for ``*_ptr``, fp32 ``qk_scale``/``scale``, int32 for the rest."""
+    """Gluon's ``GluonASTSource`` of ``fn``: TMA descriptors ``[1, 1, rows, cols]`` for ``descs`` (fp32, or the
+    dtype named third: ``(rows, cols, "bf16")``), fp32 pointers for ``*_ptr``, fp32 ``qk_scale``/``scale``, int32 for
+    the rest."""
     import torch
     import triton.runtime.jit as jit
     from triton.experimental.gluon import language as gl
@@ -113,9 +122,11 @@ def gluon_source(fn, descs: dict, const: dict, warps: int):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in descs:
-            block = [1, 1, *descs[p.name]]
-            t = torch.empty(block)
-            layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+            rows, cols, *dtype = descs[p.name]
+            block = [1, 1, rows, cols]
+            gdt = getattr(gl, {"bf16": "bfloat16"}.get(dtype[0], dtype[0])) if dtype else gl.float32
+            t = torch.empty(block, dtype=torch.bfloat16 if dtype == ["bf16"] else torch.float32)
+            layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
             sig[p.name] = jit.mangle_type(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
         elif p.name.endswith("_ptr"):
             sig[p.name] = "*fp32"

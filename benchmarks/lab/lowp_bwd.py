@@ -1,0 +1,169 @@
+"""Lab: the fp16/bf16 Gluon backward (``kernels/hopper_backward._lowp_bwd``: five products a query tile, dQ added
+by TMA reduce-adds or atomics) against float64 and against cuDNN's and the row pass's backward. A one-off
+investigation for issue 25's bf16 target (>= 0.9x cuDNN forward + backward), not a recipe.
+
+    python benchmarks/lab/lowp_bwd.py [--tiles '128,64,2,8;64,64,2,4'] [--n 4096] [--shapes 16x64,16x128] [--dq tma]
+
+Prints, per tile configuration: the relative L2 error of dQ, dK, dV against float64 autograd on small shapes (GQA,
+ragged lengths, causal with Nq != Nk) next to the row pass's; then the backward's GPU time (CUDA events, median of
+``triton.testing.do_bench``) at B = 1, H heads, N = ``--n``: this kernel (dQ zero-fill and the fp32 -> bf16 cast
+included), the row pass (the default ``backend="elsa"`` backward), the public call with ``ELSA_BWD_DQ=gluon``
+(which runs this kernel) and cuDNN's (forward + backward minus forward).
+Needs an sm_90 GPU.
+"""
+
+import argparse
+
+import torch
+import triton
+
+from elsa_surgery import benchmark
+from elsa_surgery.kernels import hopper_backward as hb
+
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reference(q, k, v, do, causal, scale):
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k64.repeat_interleave(G, 1), v64.repeat_interleave(G, 1)
+    s = (q64 @ kk.transpose(-1, -2)) * scale
+    if causal:
+        Nq, Nk = q.shape[2], k.shape[2]
+        i = torch.arange(Nq, device=q.device)[:, None] + (Nk - Nq)
+        s = s.masked_fill(torch.arange(Nk, device=q.device)[None, :] > i, float("-inf"))
+    p = torch.softmax(s, -1)
+    out = p @ vv
+    out.backward(do.double())
+    lse = torch.logsumexp(s, -1)
+    return out, lse, (q64.grad, k64.grad, v64.grad)
+
+
+def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma):
+    delta = (do.float() * out.float()).sum(-1)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    hb.lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, scale=scale, is_causal=causal, tiles=tiles, dq_tma=dq_tma)
+    return dq.to(q.dtype), dk, dv
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def row_pass(q, k, v, do, causal):
+    import elsa_surgery
+
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    with benchmark.environ({"ELSA_BWD_DQ": "rows"}):
+        o = elsa_surgery.attention(qq, kk, vv, is_causal=causal, backend="elsa", enable_gqa=True)
+        o.backward(do)
+    return qq.grad, kk.grad, vv.grad
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiles", default="128,64,2,8;64,64,2,4;64,64,1,4")
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--shapes", default="16x64,16x128")
+    ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--dq", default="tma", help="tma (atomic where this Triton has no TMA reduce-add), atomic")
+    ap.add_argument("--skip-check", action="store_true")
+    a = ap.parse_args()
+    import elsa_surgery
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    configs = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split(";")]
+    modes = sorted({m == "tma" and hb.dq_tma_available() for m in a.dq.split(",")}, reverse=True)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
+          "TMA reduce-add available:", hb.dq_tma_available(), flush=True)
+    if not a.skip_check:
+        cases = [(2, 4, 2, 300, 520, 64, True), (1, 2, 2, 257, 257, 128, False), (1, 4, 1, 190, 700, 128, True),
+                 (2, 2, 2, 128, 128, 64, False)]
+        for dname in a.dtypes.split(","):
+            dt = DT[dname]
+            for B, Hq, Hkv, Nq, Nk, D, causal in cases:
+                q = torch.randn(B, Hq, Nq, D, device=dev, dtype=dt)
+                k, v = (torch.randn(B, Hkv, Nk, D, device=dev, dtype=dt) for _ in range(2))
+                do = torch.randn(B, Hq, Nq, D, device=dev, dtype=dt)
+                scale = D ** -0.5
+                out64, lse64, ref = reference(q, k, v, do, causal, scale)
+                out, lse = out64.to(dt), lse64.float().contiguous()
+                base = row_pass(q, k, v, do, causal)
+                line = f"{dname} B{B} {Hq}:{Hkv} {Nq}x{Nk} D{D} causal={int(causal)} row pass " + " ".join(
+                    f"{rel(g, r):.2e}" for g, r in zip(base, ref))
+                qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+                with benchmark.environ({"ELSA_BWD_DQ": "gluon"}):
+                    o = elsa_surgery.attention(qq, kk, vv, is_causal=causal, backend="elsa", enable_gqa=True)
+                    g = torch.autograd.grad(o, (qq, kk, vv), do)
+                line += " | public gluon " + " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
+                for t in configs:
+                    for tma_ in modes:
+                        try:
+                            g = ours(q, k, v, do, out, lse, causal, scale, t, tma_)
+                            torch.cuda.synchronize()
+                            errs = " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
+                        except Exception as e:
+                            errs = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+                        line += f" | {t} {'tma' if tma_ else 'atomic'} {errs}"
+                print(line, flush=True)
+    for dname in a.dtypes.split(","):
+        dt = DT[dname]
+        for shape in a.shapes.split(","):
+            H, D = (int(x) for x in shape.split("x"))
+            N = a.n
+            for causal in (False, True):
+                q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dt) for _ in range(4))
+                scale = D ** -0.5
+                qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+                res = {}
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                    fwd = triton.testing.do_bench(
+                        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+                    def cud():
+                        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                        torch.autograd.grad(o, (qq, kk, vv), do)
+                    res["cudnn"] = triton.testing.do_bench(cud) - fwd
+                    res["cudnn fwd"] = fwd
+                import elsa_surgery
+
+                def elsa_fb():
+                    o = elsa_surgery.attention(qq, kk, vv, is_causal=causal, backend="elsa")
+                    torch.autograd.grad(o, (qq, kk, vv), do)
+                efwd = triton.testing.do_bench(lambda: elsa_surgery.attention(q, k, v, is_causal=causal,
+                                                                              backend="elsa"))
+                with benchmark.environ({"ELSA_BWD_DQ": "rows"}):
+                    res["row pass"] = triton.testing.do_bench(elsa_fb) - efwd
+                with benchmark.environ({"ELSA_BWD_DQ": "gluon"}):  # the public path to this kernel
+                    res["public gluon"] = triton.testing.do_bench(elsa_fb) - efwd
+                res["elsa fwd"] = efwd
+                with torch.no_grad():
+                    o = o.detach()
+                    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+                    if causal:
+                        s = s.masked_fill(torch.ones(N, N, device=dev, dtype=torch.bool).triu(1), float("-inf"))
+                    lse = torch.logsumexp(s, -1).contiguous()
+                    del s
+                for t in configs:
+                    for tma_ in modes:
+                        try:
+                            res[f"{t} {'tma' if tma_ else 'atomic'}"] = triton.testing.do_bench(
+                                lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_))
+                        except Exception as e:
+                            res[f"{t} {'tma' if tma_ else 'atomic'}"] = float("nan")
+                            print("  failed", t, tma_, type(e).__name__, str(e)[:300])
+                print(f"{dname} H{H} D{D} N{N} causal={int(causal)} backward ms: " + ", ".join(
+                    f"{k_} {v_:.3f}" for k_, v_ in res.items()), flush=True)
+                cu = res["cudnn"] + res["cudnn fwd"]
+                best = min(v_ for k_, v_ in res.items() if k_.startswith("("))
+                print(f"   fwd+bwd vs cuDNN: row pass {cu / (res['row pass'] + efwd):.3f}x, "
+                      f"best new {cu / (best + efwd):.3f}x, public gluon {cu / (res['public gluon'] + efwd):.3f}x",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
