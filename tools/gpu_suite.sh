@@ -4,8 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | compile-time | compile-time-2 | compile-autotune | generate-eager | exec (then: OUTDIR COMMAND..., run
-#   with the package mapped).
+#   races | lowp-bwd | compile-time | compile-time-2 | compile-autotune | generate-eager | exec (then: OUTDIR
+#   COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -73,6 +73,14 @@ case "$part" in
       | tee "$out/masked_tiles_fwd.log" | grep -v '^ '
     timeout 120 python3 benchmarks/lab/masked_tiles.py --backward --n 4096 --shape 1x16x128 --dtypes bf16 \
       --masks causal,packed,random --rounds 3 --calls 5 2>&1 | tee "$out/masked_tiles_bwd.log" | grep -v '^ ' ;;
+  lowp-bwd)  # session 59, landed without a GPU run: the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) against float64,
+    # cuDNN and the row pass (benchmarks/lab/lowp_bwd.py), its GPU test, then auto's new-key-count probe where
+    # session 58 saw cuDNN rebuild a plan every step (decode_growing.py's auto pass)
+    timeout 300 python3 benchmarks/lab/lowp_bwd.py 2>&1 | tee "$out/lowp_bwd.log"
+    (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+       --tb=short "$repo/tests/test_backward.py" -k lowp 2>&1 | tee "$out/pytest_lowp_bwd.log" | tail -5)
+    timeout 100 python3 benchmarks/lab/decode_growing.py --steps 32 --profile 0 --shapes 1x28x4x128x4096 2>&1 \
+      | tee "$out/decode_growing.log" | grep -v '^    ' ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
