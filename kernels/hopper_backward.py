@@ -272,8 +272,8 @@ if gluon is not None:
                   num_warps: gl.constexpr):
         """fp16/bf16: dK, dV of one key block (``BLOCK_N`` keys, 64 a warpgroup) of one (batch, K/V head) and its
         share of dQ, over the ``BLOCK_M``-row query tiles of its group's ``G`` query heads that see it; five
-        products a tile on the tensor cores, keys-major: ``s^T = K·q^T`` and ``dP^T = V·dO^T`` (both issued
-        together), ``dV += p^T·dO`` and ``dK += dS^T·q`` with p^T and dS^T as register operands, and
+        products a tile on the tensor cores, keys-major: ``s^T = K·q^T``, then ``dP^T = V·dO^T`` (issued while
+        p^T is computed), ``dV += p^T·dO`` and ``dK += dS^T·q`` with p^T and dS^T as register operands, and
         ``dQ_part = dS·K`` with dS through shared memory, added into the fp32 ``dq`` (zero-filled) by TMA
         reduce-adds (``DQ_TMA``) or atomic adds of 16 bytes a thread read back from shared memory: not
         deterministic."""
