@@ -1,5 +1,6 @@
 """`import elsa_surgery` needs only torch; kernels/ and adapters/ install inside the package."""
 
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -34,8 +35,6 @@ def test_no_top_level_kernels_or_adapters_module():
 
     assert elsa_surgery.kernels.__name__ == "elsa_surgery.kernels"
     assert elsa_surgery.adapters.__name__ == "elsa_surgery.adapters"
-    import importlib.metadata
-
     owners = importlib.metadata.packages_distributions()
     for name in ("kernels", "adapters"):
         ours = [d for d in owners.get(name, []) if d.lower().replace("_", "-") == "elsa-surgery"]
@@ -92,7 +91,6 @@ def test_bare_kernels_import_from_a_checkout_is_hugging_faces_where_installed():
     """From a source checkout's root, a bare ``import kernels`` (transformers >= 5.25 imports Hugging Face's
     ``kernels`` on every model) gives the installed distribution's package, not this folder; without that
     distribution, this folder, inert."""
-    import importlib.metadata
     import pathlib
 
     root = str(pathlib.Path(__file__).resolve().parents[1])
