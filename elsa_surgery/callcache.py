@@ -668,9 +668,14 @@ def _band_probe(entry: _Entry, d: dispatch.Decision, kept: dispatch.Decision, ti
         return d
     k1, v1 = k.narrow(-2, 0, n - 1), v.narrow(-2, 0, n - 1)
     gqa = q.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    with dispatch.unrecorded():
-        probe = autoselect.probe_new_count(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k1, v1, None, 0.0, False, scale=entry.scale, enable_gqa=gqa))
+    try:
+        with dispatch.unrecorded():
+            probe = autoselect.probe_new_count(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k1, v1, None, 0.0, False, scale=entry.scale, enable_gqa=gqa))
+    except Exception as e:  # a measurement: it must never fail the call (SDPA ran this call at n keys)
+        autoselect.logger.info("elsa auto: SDPA's probe at %d keys failed (%s: %s); the band shares the race's "
+                               "verdict", n - 1, type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
+        return d
     return autoselect.band_verdict(d, kept, times[0], probe, n - 1)
 
 

@@ -206,6 +206,25 @@ def test_a_band_won_by_sdpa_shares_elsa_when_sdpa_pays_for_each_new_key_count(ra
         assert float((out - ref).abs().max()) < 1e-5
 
 
+def test_a_failing_probe_leaves_the_races_verdict_shared(racing, monkeypatch, caplog):
+    """The probe is a measurement: where it fails (out of memory, say), the call still runs and the band shares the
+    race's verdict, with a log line saying why."""
+    def probe(sdpa):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(autoselect, "probe_new_count", probe)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 1, 16, generator=g).to(DEV)
+    kv = torch.randn(2, 1, 2, 130, 16, generator=g).to(DEV)
+    with dispatch.record() as log, caplog.at_level("INFO", logger="elsa_surgery"):
+        outs = [elsa_surgery.attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True) for n in (100, 101)]
+    assert [d.backend for d in log] == ["sdpa", "sdpa"], log
+    assert "SDPA's probe at 99 keys failed (OutOfMemoryError" in caplog.text
+    for n, out in zip((100, 101), outs):
+        ref = F.scaled_dot_product_attention(q, kv[0, :, :, :n], kv[1, :, :, :n], enable_gqa=True)
+        assert float((out - ref).abs().max()) < 1e-5
+
+
 def test_band_verdict_rule():
     """autoselect.band_verdict: ELSA shared only where SDPA's first call at a new key count costs more than
     NEW_COUNT_RATIO times its repeated call and more than ELSA's raced time."""
