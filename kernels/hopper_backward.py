@@ -91,6 +91,12 @@ if gluon is not None:
         return b, hk, n0, off, mb_lo, per_head, per_head * G, n0 + BLOCK_N - 1 - off
 
     @gluon.jit
+    def _query_tile(t, hk, G, mb_lo, per_head, BLOCK_M: gl.constexpr):
+        """``(h, m0)``: the query head and first row of query tile ``t`` of a key-block program (:func:`_key_block`:
+        ``per_head`` tiles of each of its group's ``G`` heads, from tile ``mb_lo`` on)."""
+        return hk * G + t // per_head, (mb_lo + t % per_head) * BLOCK_M
+
+    @gluon.jit
     def _key_block_start(q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles,
                          BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
                          STAGES: gl.constexpr):
@@ -112,8 +118,8 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_bar, v_tile)
         for i in gl.static_range(STAGES):
             if i < n_tiles:
-                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + i // per_head,
-                          (mb_lo + i % per_head) * BLOCK_M, i)
+                h, m0 = _query_tile(i, hk, G, mb_lo, per_head, BLOCK_M)
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, h, m0, i)
         mbarrier.wait(kv_bar, 0)
         return (k_tile.reshape([BLOCK_N, HEAD_D]), v_tile.reshape([BLOCK_N, HEAD_DV]), q_ring, do_ring, bars,
                 kv_bar)
@@ -163,8 +169,7 @@ if gluon is not None:
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, k_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, v_layout)
         for j in range(0, n_tiles):
-            h = hk * G + j // per_head
-            m0 = (mb_lo + j % per_head) * BLOCK_M
+            h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
             rows = m0 + gl.arange(0, BLOCK_M, layout=rows_s)
             lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
@@ -195,8 +200,8 @@ if gluon is not None:
                               mask=gl.expand_dims(qrows < Nq, 1), sem="relaxed")
             nxt = j + STAGES
             if nxt < n_tiles:
-                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + nxt // per_head,
-                          (mb_lo + nxt % per_head) * BLOCK_M, st)
+                nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
 
         _release(kv_bar, bars, STAGES)
         _store_rows(dk_ptr, dk * scale, b, hk, s_kb, s_kh, s_kn,
@@ -313,8 +318,7 @@ if gluon is not None:
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, dk_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
         for j in range(0, n_tiles):
-            h = hk * G + j // per_head
-            m0 = (mb_lo + j % per_head) * BLOCK_M
+            h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
             st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # (made here: not live across the loop)
             st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
@@ -338,8 +342,8 @@ if gluon is not None:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             nxt = j + STAGES
             if nxt < n_tiles:
-                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, hk * G + nxt // per_head,
-                          (mb_lo + nxt % per_head) * BLOCK_M, st)
+                nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
             if DQ_TMA:
                 tma.store_wait(pendings=0)  # the previous tile's reduce-add has read dq_tile
                 dq_tile.reshape([BLOCK_M, HEAD_D]).store(dq * scale)

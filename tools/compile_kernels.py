@@ -122,10 +122,11 @@ def gluon_source(fn, descs: dict, const: dict, warps: int):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
         elif p.name in descs:
-            rows, cols, *dtype = descs[p.name]
+            rows, cols, *name = descs[p.name]
             block = [1, 1, rows, cols]
-            gdt = getattr(gl, {"bf16": "bfloat16"}.get(dtype[0], dtype[0])) if dtype else gl.float32
-            t = torch.empty(block, dtype=torch.bfloat16 if dtype == ["bf16"] else torch.float32)
+            tdt, gdt = {"fp32": (torch.float32, gl.float32), "bf16": (torch.bfloat16, gl.bfloat16)}[
+                name[0] if name else "fp32"]
+            t = torch.empty(block, dtype=tdt)
             layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
             sig[p.name] = jit.mangle_type(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
         elif p.name.endswith("_ptr"):
