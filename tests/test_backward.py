@@ -688,8 +688,8 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
 def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype):
     """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel
     (kernels/hopper_backward._lowp_bwd) for dense calls, and the row pass deterministically: gradients against the
-    float64 oracle as close as the row pass's, over ragged lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows
-    that see no key: zero gradient) and Nq < Nk."""
+    float64 oracle as close as the row pass's, over ragged lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk
+    (rows that see no key: zero gradient) and Nq < Nk."""
     from elsa_surgery.kernels import hopper_backward
 
     if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
