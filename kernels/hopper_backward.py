@@ -48,6 +48,17 @@ if gluon is not None:
 
     _LOG2E = gl.constexpr(LOG2E)
 
+    if hasattr(tma, "async_atomic_add"):
+        @gluon.jit
+        def _dq_reduce_add(desc, coord, tile):
+            """TMA reduce-add of ``tile`` into ``desc`` at ``coord``."""
+            tma.async_atomic_add(desc, coord, tile)
+    else:  # (Triton 3.6's Gluon: a kernel naming tma.async_atomic_add fails to hash even where the branch is off)
+        @gluon.jit
+        def _dq_reduce_add(desc, coord, tile):
+            """Never traced: ``lowp_backward`` sets DQ_TMA only where :func:`dq_tma_available`."""
+            gl.static_assert(False, "this Triton's Gluon has no TMA reduce-add (tma.async_atomic_add)")
+
     @gluon.jit
     def _fma_products(a_smem, b_smem, acc, K: gl.constexpr, KC: gl.constexpr, a_layout: gl.constexpr,
                       b_layout: gl.constexpr, B_ROWS: gl.constexpr):
@@ -348,7 +359,7 @@ if gluon is not None:
                 tma.store_wait(pendings=0)  # the previous tile's reduce-add has read dq_tile
                 dq_tile.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
                 fence_async_shared()
-                tma.async_atomic_add(dq_desc, [b, h, m0, 0], dq_tile)
+                _dq_reduce_add(dq_desc, [b, h, m0, 0], dq_tile)
             else:
                 dq_buf.store(dq * scale)
                 qrows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, add_layout))
