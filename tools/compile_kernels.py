@@ -8,11 +8,15 @@ Run with the interpreter off (``TRITON_INTERPRET`` unset): ``python tools/compil
 line per variant and exits 1 if any fails to compile. ``--ptxas``: also assemble each with Triton's bundled ptxas and
 print its register count. Exit 3 when this Triton cannot compile for CUDA here (no NVIDIA backend, another
 ``ASTSource`` API): tests/test_kernels_compile.py then skips, naming why.
+
+Against another Triton (the device machine's is 3.6, older than pip's here: session 59's kernel compiled here and
+failed there): ``bash tools/compile_other_triton.sh 3.6.0``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -144,7 +148,8 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         print("run with TRITON_INTERPRET unset: the interpreter replaces the compiler", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ROOT))
+    if importlib.util.find_spec("elsa_surgery") is None:  # a checkout without an install or a mapped path
+        sys.path.insert(0, str(ROOT))
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
