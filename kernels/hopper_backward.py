@@ -4,8 +4,10 @@ fp16/bf16 (:func:`_lowp_bwd`, where ``ELSA_BWD_DQ=gluon`` asks for it): one prog
 a warpgroup and (batch, K/V head), looping over the query tiles that see it, five products a tile on the tensor
 cores (wgmma), dQ added into an fp32 buffer by TMA reduce-adds where Triton's Gluon has them, else by atomic adds.
 The portable passes' deterministic form runs seven N x N products against cuDNN's five (docs/PERF.md, sessions 41
-and 57: 0.73-0.81x cuDNN forward + backward at 4K and 16K non-causal); this kernel runs five. Not yet measured on a
-GPU when it landed (docs/perf/history.md, session 59): it runs only when asked for.
+and 57: 0.73-0.81x cuDNN forward + backward at 4K and 16K non-causal); this kernel runs five. Exact on an H100
+(session 60, Triton 3.6, atomic dQ: gradients as close to float64 as the row pass's) but 0.74-0.86x the row pass's
+speed at 4K, D = 64 and 128 (docs/PERF.md): its products, softmax and dQ adds run one after another in each program.
+It runs only when asked for.
 
 strict: every product an IEEE fp32 FMA (no tensor cores), blocked in
 registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and TMA tiles.
