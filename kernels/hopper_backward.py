@@ -5,7 +5,7 @@ a warpgroup and (batch, K/V head), looping over the query tiles that see it, fiv
 cores (wgmma), dQ added into an fp32 buffer by TMA reduce-adds where Triton's Gluon has them, else by atomic adds.
 The portable passes' deterministic form runs seven N x N products against cuDNN's five (docs/PERF.md, sessions 41
 and 57: 0.73-0.81x cuDNN forward + backward at 4K and 16K non-causal); this kernel runs five. Exact on an H100
-(session 60, Triton 3.6, atomic dQ: gradients as close to float64 as the row pass's) but 0.74-0.86x the row pass's
+(session 60, Triton 3.6, atomic dQ: gradients as close to float64 as the row pass's) but 0.79-0.96x the row pass's
 speed at 4K, D = 64 and 128 (docs/PERF.md): its products, softmax and dQ adds run one after another in each program.
 It runs only when asked for.
 
@@ -283,18 +283,46 @@ if gluon is not None:
                     m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, q_layout)), Nq, HEAD_D, q_layout)
 
     @gluon.jit
+    def _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M: gl.constexpr,
+                HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
+        """``dq * scale`` (one query tile's share, registers) added into the fp32 ``dq`` at (b, h, rows m0...) through
+        ``dq_smem``: by a TMA reduce-add (``DQ_TMA``; ``dq_smem`` the descriptor's [1, 1, BLOCK_M, HEAD_D] tile), else
+        read back from ``dq_smem`` ([BLOCK_M, HEAD_D]) by atomic adds of 16 bytes a thread, 32 columns at a time."""
+        if DQ_TMA:
+            tma.store_wait(pendings=0)  # the previous tile's reduce-add has read the tile
+            dq_smem.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
+            fence_async_shared()
+            _dq_reduce_add(dq_desc, [b, h, m0, 0], dq_smem)
+        else:
+            DQ_CHUNK: gl.constexpr = 32 if HEAD_D > 32 else HEAD_D
+            add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ_CHUNK // 4), DQ_CHUNK // 4],
+                                                        [num_warps, 1], [1, 0])
+            dq_smem.store(dq * scale)
+            qrows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, add_layout))
+            base = dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh + m0.to(gl.int64) * s_qn
+            offs = gl.expand_dims(qrows * s_qn, 1) + gl.expand_dims(gl.arange(0, DQ_CHUNK, gl.SliceLayout(
+                0, add_layout)), 0)
+            ok = gl.expand_dims(m0 + qrows < Nq, 1)
+            for c in gl.static_range(0, HEAD_D, DQ_CHUNK):
+                gl.atomic_add(base + c + offs, dq_smem.slice(c, DQ_CHUNK, 1).load(add_layout), mask=ok,
+                              sem="relaxed")
+
+    @gluon.jit
     def _lowp_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
                   s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
                   n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                   HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  OVERLAP: gl.constexpr, num_warps: gl.constexpr):
         """fp16/bf16: dK, dV of one key block (``BLOCK_N`` keys, 64 a warpgroup) of one (batch, K/V head) and its
         share of dQ, over the ``BLOCK_M``-row query tiles of its group's ``G`` query heads that see it; five
         products a tile on the tensor cores, keys-major: ``s^T = K·q^T``, then ``dP^T = V·dO^T`` (issued while
         p^T is computed), ``dV += p^T·dO`` and ``dK += dS^T·q`` with p^T and dS^T as register operands, and
         ``dQ_part = dS·K`` with dS through shared memory, added into the fp32 ``dq`` (zero-filled) by TMA
         reduce-adds (``DQ_TMA``) or atomic adds of 16 bytes a thread read back from shared memory: not
-        deterministic."""
+        deterministic. ``OVERLAP``: s^T and dP^T issued together, then dQ's product before dV's and dK's, and its
+        adds made while those two run. (Session 60 tried dQ's product in flight into the next tile, its adds
+        overlapping that tile's first products: ptxas then serialised every wgmma of the kernel, C7514, reading an
+        accumulator carried across the loop's back edge as read before its wait.)"""
         WM: gl.constexpr = BLOCK_M // 16 if BLOCK_M // 16 < num_warps else num_warps  # dQ's warps along rows
         WN: gl.constexpr = num_warps // WM
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -316,13 +344,10 @@ if gluon is not None:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         if DQ_TMA:
-            dq_tile = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
-        else:  # the tile goes through shared memory to be added 16 bytes a thread and 32 columns at a time
-            DQ_CHUNK: gl.constexpr = 32 if HEAD_D > 32 else HEAD_D
-            add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ_CHUNK // 4), DQ_CHUNK // 4],
-                                                        [num_warps, 1], [1, 0])
-            dq_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D],
-                                               gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+            dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
+        else:  # the tile goes through shared memory to be added 16 bytes a thread
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D],
+                                                gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
         k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(
             q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
             HEAD_DV, STAGES)
@@ -335,43 +360,47 @@ if gluon is not None:
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
             st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # (made here: not live across the loop)
             st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if OVERLAP:
+                dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             rows = m0 + gl.arange(0, BLOCK_M, layout=rows_s)
             lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
-            st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
-            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if OVERLAP:
+                st_ = warpgroup_mma_wait(num_outstanding=1, deps=(st_, ))
+            else:
+                st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
+                dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
             if IS_CAUSAL:
                 if m0 < m_full:
                     pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
-            ds_smem.permute((1, 0)).store(dst)
-            fence_async_shared()
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # (p^T, dS^T's registers free)
-            dq = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout), use_acc=False,
-                               is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
+            if OVERLAP:  # dQ first: its adds run while dV and dK's products do
+                ds_smem.permute((1, 0)).store(dst)
+                fence_async_shared()
+                dq = warpgroup_mma(ds_smem, k_smem, dq_zero, use_acc=False, is_async=True)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
+                _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D,
+                        DQ_TMA, num_warps)
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            else:
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
+                ds_smem.permute((1, 0)).store(dst)
+                fence_async_shared()
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # (p^T, dS^T's registers free)
+                dq = warpgroup_mma(ds_smem, k_smem, dq_zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             nxt = j + STAGES
             if nxt < n_tiles:
                 nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
                 _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
-            if DQ_TMA:
-                tma.store_wait(pendings=0)  # the previous tile's reduce-add has read dq_tile
-                dq_tile.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
-                fence_async_shared()
-                _dq_reduce_add(dq_desc, [b, h, m0, 0], dq_tile)
-            else:
-                dq_buf.store(dq * scale)
-                qrows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, add_layout))
-                base = dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh + m0.to(gl.int64) * s_qn
-                offs = gl.expand_dims(qrows * s_qn, 1) + gl.expand_dims(gl.arange(0, DQ_CHUNK, gl.SliceLayout(
-                    0, add_layout)), 0)
-                ok = gl.expand_dims(m0 + qrows < Nq, 1)
-                for c in gl.static_range(0, HEAD_D, DQ_CHUNK):
-                    gl.atomic_add(base + c + offs, dq_buf.slice(c, DQ_CHUNK, 1).load(add_layout), mask=ok,
-                                  sem="relaxed")
+            if not OVERLAP:
+                _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D,
+                        DQ_TMA, num_warps)
 
         _release(kv_bar, bars, STAGES)
         _store_rows(dk_ptr, (dk * scale).to(dtype), b, hk, s_kb, s_kh, s_kn,
@@ -495,11 +524,12 @@ def dq_tma_available() -> bool:
 
 
 def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, tiles=None,
-                  dq_tma: Optional[bool] = None):
+                  dq_tma: Optional[bool] = None, overlap: bool = False):
     """dK, dV (``dk``/``dv``: ``k``'s dtype, inner stride 1) and dQ added into ``dq`` (fp32, zero-filled,
     contiguous) of a dense fp16/bf16 call from the forward's ``lse`` and ``delta`` (``[B, Hq, Nq]``, one layout): one
     launch of :func:`_lowp_bwd`. ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``; ``dq_tma``: TMA reduce-adds
-    (default where :func:`dq_tma_available`) or atomic adds."""
+    (default where :func:`dq_tma_available`) or atomic adds; ``overlap``: dQ's adds overlap dV's and dK's products
+    (``_lowp_bwd``'s ``OVERLAP``; session 60, not yet measured)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -516,7 +546,8 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
                   desc(k, [1, 1, bn, D]), desc(v, [1, 1, bn, Dv]), desc(dq, [1, 1, bm, D]), lse, delta,
                   *lse.stride(), dk, *dk.stride()[:3], dv, *dv.stride()[:3], dq, *dq.stride()[:3], Nq, Nk, Hkv, G,
                   float(scale) * LOG2E, float(scale), n_nb, group, BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv,
-                  STAGES=stages, IS_CAUSAL=bool(is_causal), DQ_TMA=bool(dq_tma), num_warps=warps)
+                  STAGES=stages, IS_CAUSAL=bool(is_causal), DQ_TMA=bool(dq_tma), OVERLAP=bool(overlap),
+                  num_warps=warps)
     return dq, dk, dv
 
 

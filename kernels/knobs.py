@@ -169,7 +169,7 @@ _DECLARED = (
          "how the backward computes dQ: rows, a pass over query blocks (deterministic; session 28 H100: faster in "
          "every measured tile); atomic, atomic adds from the key-block pass; gluon, atomic adds, and fp16/bf16 calls "
          "in the Hopper kernels' scope through one Gluon kernel of five products a tile (session 59: compiled for "
-         "sm_90; session 60 H100: exact, 0.74-0.86x the row pass's speed). Never atomic under "
+         "sm_90; session 60 H100: exact, 0.79-0.96x the row pass's speed). Never atomic under "
          "torch.use_deterministic_algorithms(True)",
          _choice("rows", "atomic", "gluon"), scope="tuning", choices=("rows", "atomic", "gluon")),
     Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",

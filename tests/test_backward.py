@@ -684,12 +684,12 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype):
+@pytest.mark.parametrize("dtype,overlap", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, overlap):
     """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel
-    (kernels/hopper_backward._lowp_bwd) for dense calls, and the row pass deterministically: gradients against the
-    float64 oracle as close as the row pass's, over ragged lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk
-    (rows that see no key: zero gradient) and Nq < Nk."""
+    (kernels/hopper_backward._lowp_bwd, with its ``OVERLAP`` order of products or without) for dense calls, and the
+    row pass deterministically: gradients against the float64 oracle as close as the row pass's, over ragged
+    lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key: zero gradient) and Nq < Nk."""
     from elsa_surgery.kernels import hopper_backward
 
     if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
@@ -699,7 +699,8 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype):
     ran = []
     real = hopper_backward.lowp_backward
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hopper_backward, "lowp_backward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+        mp.setattr(hopper_backward, "lowp_backward",
+                   lambda *a, **kw: ran.append(1) or real(*a, **kw, overlap=overlap))
         for b, hq, hkv, nq, nk, d, dv, causal in [(2, 4, 2, 333, 517, 64, 64, False),
                                                    (1, 8, 2, 700, 300, 64, 32, True),
                                                    (2, 2, 2, 257, 1025, 128, 128, True),

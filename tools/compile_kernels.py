@@ -102,13 +102,15 @@ def gluon_variants():
                dict(q_desc=(qm, d), do_desc=(qm, dv), k_desc=(qn, d), v_desc=(qn, dv)),
                dict(BLOCK_M=qm, BLOCK_N=qn, HEAD_D=d, HEAD_DV=dv, STAGES=qs, IS_CAUSAL=causal), qw)
     bn, bm, st, w = hb.LOWP_TILES
-    for d, causal, dq_tma in ((128, False, True), (128, True, False), (64, True, True)):
+    for d, causal, dq_tma, overlap in ((128, False, True, False), (128, True, False, False), (64, True, True, False),
+                                       (64, False, False, True), (128, True, False, True)):
         if dq_tma and not hb.dq_tma_available():
             continue
-        yield (f"gluon lowp_bwd D={d} causal={causal} dq_tma={dq_tma}", hb._lowp_bwd,
+        yield (f"gluon lowp_bwd D={d} causal={causal} dq_tma={dq_tma} overlap={overlap}", hb._lowp_bwd,
                dict(q_desc=(bm, d, "bf16"), do_desc=(bm, d, "bf16"), k_desc=(bn, d, "bf16"), v_desc=(bn, d, "bf16"),
                     dq_desc=(bm, d)),
-               dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=dq_tma), w)
+               dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=dq_tma,
+                    OVERLAP=overlap), w)
 
 
 def gluon_source(fn, descs: dict, const: dict, warps: int):
@@ -177,8 +179,8 @@ def main(argv=None) -> int:
             continue
         extra = ""
         if args.ptxas:
-            regs, spills = assemble(ptx[name])
-            extra = f"  ({regs} registers, {spills} bytes of spill stores)"
+            regs, spills, serial = assemble(ptx[name])
+            extra = f"  ({regs} registers, {spills} bytes of spill stores{'; ptxas: ' + serial if serial else ''})"
         print(f"ok   {name}: {len(ptx[name])} bytes of PTX{extra}", flush=True)
     # BLOCKED_PV must survive Triton's combiner (which folds ``acc + tl.dot(a, b, 0)`` into ``tl.dot(a, b, acc)``):
     # its PTX has the blocks' fp32 adds that the tensor cores' chain has not
@@ -212,7 +214,8 @@ def compile_ptx(fn, dtype: str, const: dict, warps: int) -> str:
 
 
 def assemble(ptx: str):
-    """(registers, bytes of spill stores) of ``ptx`` assembled for sm_90a by Triton's bundled ptxas."""
+    """(registers, bytes of spill stores, ptxas's warning that it serialised wgmma instructions or '') of ``ptx``
+    assembled for sm_90a by Triton's bundled ptxas."""
     import re
 
     from triton.backends.nvidia.compiler import get_ptxas
@@ -228,7 +231,8 @@ def assemble(ptx: str):
     spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
     if not regs:
         raise RuntimeError(f"ptxas: {r.stderr[-500:]}")
-    return int(regs[-1]), int(spills[-1]) if spills else 0
+    serial = next((ln.split("ptxas", 1)[-1].strip(" :") for ln in r.stderr.splitlines() if "serialized" in ln), "")
+    return int(regs[-1]), int(spills[-1]) if spills else 0, serial
 
 
 def fp32_adds(ptx: str) -> int:

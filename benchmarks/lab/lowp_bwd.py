@@ -7,12 +7,14 @@ investigation for issue 25's bf16 target (>= 0.9x cuDNN forward + backward), not
 Prints, per tile configuration: the relative L2 error of dQ, dK, dV against float64 autograd on small shapes (GQA,
 ragged lengths, causal with Nq != Nk) next to the row pass's; then the backward's GPU time (CUDA events, median of
 ``triton.testing.do_bench``) at B = 1, H heads, N = ``--n``: this kernel (dQ zero-fill and the fp32 -> bf16 cast
-included), the row pass (the default ``backend="elsa"`` backward), the public call with ``ELSA_BWD_DQ=gluon``
-(which runs this kernel) and cuDNN's (forward + backward minus forward).
+included; delta made once, untimed: session 60's log timed its four PyTorch ops too), the row pass (the default
+``backend="elsa"`` backward), the public call with ``ELSA_BWD_DQ=gluon`` (which runs this kernel, delta included:
+the comparison that counts), the same with ``OVERLAP`` on, and cuDNN's (forward + backward minus forward).
 Needs an sm_90 GPU.
 """
 
 import argparse
+import functools
 
 import torch
 import triton
@@ -39,12 +41,20 @@ def reference(q, k, v, do, causal, scale):
     return out, lse, (q64.grad, k64.grad, v64.grad)
 
 
-def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma):
-    delta = (do.float() * out.float()).sum(-1)
+def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, overlap=False, delta=None):
+    if delta is None:
+        delta = (do.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    hb.lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, scale=scale, is_causal=causal, tiles=tiles, dq_tma=dq_tma)
+    hb.lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, scale=scale, is_causal=causal, tiles=tiles, dq_tma=dq_tma,
+                     overlap=overlap)
     return dq.to(q.dtype), dk, dv
+
+
+def variants(configs, modes, overlaps):
+    """``(label, tiles, dq_tma, overlap)`` of every kernel configuration asked for."""
+    return [(f"{t} {'tma' if m else 'atomic'}{' overlap' if o else ''}", t, m, o)
+            for t in configs for m in modes for o in overlaps]
 
 
 def rel(a, b):
@@ -68,6 +78,7 @@ def main():
     ap.add_argument("--shapes", default="16x64,16x128")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--dq", default="tma", help="tma (atomic where this Triton has no TMA reduce-add), atomic")
+    ap.add_argument("--overlap", default="0,1", help="_lowp_bwd's OVERLAP: 0, 1 or both (session 60)")
     ap.add_argument("--skip-check", action="store_true")
     a = ap.parse_args()
     import elsa_surgery
@@ -76,6 +87,7 @@ def main():
     dev = "cuda"
     configs = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split(";")]
     modes = sorted({m == "tma" and hb.dq_tma_available() for m in a.dq.split(",")}, reverse=True)
+    kinds = variants(configs, modes, [bool(int(x)) for x in a.overlap.split(",")])
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "TMA reduce-add available:", hb.dq_tma_available(), flush=True)
     if not a.skip_check:
@@ -98,15 +110,14 @@ def main():
                     o = elsa_surgery.attention(qq, kk, vv, is_causal=causal, backend="elsa", enable_gqa=True)
                     g = torch.autograd.grad(o, (qq, kk, vv), do)
                 line += " | public gluon " + " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
-                for t in configs:
-                    for tma_ in modes:
-                        try:
-                            g = ours(q, k, v, do, out, lse, causal, scale, t, tma_)
-                            torch.cuda.synchronize()
-                            errs = " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
-                        except Exception as e:
-                            errs = f"FAILED {type(e).__name__}: {str(e)[:300]}"
-                        line += f" | {t} {'tma' if tma_ else 'atomic'} {errs}"
+                for label, t, tma_, ov in kinds:
+                    try:
+                        g = ours(q, k, v, do, out, lse, causal, scale, t, tma_, ov)
+                        torch.cuda.synchronize()
+                        errs = " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
+                    except Exception as e:
+                        errs = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+                    line += f" | {label} {errs}"
                 print(line, flush=True)
     for dname in a.dtypes.split(","):
         dt = DT[dname]
@@ -140,6 +151,12 @@ def main():
                     res["row pass"] = triton.testing.do_bench(elsa_fb) - efwd
                 with benchmark.environ({"ELSA_BWD_DQ": "gluon"}):  # the public path to this kernel
                     res["public gluon"] = triton.testing.do_bench(elsa_fb) - efwd
+                    plain = hb.lowp_backward
+                    hb.lowp_backward = functools.partial(plain, overlap=True)
+                    try:
+                        res["public gluon overlap"] = triton.testing.do_bench(elsa_fb) - efwd
+                    finally:
+                        hb.lowp_backward = plain
                 res["elsa fwd"] = efwd
                 with torch.no_grad():
                     o = o.detach()
@@ -148,21 +165,21 @@ def main():
                         s = s.masked_fill(torch.ones(N, N, device=dev, dtype=torch.bool).triu(1), float("-inf"))
                     lse = torch.logsumexp(s, -1).contiguous()
                     del s
-                for t in configs:
-                    for tma_ in modes:
-                        try:
-                            res[f"{t} {'tma' if tma_ else 'atomic'}"] = triton.testing.do_bench(
-                                lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_))
-                        except Exception as e:
-                            res[f"{t} {'tma' if tma_ else 'atomic'}"] = float("nan")
-                            print("  failed", t, tma_, type(e).__name__, str(e)[:300])
+                    delta = (do.float() * o.float()).sum(-1)
+                for label, t, tma_, ov in kinds:  # (delta made once: the kernel, dQ's zero-fill and cast timed)
+                    try:
+                        res[label] = triton.testing.do_bench(
+                            lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_, ov, delta))
+                    except Exception as e:
+                        res[label] = float("nan")
+                        print("  failed", label, type(e).__name__, str(e)[:300])
                 print(f"{dname} H{H} D{D} N{N} causal={int(causal)} backward ms: " + ", ".join(
                     f"{k_} {v_:.3f}" for k_, v_ in res.items()), flush=True)
                 cu = res["cudnn"] + res["cudnn fwd"]
                 best = min(v_ for k_, v_ in res.items() if k_.startswith("("))
                 print(f"   fwd+bwd vs cuDNN: row pass {cu / (res['row pass'] + efwd):.3f}x, "
-                      f"best new {cu / (best + efwd):.3f}x, public gluon {cu / (res['public gluon'] + efwd):.3f}x",
-                      flush=True)
+                      f"best new {cu / (best + efwd):.3f}x, public gluon {cu / (res['public gluon'] + efwd):.3f}x, "
+                      f"overlap {cu / (res['public gluon overlap'] + efwd):.3f}x", flush=True)
 
 
 if __name__ == "__main__":
