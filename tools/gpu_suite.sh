@@ -73,9 +73,9 @@ case "$part" in
       | tee "$out/masked_tiles_fwd.log" | grep -v '^ '
     timeout 120 python3 benchmarks/lab/masked_tiles.py --backward --n 4096 --shape 1x16x128 --dtypes bf16 \
       --masks causal,packed,random --rounds 3 --calls 5 2>&1 | tee "$out/masked_tiles_bwd.log" | grep -v '^ ' ;;
-  lowp-bwd)  # session 59, landed without a GPU run: the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) against float64,
-    # cuDNN and the row pass (benchmarks/lab/lowp_bwd.py), its GPU test, then auto's new-key-count probe where
-    # session 58 saw cuDNN rebuild a plan every step (decode_growing.py's auto pass)
+  lowp-bwd)  # session 59: the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) against float64, cuDNN and the row pass,
+    # with and without OVERLAP (benchmarks/lab/lowp_bwd.py; session 60, H100: ~80 s without OVERLAP), its GPU test,
+    # then auto's new-key-count probe where session 58 saw cuDNN rebuild a plan every step (decode_growing.py)
     timeout 300 python3 benchmarks/lab/lowp_bwd.py 2>&1 | tee "$out/lowp_bwd.log"
     (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
        --tb=short "$repo/tests/test_backward.py" -k lowp 2>&1 | tee "$out/pytest_lowp_bwd.log" | tail -5)
