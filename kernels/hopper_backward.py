@@ -283,6 +283,17 @@ if gluon is not None:
                     m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, q_layout)), Nq, HEAD_D, q_layout)
 
     @gluon.jit
+    def _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk,
+                       BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
+                       dk_layout: gl.constexpr, dv_layout: gl.constexpr):
+        """A key block's dK (times ``scale``) and dV (fp32 accumulators in their wgmma layouts) stored in dk_ptr's
+        and dv_ptr's dtype."""
+        _store_rows(dk_ptr, (dk * scale).to(dk_ptr.dtype.element_ty), b, hk, s_kb, s_kh, s_kn,
+                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, dk_layout)), Nk, HEAD_D, dk_layout)
+        _store_rows(dv_ptr, dv.to(dv_ptr.dtype.element_ty), b, hk, s_vb, s_vh, s_vn,
+                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, dv_layout)), Nk, HEAD_DV, dv_layout)
+
+    @gluon.jit
     def _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M: gl.constexpr,
                 HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
         """``dq * scale`` (one query tile's share, registers) added into the fp32 ``dq`` at (b, h, rows m0...) through
@@ -403,12 +414,123 @@ if gluon is not None:
                         DQ_TMA, num_warps)
 
         _release(kv_bar, bars, STAGES)
-        _store_rows(dk_ptr, (dk * scale).to(dtype), b, hk, s_kb, s_kh, s_kn,
-                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, dk_layout)), Nk, HEAD_D, dk_layout)
-        _store_rows(dv_ptr, dv.to(dtype), b, hk, s_vb, s_vh, s_vn,
-                    n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, dv_layout)), Nk, HEAD_DV, dv_layout)
+        _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N,
+                       HEAD_D, HEAD_DV, dk_layout, dv_layout)
         if DQ_TMA:
             tma.store_wait(pendings=0)
+
+
+    @gluon.jit
+    def _ws_compute(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty, lse_ptr,
+                    delta_ptr, s_lb, s_lh, s_ln, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, qk_scale,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
+                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_lowp_bwd_ws`'s default partition: s^T, dP^T, p^T, dS^T and dV, dK of every query tile (four
+        products); each tile's dS goes to the dQ partition through one of two shared buffers. Returns (dK, dV)."""
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_DV, 16])
+        pt_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dst_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        dtype: gl.constexpr = q_desc.dtype
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, dk_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
+        for j in range(0, n_tiles):
+            h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
+            st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
+            st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+            st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
+            st_ = warpgroup_mma_wait(num_outstanding=1, deps=(st_, ))
+            pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
+            if IS_CAUSAL:
+                if m0 < m_full:
+                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
+            c = j % 2
+            mbarrier.wait(ds_empty.index(c), ((j // 2) & 1) ^ 1)  # (a fresh mbarrier's phase 1 reads complete)
+            ds_bufs.index(c).permute((1, 0)).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(c), count=1)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            nxt = j + STAGES
+            if nxt < n_tiles:
+                nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
+                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
+        return dk, dv
+
+    @gluon.jit
+    def _ws_dq(ds_bufs, ds_ready, ds_empty, k_smem, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo,
+               per_head, n_tiles, Nq, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr):
+        """:func:`_lowp_bwd_ws`'s dQ partition (one warpgroup): ``dS·K`` of each query tile from the dS buffer the
+        compute partition filled, added into the fp32 ``dq`` (:func:`_dq_add`), the buffer handed back first."""
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        for j in range(0, n_tiles):
+            c = j % 2
+            mbarrier.wait(ds_ready.index(c), (j // 2) & 1)
+            dq = warpgroup_mma(ds_bufs.index(c), k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            mbarrier.arrive(ds_empty.index(c), count=1)
+            h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
+            _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, DQ_TMA, 4)
+        if DQ_TMA:
+            tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _lowp_bwd_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb,
+                     s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
+                     n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                     HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
+                     DQ_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_lowp_bwd` warp-specialised (session 60, not yet run on a GPU): the ``num_warps`` warps of the
+        default partition (:func:`_ws_compute`) run four products a tile and hand each tile's dS, through two shared
+        buffers and their mbarriers, to a warpgroup of its own (:func:`_ws_dq`, ``DQ_REGS`` registers a thread)
+        that runs dQ's product and adds, so that neither waits for the other's latency."""
+        b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
+                                                                       BLOCK_N, BLOCK_M, IS_CAUSAL)
+        dtype: gl.constexpr = q_desc.dtype
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        if DQ_TMA:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=1)
+            mbarrier.init(ds_empty.index(i), count=1)
+        k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(  # (its fence covers the inits above)
+            q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
+            HEAD_DV, STAGES)
+        dk, dv = gl.warp_specialize([
+            (_ws_compute, (q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty,
+                           lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full,
+                           Nq, qk_scale, BLOCK_N, BLOCK_M, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL, num_warps)),
+            (_ws_dq, (ds_bufs, ds_ready, ds_empty, k_smem, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, hk, G,
+                      mb_lo, per_head, n_tiles, Nq, scale, BLOCK_M, HEAD_D, DQ_TMA)),
+        ], [4], [DQ_REGS])
+        _release(kv_bar, bars, STAGES)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ds_ready.index(i))
+            mbarrier.invalidate(ds_empty.index(i))
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_DV, 16])
+        _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N,
+                       HEAD_D, HEAD_DV, dk_layout, dv_layout)
 
 
 def eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool, dropout_p: float,
@@ -516,6 +638,14 @@ def _backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale, is_causal, atomic, 
 
 
 LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query rows, STAGES, num_warps
+WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
+
+
+def ws_maxnreg(warps: int) -> int:
+    """The register limit a thread of :func:`_lowp_bwd_ws` launched with ``warps`` compute warps (and the dQ
+    warpgroup): the SM's 64K registers over all its threads, a multiple of 8, at most 248; the compute warps get
+    what the dQ warpgroup leaves (8 warps: 168, of which they get 196; 4 warps: 248, capped there)."""
+    return min(248, 65536 // (32 * (warps + 4)) // 8 * 8)
 
 
 def dq_tma_available() -> bool:
@@ -524,12 +654,13 @@ def dq_tma_available() -> bool:
 
 
 def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, tiles=None,
-                  dq_tma: Optional[bool] = None, overlap: bool = False):
+                  dq_tma: Optional[bool] = None, overlap: bool = False, ws: bool = False):
     """dK, dV (``dk``/``dv``: ``k``'s dtype, inner stride 1) and dQ added into ``dq`` (fp32, zero-filled,
     contiguous) of a dense fp16/bf16 call from the forward's ``lse`` and ``delta`` (``[B, Hq, Nq]``, one layout): one
     launch of :func:`_lowp_bwd`. ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``; ``dq_tma``: TMA reduce-adds
     (default where :func:`dq_tma_available`) or atomic adds; ``overlap``: dQ's adds overlap dV's and dK's products
-    (``_lowp_bwd``'s ``OVERLAP``; session 60, not yet measured)."""
+    (``_lowp_bwd``'s ``OVERLAP``; session 60, not yet measured); ``ws``: the warp-specialised kernel
+    (:func:`_lowp_bwd_ws`; session 60, not yet run on a GPU; ``overlap`` does not apply)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -542,12 +673,15 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     n_nb = -(-Nk // bn)
     group = (causal_head_group(q.device, n_k=Nq, kv_bytes_per_key=q.element_size() * (D + Dv) * G, groups=1,
                                bh=B * Hkv, m_blocks=n_nb) if is_causal else 1)
-    replay.launch(_lowp_bwd, (n_nb * B * Hkv,), desc(q, [1, 1, bm, D]), desc(do, [1, 1, bm, Dv]),
-                  desc(k, [1, 1, bn, D]), desc(v, [1, 1, bn, Dv]), desc(dq, [1, 1, bm, D]), lse, delta,
-                  *lse.stride(), dk, *dk.stride()[:3], dv, *dv.stride()[:3], dq, *dq.stride()[:3], Nq, Nk, Hkv, G,
-                  float(scale) * LOG2E, float(scale), n_nb, group, BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv,
-                  STAGES=stages, IS_CAUSAL=bool(is_causal), DQ_TMA=bool(dq_tma), OVERLAP=bool(overlap),
-                  num_warps=warps)
+    args = (desc(q, [1, 1, bm, D]), desc(do, [1, 1, bm, Dv]), desc(k, [1, 1, bn, D]), desc(v, [1, 1, bn, Dv]),
+            desc(dq, [1, 1, bm, D]), lse, delta, *lse.stride(), dk, *dk.stride()[:3], dv, *dv.stride()[:3], dq,
+            *dq.stride()[:3], Nq, Nk, Hkv, G, float(scale) * LOG2E, float(scale), n_nb, group)
+    const = dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
+                 DQ_TMA=bool(dq_tma), num_warps=warps)
+    if ws:
+        replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, maxnreg=ws_maxnreg(warps), **const)
+    else:
+        replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=bool(overlap), **const)
     return dq, dk, dv
 
 

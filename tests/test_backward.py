@@ -684,10 +684,12 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,overlap", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,overlap", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True),
+                                           (torch.bfloat16, "ws")])
 def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, overlap):
     """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel
-    (kernels/hopper_backward._lowp_bwd, with its ``OVERLAP`` order of products or without) for dense calls, and the
+    (kernels/hopper_backward._lowp_bwd, with its ``OVERLAP`` order of products or without, or ``ws``: the
+    warp-specialised _lowp_bwd_ws) for dense calls, and the
     row pass deterministically: gradients against the float64 oracle as close as the row pass's, over ragged
     lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key: zero gradient) and Nq < Nk."""
     from elsa_surgery.kernels import hopper_backward
@@ -700,7 +702,7 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, overlap):
     real = hopper_backward.lowp_backward
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hopper_backward, "lowp_backward",
-                   lambda *a, **kw: ran.append(1) or real(*a, **kw, overlap=overlap))
+                   lambda *a, **kw: ran.append(1) or real(*a, **kw, overlap=overlap is True, ws=overlap == "ws"))
         for b, hq, hkv, nq, nk, d, dv, causal in [(2, 4, 2, 333, 517, 64, 64, False),
                                                    (1, 8, 2, 700, 300, 64, 32, True),
                                                    (2, 2, 2, 257, 1025, 128, 128, True),

@@ -111,9 +111,15 @@ def gluon_variants():
                     dq_desc=(bm, d)),
                dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=dq_tma,
                     OVERLAP=overlap), w)
+    for d, causal, (bn, bm, st, w) in ((64, False, hb.LOWP_TILES), (128, True, (64, 64, 2, 4))):  # warp-specialised
+        yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws,
+               dict(q_desc=(bm, d, "bf16"), do_desc=(bm, d, "bf16"), k_desc=(bn, d, "bf16"), v_desc=(bn, d, "bf16"),
+                    dq_desc=(bm, d)),
+               dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=False,
+                    DQ_REGS=hb.WS_DQ_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
 
 
-def gluon_source(fn, descs: dict, const: dict, warps: int):
+def gluon_source(fn, descs: dict, const: dict, warps):
     """Gluon's ``GluonASTSource`` of ``fn``: TMA descriptors ``[1, 1, rows, cols]`` for ``descs`` (fp32, or the
     dtype named third: ``(rows, cols, "bf16")``), fp32 pointers for ``*_ptr``, fp32 ``qk_scale``/``scale``, int32 for
     the rest."""
@@ -139,7 +145,7 @@ def gluon_source(fn, descs: dict, const: dict, warps: int):
             sig[p.name] = "*fp32"
         else:
             sig[p.name] = "fp32" if p.name in _FLOATS else "i32"
-    const = dict(const, num_warps=warps)
+    const = dict(const, num_warps=warps["num_warps"] if isinstance(warps, dict) else warps)
     return GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
 
 
@@ -200,12 +206,14 @@ def source(fn, dtype: str, const: dict):
                      constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
 
 
-def compile_source(src, warps: int) -> str:
-    """``src`` compiled to PTX for sm_90 (Triton's compiler, no GPU needed)."""
+def compile_source(src, warps) -> str:
+    """``src`` compiled to PTX for sm_90 (Triton's compiler, no GPU needed); ``warps``: the warps, or the compile
+    options (a dict with ``num_warps``)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    options = warps if isinstance(warps, dict) else {"num_warps": warps}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def compile_ptx(fn, dtype: str, const: dict, warps: int) -> str:

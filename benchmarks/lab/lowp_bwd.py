@@ -42,18 +42,19 @@ def reference(q, k, v, do, causal, scale):
 
 
 def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, overlap=False, delta=None):
+    """This kernel's gradients (``overlap``: False, True or "ws", the warp-specialised kernel)."""
     if delta is None:
         delta = (do.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     hb.lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, scale=scale, is_causal=causal, tiles=tiles, dq_tma=dq_tma,
-                     overlap=overlap)
+                     overlap=overlap is True, ws=overlap == "ws")
     return dq.to(q.dtype), dk, dv
 
 
 def variants(configs, modes, overlaps):
     """``(label, tiles, dq_tma, overlap)`` of every kernel configuration asked for."""
-    return [(f"{t} {'tma' if m else 'atomic'}{' overlap' if o else ''}", t, m, o)
+    return [(f"{t} {'tma' if m else 'atomic'}{'' if o is False else ' overlap' if o is True else ' ws'}", t, m, o)
             for t in configs for m in modes for o in overlaps]
 
 
@@ -78,7 +79,8 @@ def main():
     ap.add_argument("--shapes", default="16x64,16x128")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--dq", default="tma", help="tma (atomic where this Triton has no TMA reduce-add), atomic")
-    ap.add_argument("--overlap", default="0,1", help="_lowp_bwd's OVERLAP: 0, 1 or both (session 60)")
+    ap.add_argument("--overlap", default="0,1,ws",
+                    help="_lowp_bwd's OVERLAP (0, 1) and/or the warp-specialised _lowp_bwd_ws (ws): session 60")
     ap.add_argument("--skip-check", action="store_true")
     a = ap.parse_args()
     import elsa_surgery
@@ -87,7 +89,7 @@ def main():
     dev = "cuda"
     configs = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split(";")]
     modes = sorted({m == "tma" and hb.dq_tma_available() for m in a.dq.split(",")}, reverse=True)
-    kinds = variants(configs, modes, [bool(int(x)) for x in a.overlap.split(",")])
+    kinds = variants(configs, modes, [x if x == "ws" else bool(int(x)) for x in a.overlap.split(",")])
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "TMA reduce-add available:", hb.dq_tma_available(), flush=True)
     if not a.skip_check:
