@@ -319,6 +319,31 @@ if gluon is not None:
                               sem="relaxed")
 
     @gluon.jit
+    def _lowp_ds(k_smem, v_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0, keys, off, m_full,
+                 Nq, qk_scale, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, TOGETHER: gl.constexpr):
+        """``(p^T, dS^T)`` (fp32, ``st_layout``) of one query tile of a key block: ``s^T = K·q^T`` and
+        ``dP^T = V·dO^T`` on the tensor cores, issued together (``TOGETHER``) or dP^T once s^T is in, p^T computed
+        while dP^T runs; keys a row does not see (causal, ``keys`` against its rows) get p = 0."""
+        st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # (made here: not live across the loop)
+        st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if TOGETHER:
+            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
+        if TOGETHER:
+            st_ = warpgroup_mma_wait(num_outstanding=1, deps=(st_, ))
+        else:
+            st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
+            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
+        if IS_CAUSAL:
+            if m0 < m_full:
+                pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+        return pt, pt * (dpt - gl.expand_dims(delta, 0))
+
+    @gluon.jit
     def _lowp_bwd(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh,
                   s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
                   n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
@@ -346,8 +371,6 @@ if gluon is not None:
                                                             instr_shape=[16, HEAD_D // WN, 16])
         pt_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
         dst_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
-        keys_s: gl.constexpr = gl.SliceLayout(1, st_layout)
-        rows_s: gl.constexpr = gl.SliceLayout(0, st_layout)
 
         b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
                                                                        BLOCK_N, BLOCK_M, IS_CAUSAL)
@@ -363,29 +386,15 @@ if gluon is not None:
             q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
             HEAD_DV, STAGES)
 
-        keys = n0 + gl.arange(0, BLOCK_N, layout=keys_s)
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, dk_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
         for j in range(0, n_tiles):
             h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
-            st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # (made here: not live across the loop)
-            st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            if OVERLAP:
-                dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=rows_s)
-            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
-            if OVERLAP:
-                st_ = warpgroup_mma_wait(num_outstanding=1, deps=(st_, ))
-            else:
-                st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
-                dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
-            if IS_CAUSAL:
-                if m0 < m_full:
-                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
-            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            pt, dst = _lowp_ds(k_smem, v_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0, keys,
+                               off, m_full, Nq, qk_scale, st_layout, BLOCK_N, BLOCK_M, IS_CAUSAL, OVERLAP)
+            dst = dst.to(dtype)
             dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
             if OVERLAP:  # dQ first: its adds run while dV and dK's products do
                 ds_smem.permute((1, 0)).store(dst)
@@ -419,7 +428,6 @@ if gluon is not None:
         if DQ_TMA:
             tma.store_wait(pendings=0)
 
-
     @gluon.jit
     def _ws_compute(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty, lse_ptr,
                     delta_ptr, s_lb, s_lh, s_ln, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, qk_scale,
@@ -442,18 +450,9 @@ if gluon is not None:
         for j in range(0, n_tiles):
             h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
-            st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-            st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
-            st_ = warpgroup_mma_wait(num_outstanding=1, deps=(st_, ))
-            pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
-            if IS_CAUSAL:
-                if m0 < m_full:
-                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
-            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            pt, dst = _lowp_ds(k_smem, v_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0, keys,
+                               off, m_full, Nq, qk_scale, st_layout, BLOCK_N, BLOCK_M, IS_CAUSAL, True)
+            dst = dst.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
             c = j % 2

@@ -101,22 +101,24 @@ def gluon_variants():
         yield (f"gluon strict_bwd_dq D={d} Dv={dv} causal={causal}", hb._strict_bwd_dq,
                dict(q_desc=(qm, d), do_desc=(qm, dv), k_desc=(qn, d), v_desc=(qn, dv)),
                dict(BLOCK_M=qm, BLOCK_N=qn, HEAD_D=d, HEAD_DV=dv, STAGES=qs, IS_CAUSAL=causal), qw)
+
+    def lowp(bn, bm, st, d, causal, dq_tma):  # the fp16/bf16 kernels' descriptors and shared constexprs
+        return (dict(q_desc=(bm, d, "bf16"), do_desc=(bm, d, "bf16"), k_desc=(bn, d, "bf16"),
+                     v_desc=(bn, d, "bf16"), dq_desc=(bm, d)),
+                dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=dq_tma))
+
     bn, bm, st, w = hb.LOWP_TILES
     for d, causal, dq_tma, overlap in ((128, False, True, False), (128, True, False, False), (64, True, True, False),
                                        (64, False, False, True), (128, True, False, True)):
         if dq_tma and not hb.dq_tma_available():
             continue
-        yield (f"gluon lowp_bwd D={d} causal={causal} dq_tma={dq_tma} overlap={overlap}", hb._lowp_bwd,
-               dict(q_desc=(bm, d, "bf16"), do_desc=(bm, d, "bf16"), k_desc=(bn, d, "bf16"), v_desc=(bn, d, "bf16"),
-                    dq_desc=(bm, d)),
-               dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=dq_tma,
-                    OVERLAP=overlap), w)
+        descs, const = lowp(bn, bm, st, d, causal, dq_tma)
+        yield (f"gluon lowp_bwd D={d} causal={causal} dq_tma={dq_tma} overlap={overlap}", hb._lowp_bwd, descs,
+               dict(const, OVERLAP=overlap), w)
     for d, causal, (bn, bm, st, w) in ((64, False, hb.LOWP_TILES), (128, True, (64, 64, 2, 4))):  # warp-specialised
-        yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws,
-               dict(q_desc=(bm, d, "bf16"), do_desc=(bm, d, "bf16"), k_desc=(bn, d, "bf16"), v_desc=(bn, d, "bf16"),
-                    dq_desc=(bm, d)),
-               dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=d, HEAD_DV=d, STAGES=st, IS_CAUSAL=causal, DQ_TMA=False,
-                    DQ_REGS=hb.WS_DQ_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
+        descs, const = lowp(bn, bm, st, d, causal, False)
+        yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws, descs,
+               dict(const, DQ_REGS=hb.WS_DQ_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
 
 
 def gluon_source(fn, descs: dict, const: dict, warps):
