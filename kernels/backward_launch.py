@@ -516,7 +516,7 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
     c = call
     return ("backward", *launch.plan_key_head(q, k, v, c["cu_q"], c["cu_k"], c["q_lengths"], c["kv_lengths"]),
             float(c["scale"]), bool(c["is_causal"]), c["precision"], c["varlen_dims"], float(c["dropout_p"]),
-            bool(atomic), bool(mask_grad), knobs.get(knobs.BWD_SHORT), g(do), g(q), g(k), g(v), g(out), g(lse),
+            bool(atomic), bool(mask_grad), knobs.get(knobs.BWD_SHORT), knobs.get(knobs.BWD_LOWP), g(do), g(q), g(k), g(v), g(out), g(lse),
             g(dlse), g(c["mask"]),
             g(c["q_lengths"]), g(c["kv_lengths"]), g(c["cu_q"]), g(c["cu_k"]), g(c["seed"]))
 
@@ -524,7 +524,7 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
 KEY_MEMO_MAX = 8  # backward keys a key_memo keeps (output-gradient layouts x knob values: a few in practice)
 # the knobs a key_memo entry was made under, by their raw values (what decides the dQ mode, the one-launch path and
 # whether plans are used): a changed value makes a new entry, validated by knobs.get as it is made
-_MEMO_ENV = tuple(knobs.KNOBS[n].key for n in (knobs.BWD_DQ, knobs.BWD_SHORT, replay.ENV))
+_MEMO_ENV = tuple(knobs.KNOBS[n].key for n in (knobs.BWD_DQ, knobs.BWD_SHORT, knobs.BWD_LOWP, replay.ENV))
 
 
 def attention_backward(do, q, k, v, out, lse, *, scale, mask=None, is_causal=False, q_lengths=None,

@@ -7,7 +7,10 @@ The portable passes' deterministic form runs seven N x N products against cuDNN'
 and 57: 0.73-0.81x cuDNN forward + backward at 4K and 16K non-causal); this kernel runs five. Exact on an H100
 (session 60, Triton 3.6, atomic dQ: gradients as close to float64 as the row pass's) but 0.79-0.96x the row pass's
 speed at 4K, D = 64 and 128 (docs/PERF.md): its products, softmax and dQ adds run one after another in each program.
-It runs only when asked for.
+It runs only when asked for, in the form ``ELSA_BWD_LOWP`` names (:func:`lowp_form`): ``plain``, ``overlap``
+(:func:`_lowp_bwd`'s ``OVERLAP``) or ``ws``, the default (:func:`_lowp_bwd_ws`, warp-specialised: a warpgroup of its
+own runs dQ's product and adds; session 61, H100, the kernel alone at 4K: D = 64 0.90x the plain form's time
+non-causal, 0.91x causal).
 
 strict: every product an IEEE fp32 FMA (no tensor cores), blocked in
 registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and TMA tiles.
@@ -492,10 +495,11 @@ if gluon is not None:
                      n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                      HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
                      DQ_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """:func:`_lowp_bwd` warp-specialised (session 60, not yet run on a GPU): the ``num_warps`` warps of the
-        default partition (:func:`_ws_compute`) run four products a tile and hand each tile's dS, through two shared
-        buffers and their mbarriers, to a warpgroup of its own (:func:`_ws_dq`, ``DQ_REGS`` registers a thread)
-        that runs dQ's product and adds, so that neither waits for the other's latency."""
+        """:func:`_lowp_bwd` warp-specialised (session 60; session 61, H100: exact, and the fastest form at D = 64):
+        the ``num_warps`` warps of the default partition (:func:`_ws_compute`) run four products a tile and hand
+        each tile's dS, through two shared buffers and their mbarriers, to a warpgroup of its own (:func:`_ws_dq`,
+        ``DQ_REGS`` registers a thread) that runs dQ's product and adds, so that neither waits for the other's
+        latency."""
         b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
                                                                        BLOCK_N, BLOCK_M, IS_CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
@@ -637,7 +641,23 @@ def _backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale, is_causal, atomic, 
 
 
 LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query rows, STAGES, num_warps
+# _lowp_bwd_ws's tiles: head dims up to 64 as LOWP_TILES; wider heads four compute warps on 64 x 64 (with eight,
+# ptxas serialised the products for want of registers, C7512; session 61 H100, bf16 H = 16 N = 4K D = 128: 64 x 64
+# 1.008 ms non-causal, 0.511 causal, against 1.135 and 0.870 at 128 x 64 with eight)
+LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
+LOWP_FORMS = ("plain", "overlap", "ws")
+
+
+def lowp_form() -> str:
+    """The form of the fp16/bf16 Gluon backward that runs (``ELSA_BWD_LOWP``; auto: ``ws``)."""
+    form = knobs.get(knobs.BWD_LOWP)
+    return "ws" if form == "auto" else form
+
+
+def lowp_tiles(form: str, d: int, dv: int) -> tuple:
+    """``(BLOCK_N, BLOCK_M, STAGES, num_warps)`` of ``form`` at head dims ``d``, ``dv``."""
+    return LOWP_WS_WIDE_TILES if form == "ws" and max(d, dv) > 64 else LOWP_TILES
 
 
 def ws_maxnreg(warps: int) -> int:
@@ -653,17 +673,19 @@ def dq_tma_available() -> bool:
 
 
 def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causal: bool, tiles=None,
-                  dq_tma: Optional[bool] = None, overlap: bool = False, ws: bool = False):
+                  dq_tma: Optional[bool] = None, form: Optional[str] = None):
     """dK, dV (``dk``/``dv``: ``k``'s dtype, inner stride 1) and dQ added into ``dq`` (fp32, zero-filled,
     contiguous) of a dense fp16/bf16 call from the forward's ``lse`` and ``delta`` (``[B, Hq, Nq]``, one layout): one
-    launch of :func:`_lowp_bwd`. ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``; ``dq_tma``: TMA reduce-adds
-    (default where :func:`dq_tma_available`) or atomic adds; ``overlap``: dQ's adds overlap dV's and dK's products
-    (``_lowp_bwd``'s ``OVERLAP``; session 60, not yet measured); ``ws``: the warp-specialised kernel
-    (:func:`_lowp_bwd_ws`; session 60, not yet run on a GPU; ``overlap`` does not apply)."""
+    launch. ``form`` (default :func:`lowp_form`): ``plain`` or ``overlap`` (:func:`_lowp_bwd` without or with its
+    ``OVERLAP`` order), ``ws`` (:func:`_lowp_bwd_ws`); ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``, default
+    :func:`lowp_tiles`; ``dq_tma``: TMA reduce-adds (default where :func:`dq_tma_available`) or atomic adds."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
-    bn, bm, stages, warps = tiles or LOWP_TILES
+    form = form or lowp_form()
+    if form not in LOWP_FORMS:
+        raise ValueError(f"form={form!r}: one of {LOWP_FORMS}")
+    bn, bm, stages, warps = tiles or lowp_tiles(form, D, Dv)
     if dq_tma is None:
         dq_tma = dq_tma_available()
     if not (Nk and Nq and B * Hkv):
@@ -677,10 +699,10 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
             *dq.stride()[:3], Nq, Nk, Hkv, G, float(scale) * LOG2E, float(scale), n_nb, group)
     const = dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
                  DQ_TMA=bool(dq_tma), num_warps=warps)
-    if ws:
+    if form == "ws":
         replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, maxnreg=ws_maxnreg(warps), **const)
     else:
-        replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=bool(overlap), **const)
+        replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=form == "overlap", **const)
     return dq, dk, dv
 
 

@@ -3,18 +3,19 @@ by TMA reduce-adds or atomics) against float64 and against cuDNN's and the row p
 investigation for issue 25's bf16 target (>= 0.9x cuDNN forward + backward), not a recipe.
 
     python benchmarks/lab/lowp_bwd.py [--tiles '128,64,2,8;64,64,2,4'] [--n 4096] [--shapes 16x64,16x128] [--dq tma]
+        [--forms plain,overlap,ws]
 
 Prints, per tile configuration: the relative L2 error of dQ, dK, dV against float64 autograd on small shapes (GQA,
 ragged lengths, causal with Nq != Nk) next to the row pass's; then the backward's GPU time (CUDA events, median of
 ``triton.testing.do_bench``) at B = 1, H heads, N = ``--n``: this kernel (dQ zero-fill and the fp32 -> bf16 cast
 included; delta made once, untimed: session 60's log timed its four PyTorch ops too), the row pass (the default
 ``backend="elsa"`` backward), the public call with ``ELSA_BWD_DQ=gluon`` (which runs this kernel, delta included:
-the comparison that counts), the same with ``OVERLAP`` on, and cuDNN's (forward + backward minus forward).
+the comparison that counts) in each form asked for (``ELSA_BWD_LOWP``), and cuDNN's (forward + backward minus
+forward).
 Needs an sm_90 GPU.
 """
 
 import argparse
-import functools
 
 import torch
 import triton
@@ -41,21 +42,21 @@ def reference(q, k, v, do, causal, scale):
     return out, lse, (q64.grad, k64.grad, v64.grad)
 
 
-def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, overlap=False, delta=None):
-    """This kernel's gradients (``overlap``: False, True or "ws", the warp-specialised kernel)."""
+def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, form="plain", delta=None):
+    """This kernel's gradients in ``form`` (``hb.LOWP_FORMS``)."""
     if delta is None:
         delta = (do.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     hb.lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, scale=scale, is_causal=causal, tiles=tiles, dq_tma=dq_tma,
-                     overlap=overlap is True, ws=overlap == "ws")
+                     form=form)
     return dq.to(q.dtype), dk, dv
 
 
-def variants(configs, modes, overlaps):
-    """``(label, tiles, dq_tma, overlap)`` of every kernel configuration asked for."""
-    return [(f"{t} {'tma' if m else 'atomic'}{'' if o is False else ' overlap' if o is True else ' ws'}", t, m, o)
-            for t in configs for m in modes for o in overlaps]
+def variants(configs, modes, forms):
+    """``(label, tiles, dq_tma, form)`` of every kernel configuration asked for."""
+    return [(f"{t} {'tma' if m else 'atomic'}{'' if f == 'plain' else ' ' + f}", t, m, f)
+            for t in configs for m in modes for f in forms]
 
 
 def rel(a, b):
@@ -79,8 +80,9 @@ def main():
     ap.add_argument("--shapes", default="16x64,16x128")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--dq", default="tma", help="tma (atomic where this Triton has no TMA reduce-add), atomic")
-    ap.add_argument("--overlap", default="0,1,ws",
-                    help="_lowp_bwd's OVERLAP (0, 1) and/or the warp-specialised _lowp_bwd_ws (ws): session 60")
+    ap.add_argument("--forms", default="plain,overlap,ws",
+                    help="the kernel's forms (ELSA_BWD_LOWP): plain, overlap (_lowp_bwd's OVERLAP), ws (the "
+                         "warp-specialised _lowp_bwd_ws), each timed alone and through the public call")
     ap.add_argument("--skip-check", action="store_true")
     a = ap.parse_args()
     import elsa_surgery
@@ -89,9 +91,11 @@ def main():
     dev = "cuda"
     configs = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split(";")]
     modes = sorted({m == "tma" and hb.dq_tma_available() for m in a.dq.split(",")}, reverse=True)
-    overlaps = [x if x == "ws" else bool(int(x)) for x in a.overlap.split(",")]
-    kinds = variants(configs, modes, overlaps)
-    forms = {"overlap" if o is True else o for o in overlaps if o is not False}  # public call's forms timed too
+    forms = a.forms.split(",")
+    bad = [f for f in forms if f not in hb.LOWP_FORMS]
+    if bad:
+        ap.error(f"--forms: {bad} not among {hb.LOWP_FORMS}")
+    kinds = variants(configs, modes, forms)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "TMA reduce-add available:", hb.dq_tma_available(), flush=True)
     if not a.skip_check:
@@ -114,9 +118,9 @@ def main():
                     o = elsa_surgery.attention(qq, kk, vv, is_causal=causal, backend="elsa", enable_gqa=True)
                     g = torch.autograd.grad(o, (qq, kk, vv), do)
                 line += " | public gluon " + " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
-                for label, t, tma_, ov in kinds:
+                for label, t, tma_, f in kinds:
                     try:
-                        g = ours(q, k, v, do, out, lse, causal, scale, t, tma_, ov)
+                        g = ours(q, k, v, do, out, lse, causal, scale, t, tma_, f)
                         torch.cuda.synchronize()
                         errs = " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
                     except Exception as e:
@@ -153,19 +157,14 @@ def main():
                                                                               backend="elsa"))
                 with benchmark.environ({"ELSA_BWD_DQ": "rows"}):
                     res["row pass"] = triton.testing.do_bench(elsa_fb) - efwd
-                with benchmark.environ({"ELSA_BWD_DQ": "gluon"}):  # the public path to this kernel
-                    res["public gluon"] = triton.testing.do_bench(elsa_fb) - efwd
-                    plain = hb.lowp_backward
-                    for form, kw in (("overlap", {"overlap": True}), ("ws", {"ws": True})):
-                        if form in forms:  # the same public call with the kernel's other form
-                            hb.lowp_backward = functools.partial(plain, **kw)
-                            try:
-                                res[f"public gluon {form}"] = triton.testing.do_bench(elsa_fb) - efwd
-                            except Exception as e:
-                                res[f"public gluon {form}"] = float("nan")
-                                print("  failed public", form, type(e).__name__, str(e)[:300])
-                            finally:
-                                hb.lowp_backward = plain
+                for form in forms:  # the public path to this kernel, in each form (its knob keys the launch plan:
+                    # session 60's lab patched the launcher instead, and a recorded plan replayed the first form)
+                    with benchmark.environ({"ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": form}):
+                        try:
+                            res[f"public {form}"] = triton.testing.do_bench(elsa_fb) - efwd
+                        except Exception as e:
+                            res[f"public {form}"] = float("nan")
+                            print("  failed public", form, type(e).__name__, str(e)[:300])
                 res["elsa fwd"] = efwd
                 with torch.no_grad():
                     o = o.detach()
@@ -175,10 +174,10 @@ def main():
                     lse = torch.logsumexp(s, -1).contiguous()
                     del s
                     delta = (do.float() * o.float()).sum(-1)
-                for label, t, tma_, ov in kinds:  # (delta made once: the kernel, dQ's zero-fill and cast timed)
+                for label, t, tma_, f in kinds:  # (delta made once: the kernel, dQ's zero-fill and cast timed)
                     try:
                         res[label] = triton.testing.do_bench(
-                            lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_, ov, delta))
+                            lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_, f, delta))
                     except Exception as e:
                         res[label] = float("nan")
                         print("  failed", label, type(e).__name__, str(e)[:300])
