@@ -73,18 +73,13 @@ case "$part" in
       | tee "$out/masked_tiles_fwd.log" | grep -v '^ '
     timeout 120 python3 benchmarks/lab/masked_tiles.py --backward --n 4096 --shape 1x16x128 --dtypes bf16 \
       --masks causal,packed,random --rounds 3 --calls 5 2>&1 | tee "$out/masked_tiles_bwd.log" | grep -v '^ ' ;;
-  lowp-bwd)  # session 59: the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) against float64, cuDNN and the row pass,
-    # with and without OVERLAP (benchmarks/lab/lowp_bwd.py; session 60, H100: ~80 s without OVERLAP), its GPU test,
-    # then the same for the warp-specialised kernel (auto's probe, session 60's third part, ran: decode_growing.py)
-    timeout 200 python3 benchmarks/lab/lowp_bwd.py --overlap 0,1 2>&1 | tee "$out/lowp_bwd.log"
+  lowp-bwd)  # sessions 59-61: the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) against float64, cuDNN and the row
+    # pass, in each form (ELSA_BWD_LOWP: plain, overlap, ws), the kernel alone and through the public call
+    # (benchmarks/lab/lowp_bwd.py; session 61, H100: ~100 s a run), then its GPU test
+    timeout 200 python3 benchmarks/lab/lowp_bwd.py --forms plain,overlap,ws --tiles '128,64,2,8;64,64,2,4' 2>&1 \
+      | tee "$out/lowp_bwd.log"
     (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
-       --tb=short "$repo/tests/test_backward.py" -k "lowp and not ws" 2>&1 | tee "$out/pytest_lowp_bwd.log" | tail -5)
-    # the warp-specialised kernel last, bounded on its own (session 60: compiled, never run; a wrong mbarrier phase
-    # hangs the GPU until the timeout)
-    timeout 120 python3 benchmarks/lab/lowp_bwd.py --overlap ws --tiles '128,64,2,8;64,64,2,4' 2>&1 \
-      | tee "$out/lowp_bwd_ws.log"
-    (cd /tmp && timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
-       --tb=short "$repo/tests/test_backward.py" -k "lowp and ws" 2>&1 | tee "$out/pytest_lowp_ws.log" | tail -5) ;;
+       --tb=short "$repo/tests/test_backward.py" -k "lowp" 2>&1 | tee "$out/pytest_lowp_bwd.log" | tail -5) ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
