@@ -53,6 +53,39 @@ def test_dq_mode_defaults_to_the_row_pass(monkeypatch):
         backward_launch.atomic_dq(False)
 
 
+def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
+    """``ELSA_BWD_DQ=auto``: atomic dQ (the fp16/bf16 Gluon kernel) exactly for the calls ``gluon_auto`` names, dense
+    fp16/bf16 calls in the kernel's scope with head dims <= 64; the row pass for the rest and always under
+    deterministic algorithms (the rule itself is not consulted there)."""
+    from elsa_surgery.kernels import backward_launch as bl, hopper_backward as hb
+
+    monkeypatch.setenv("ELSA_BWD_DQ", "auto")
+    asked = []
+    assert bl.atomic_dq(False, lambda: asked.append(1) or True) and asked == [1]
+    assert not bl.atomic_dq(False, lambda: False) and not bl.atomic_dq(False)
+    assert not bl.atomic_dq(True, lambda: asked.append(2) or True) and asked == [1]
+    call = dict(scale=0.125, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
+                varlen_dims=None, precision=None, dropout_p=0.0, seed=None)
+
+    def t(d, dtype=torch.float16):  # (bf16 under the interpreter is a dot kind of its own)
+        return torch.zeros(1, 2, 64, d, dtype=dtype)
+
+    assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)  # here: not a Hopper GPU (lowp_eligible)
+    scoped = []
+    monkeypatch.setattr(hb, "lowp_eligible", lambda *a, **kw: scoped.append(kw) or None)  # as on a Hopper GPU
+    assert bl.gluon_auto(t(64), t(64), t(32), t(32), call, False)
+    assert scoped[-1]["dropout_p"] == 0.0 and scoped[-1]["mask_grad"] is False
+    n = len(scoped)
+    assert not bl.gluon_auto(t(128), t(128), t(128), t(128), call, False)
+    assert not bl.gluon_auto(t(64), t(64), t(128), t(128), call, False)  # Dv wider than the rule's 64
+    assert not bl.gluon_auto(t(64, torch.float32), t(64, torch.float32), t(64, torch.float32),
+                             t(64, torch.float32), call, False)
+    assert not bl.gluon_auto(t(64), t(64), t(64), t(64), dict(call, varlen_dims=(1, 64, 64)), False)
+    assert len(scoped) == n  # each refused by the rule before the scope check
+    monkeypatch.setattr(hb, "lowp_eligible", lambda *a, **kw: "masks run on the portable kernel")
+    assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)
+
+
 def test_lowp_gluon_backward_scope(monkeypatch):
     """Which fp16/bf16 backward calls under ``ELSA_BWD_DQ=gluon`` (deterministic algorithms off) the Gluon kernel of
     Hopper takes: dense calls without dropout or a mask gradient in the forward's Hopper scope. On
@@ -756,6 +789,37 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
                     assert not g[0][:, :, :nq - nk].any()
             case = (b, hq, hkv, nq, nk, d, dv, causal)
             assert all(e1 <= 1.5 * e0 + 2e-3 for e1, e0 in zip(errs[False], errs[True])), (case, errs)
+
+
+@pytest.mark.gpu
+def test_gpu_dq_auto_runs_the_gluon_kernel_at_narrow_heads():
+    """``ELSA_BWD_DQ=auto`` on a Hopper GPU: a bf16 call at D = 64 runs the Gluon kernel, one at D = 128 and one under
+    deterministic algorithms the row pass; each as close to float64 as the row pass."""
+    from elsa_surgery.kernels import hopper_backward
+
+    if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
+            *(torch.empty(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16),) * 4, dot=0, mask=None, q_lengths=None,
+            kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False) is not None:
+        pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
+    ran = []
+    real = hopper_backward.lowp_backward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hopper_backward, "lowp_backward", lambda *a, **kw: ran.append(a[1].shape[-1]) or real(*a, **kw))
+        for d, det, gluon in ((64, False, True), (128, False, False), (64, True, False)):
+            q, k, v = (_leaf(2, 4, 300, d, dtype=torch.bfloat16) for _ in range(3))
+            go = torch.randn(2, 4, 300, d, device=DEV, dtype=torch.bfloat16)
+            ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            rg = torch.autograd.grad(elsa_surgery.attention(*ref, is_causal=True, backend="reference"), ref,
+                                     go.double())
+            errs = {}
+            for mode in ("rows", "auto"):
+                n = len(ran)
+                with _dq_mode(det), benchmark.environ({"ELSA_BWD_DQ": mode}):
+                    g = torch.autograd.grad(elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa"),
+                                            (q, k, v), go)
+                assert (len(ran) > n) == (gluon and mode == "auto"), (d, det, mode)
+                errs[mode] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
+            assert all(e1 <= 1.5 * e0 + 2e-3 for e1, e0 in zip(errs["auto"], errs["rows"])), (d, det, errs)
 
 
 @pytest.mark.gpu
