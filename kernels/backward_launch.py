@@ -136,15 +136,21 @@ def atomic_dq(deterministic: Optional[bool] = None, gluon_call: Optional[Callabl
 
 
 AUTO_GLUON_MAX_D = 64  # ELSA_BWD_DQ=auto: the widest head (D and Dv) that runs the Gluon kernel (gluon_auto)
+AUTO_GLUON_MIN_N = 4096  # ... and the fewest query rows and keys a sequence (the same)
 
 
 def gluon_auto(q, k, v, do, call: dict, mask_grad: bool) -> bool:
     """``ELSA_BWD_DQ=auto``'s rule: a dense fp16/bf16 call in the Gluon backward's scope
-    (``hopper_backward.lowp_eligible``) with head dims of at most :data:`AUTO_GLUON_MAX_D` runs it (dQ by atomic
-    adds); any other call the row pass. Session 61, H100, bf16 H = 16, N = 4K, the backward alone: the
-    warp-specialised kernel at D = 64 0.535 ms against the row pass's 0.562-0.574 (causal 0.283 against 0.392); at
-    D = 128 1.008 against 0.957-0.973 (causal 0.511 against 0.514-0.554)."""
+    (``hopper_backward.lowp_eligible``) with head dims of at most :data:`AUTO_GLUON_MAX_D` and at least
+    :data:`AUTO_GLUON_MIN_N` query rows and keys runs it (dQ by atomic adds); any other call the row pass. Session 61,
+    H100, bf16, the backward through the public call (delta, dQ's zero-fill and cast included), the warp-specialised
+    kernel against the row pass, ms: D = 64, H = 16, B = 1: N = 4K 0.536 / 0.576 (causal 0.272 / 0.306), 16K 7.35 /
+    8.62 (causal 3.65 / 4.28); N = 2K B = 4 0.594 / 0.602 (causal 0.343 / 0.337), 1K B = 16 0.663 / 0.663; shorter
+    rows slower (H = 12: N = 512 B = 32 0.330 / 0.308, N = 197 B = 64 0.234 / 0.195); D = 128 slower (4K 1.026 /
+    0.965, 16K 15.9 / 14.6; causal level: 0.528 / 0.531, 7.67 / 7.85)."""
     if call["varlen_dims"] is not None or q.dim() != 4 or max(q.shape[-1], v.shape[-1]) > AUTO_GLUON_MAX_D:
+        return False
+    if min(q.shape[-2], k.shape[-2]) < AUTO_GLUON_MIN_N:
         return False
     dot = launch._dot_kind(q.dtype, call["precision"], q.device)
     if dot != occ.DOT_LOWP:

@@ -166,13 +166,14 @@ _DECLARED = (
          "keys a row accumulates in one kernel program above which the fp16/bf16/turbo portable kernel adds each key "
          "block's P·V with a round-to-nearest add instead of accumulating in the tensor cores (0: always)",
          _int_at_least(0), scope="tuning"),
-    Knob(BWD_DQ, "choice", _choices("rows", "atomic", "gluon", "auto"), "rows",
+    Knob(BWD_DQ, "choice", _choices("rows", "atomic", "gluon", "auto"), "auto",
          "how the backward computes dQ: rows, a pass over query blocks (deterministic; session 28 H100: faster in "
          "every measured tile); atomic, atomic adds from the key-block pass; gluon, atomic adds, and fp16/bf16 calls "
          "in the Hopper kernels' scope through one Gluon kernel (its form: ELSA_BWD_LOWP; session 61 H100: exact, "
-         "the warp-specialised form faster than the row pass at D = 64, slower at D = 128); auto, that kernel for "
-         "such calls with head dims <= 64 (backward_launch.gluon_auto), the row pass for every other call. Never "
-         "atomic under torch.use_deterministic_algorithms(True)",
+         "the warp-specialised form 1.07-1.17x the row pass's speed at D = 64 and N >= 4K, level at 1-2K, slower at "
+         "D = 128 and at N <= 512); auto, that kernel for such calls with head dims <= 64 and at least 4096 query "
+         "rows and keys (backward_launch.gluon_auto), the row pass for every other call. Never atomic under "
+         "torch.use_deterministic_algorithms(True)",
          _choice("rows", "atomic", "gluon", "auto"), scope="tuning", choices=("rows", "atomic", "gluon", "auto")),
     Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws"), "auto",
          "which form of the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) runs: plain, five products a tile in one "

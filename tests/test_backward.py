@@ -25,8 +25,8 @@ def _leaf(*shape, dtype=torch.float32):
 
 @contextlib.contextmanager
 def _dq_mode(deterministic: bool):
-    """dQ by atomic adds (``deterministic=False``, with ``ELSA_BWD_DQ=atomic``: the default is the row pass) or by
-    the row pass under ``torch.use_deterministic_algorithms(True)``."""
+    """dQ by atomic adds (``deterministic=False``, with ``ELSA_BWD_DQ=atomic``: the default, auto, runs the row pass
+    for all but long fp16/bf16 calls on Hopper) or by the row pass under ``torch.use_deterministic_algorithms(True)``."""
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -36,12 +36,14 @@ def _dq_mode(deterministic: bool):
         torch.use_deterministic_algorithms(prev)
 
 
-def test_dq_mode_defaults_to_the_row_pass(monkeypatch):
-    """dQ: the row pass by default; atomics only when asked for and deterministic algorithms are off."""
+def test_dq_mode_defaults_to_auto(monkeypatch):
+    """dQ: by default (auto) the row pass but where the call's rule names the Gluon kernel; atomics only when asked
+    for and deterministic algorithms are off."""
     from elsa_surgery.kernels import backward_launch
 
     monkeypatch.delenv("ELSA_BWD_DQ", raising=False)
     assert not backward_launch.atomic_dq(False)
+    assert backward_launch.atomic_dq(False, lambda: True) and not backward_launch.atomic_dq(True, lambda: True)
     monkeypatch.setenv("ELSA_BWD_DQ", "atomic")
     assert backward_launch.atomic_dq(False) and not backward_launch.atomic_dq(True)
     monkeypatch.setenv("ELSA_BWD_DQ", "gluon")  # atomic, and the fp16/bf16 Gluon kernel of Hopper where in scope
@@ -55,8 +57,8 @@ def test_dq_mode_defaults_to_the_row_pass(monkeypatch):
 
 def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     """``ELSA_BWD_DQ=auto``: atomic dQ (the fp16/bf16 Gluon kernel) exactly for the calls ``gluon_auto`` names, dense
-    fp16/bf16 calls in the kernel's scope with head dims <= 64; the row pass for the rest and always under
-    deterministic algorithms (the rule itself is not consulted there)."""
+    fp16/bf16 calls in the kernel's scope with head dims <= 64 and at least 4096 query rows and keys; the row pass
+    for the rest and always under deterministic algorithms (the rule itself is not consulted there)."""
     from elsa_surgery.kernels import backward_launch as bl, hopper_backward as hb
 
     monkeypatch.setenv("ELSA_BWD_DQ", "auto")
@@ -67,8 +69,8 @@ def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     call = dict(scale=0.125, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
                 varlen_dims=None, precision=None, dropout_p=0.0, seed=None)
 
-    def t(d, dtype=torch.float16):  # (bf16 under the interpreter is a dot kind of its own)
-        return torch.zeros(1, 2, 64, d, dtype=dtype)
+    def t(d, dtype=torch.float16, n=bl.AUTO_GLUON_MIN_N):  # (bf16 under the interpreter: a dot kind of its own)
+        return torch.empty(1, 2, n, d, dtype=dtype)
 
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)  # here: not a Hopper GPU (lowp_eligible)
     scoped = []
@@ -81,6 +83,9 @@ def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     assert not bl.gluon_auto(t(64, torch.float32), t(64, torch.float32), t(64, torch.float32),
                              t(64, torch.float32), call, False)
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), dict(call, varlen_dims=(1, 64, 64)), False)
+    short = bl.AUTO_GLUON_MIN_N - 1
+    assert not bl.gluon_auto(t(64, n=short), t(64), t(64), t(64, n=short), call, False)  # too few query rows
+    assert not bl.gluon_auto(t(64), t(64, n=short), t(64, n=short), t(64), call, False)  # too few keys
     assert len(scoped) == n  # each refused by the rule before the scope check
     monkeypatch.setattr(hb, "lowp_eligible", lambda *a, **kw: "masks run on the portable kernel")
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)
@@ -793,33 +798,37 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
 
 @pytest.mark.gpu
 def test_gpu_dq_auto_runs_the_gluon_kernel_at_narrow_heads():
-    """``ELSA_BWD_DQ=auto`` on a Hopper GPU: a bf16 call at D = 64 runs the Gluon kernel, one at D = 128 and one under
-    deterministic algorithms the row pass; each as close to float64 as the row pass."""
-    from elsa_surgery.kernels import hopper_backward
+    """``ELSA_BWD_DQ=auto`` (the default) on a Hopper GPU: a bf16 call at D = 64 with 4096 query rows and keys runs
+    the Gluon kernel; one at D = 128, one with 4095 keys and one under deterministic algorithms the row pass; each as
+    close to float64 as the row pass."""
+    from elsa_surgery.kernels import backward_launch, hopper_backward
 
     if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
             *(torch.empty(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16),) * 4, dot=0, mask=None, q_lengths=None,
             kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False) is not None:
         pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
+    n = backward_launch.AUTO_GLUON_MIN_N
     ran = []
     real = hopper_backward.lowp_backward
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hopper_backward, "lowp_backward", lambda *a, **kw: ran.append(a[1].shape[-1]) or real(*a, **kw))
-        for d, det, gluon in ((64, False, True), (128, False, False), (64, True, False)):
-            q, k, v = (_leaf(2, 4, 300, d, dtype=torch.bfloat16) for _ in range(3))
-            go = torch.randn(2, 4, 300, d, device=DEV, dtype=torch.bfloat16)
+        for d, nk, det, gluon in ((64, n, False, True), (128, n, False, False), (64, n - 1, False, False),
+                                  (64, n, True, False)):
+            q, k, v = _leaf(1, 2, n, d, dtype=torch.bfloat16), *(_leaf(1, 2, nk, d, dtype=torch.bfloat16)
+                                                                 for _ in range(2))
+            go = torch.randn(1, 2, n, d, device=DEV, dtype=torch.bfloat16)
             ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
             rg = torch.autograd.grad(elsa_surgery.attention(*ref, is_causal=True, backend="reference"), ref,
                                      go.double())
             errs = {}
-            for mode in ("rows", "auto"):
-                n = len(ran)
+            for mode in ("rows", None):
+                count = len(ran)
                 with _dq_mode(det), benchmark.environ({"ELSA_BWD_DQ": mode}):
                     g = torch.autograd.grad(elsa_surgery.attention(q, k, v, is_causal=True, backend="elsa"),
                                             (q, k, v), go)
-                assert (len(ran) > n) == (gluon and mode == "auto"), (d, det, mode)
+                assert (len(ran) > count) == (gluon and mode is None), (d, nk, det, mode)
                 errs[mode] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
-            assert all(e1 <= 1.5 * e0 + 2e-3 for e1, e0 in zip(errs["auto"], errs["rows"])), (d, det, errs)
+            assert all(e1 <= 1.5 * e0 + 2e-3 for e1, e0 in zip(errs[None], errs["rows"])), (d, nk, det, errs)
 
 
 @pytest.mark.gpu

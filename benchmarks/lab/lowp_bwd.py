@@ -77,6 +77,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", default="128,64,2,8;64,64,2,4;64,64,1,4")
     ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1, help="B of the timed calls (short calls: ViT's, BERT's)")
     ap.add_argument("--shapes", default="16x64,16x128")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--dq", default="tma", help="tma (atomic where this Triton has no TMA reduce-add), atomic")
@@ -133,7 +134,7 @@ def main():
             H, D = (int(x) for x in shape.split("x"))
             N = a.n
             for causal in (False, True):
-                q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=dt) for _ in range(4))
+                q, k, v, do = (torch.randn(a.batch, H, N, D, device=dev, dtype=dt) for _ in range(4))
                 scale = D ** -0.5
                 qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
                 res = {}
@@ -181,7 +182,7 @@ def main():
                     except Exception as e:
                         res[label] = float("nan")
                         print("  failed", label, type(e).__name__, str(e)[:300])
-                print(f"{dname} H{H} D{D} N{N} causal={int(causal)} backward ms: " + ", ".join(
+                print(f"{dname} B{a.batch} H{H} D{D} N{N} causal={int(causal)} backward ms: " + ", ".join(
                     f"{k_} {v_:.3f}" for k_, v_ in res.items()), flush=True)
                 cu = res["cudnn"] + res["cudnn fwd"]
                 best = min(v_ for k_, v_ in res.items() if k_.startswith("("))
