@@ -115,7 +115,8 @@ def gluon_variants():
         descs, const = lowp(bn, bm, st, d, causal, dq_tma)
         yield (f"gluon lowp_bwd D={d} causal={causal} dq_tma={dq_tma} overlap={overlap}", hb._lowp_bwd, descs,
                dict(const, OVERLAP=overlap), w)
-    for d, causal, (bn, bm, st, w) in ((64, False, hb.LOWP_TILES), (128, True, (64, 64, 2, 4))):  # warp-specialised
+    for d, causal in ((64, False), (128, True)):  # warp-specialised, at the tiles the launcher takes
+        bn, bm, st, w = hb.lowp_tiles("ws", d, d)
         descs, const = lowp(bn, bm, st, d, causal, False)
         yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws, descs,
                dict(const, DQ_REGS=hb.WS_DQ_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
