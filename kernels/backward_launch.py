@@ -550,8 +550,8 @@ def _backward_key(do, q, k, v, out, lse, dlse, *, atomic: bool, mask_grad: bool,
     c = call
     return ("backward", *launch.plan_key_head(q, k, v, c["cu_q"], c["cu_k"], c["q_lengths"], c["kv_lengths"]),
             float(c["scale"]), bool(c["is_causal"]), c["precision"], c["varlen_dims"], float(c["dropout_p"]),
-            bool(atomic), bool(mask_grad), knobs.get(knobs.BWD_SHORT), knobs.get(knobs.BWD_LOWP), g(do), g(q), g(k), g(v), g(out), g(lse),
-            g(dlse), g(c["mask"]),
+            bool(atomic), bool(mask_grad), knobs.get(knobs.BWD_SHORT), knobs.get(knobs.BWD_LOWP), g(do), g(q), g(k),
+            g(v), g(out), g(lse), g(dlse), g(c["mask"]),
             g(c["q_lengths"]), g(c["kv_lengths"]), g(c["cu_q"]), g(c["cu_k"]), g(c["seed"]))
 
 

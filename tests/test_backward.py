@@ -26,7 +26,8 @@ def _leaf(*shape, dtype=torch.float32):
 @contextlib.contextmanager
 def _dq_mode(deterministic: bool):
     """dQ by atomic adds (``deterministic=False``, with ``ELSA_BWD_DQ=atomic``: the default, auto, runs the row pass
-    for all but long fp16/bf16 calls on Hopper) or by the row pass under ``torch.use_deterministic_algorithms(True)``."""
+    for all but long fp16/bf16 calls on Hopper) or by the row pass under
+    ``torch.use_deterministic_algorithms(True)``."""
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:

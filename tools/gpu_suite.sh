@@ -79,7 +79,8 @@ case "$part" in
     timeout 200 python3 benchmarks/lab/lowp_bwd.py --forms plain,overlap,ws --tiles '128,64,2,8;64,64,2,4' 2>&1 \
       | tee "$out/lowp_bwd.log"
     (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
-       --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 | tee "$out/pytest_lowp_bwd.log" | tail -5) ;;
+       --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 | tee "$out/pytest_lowp_bwd.log" \
+       | tail -5) ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
