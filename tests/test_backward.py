@@ -910,6 +910,7 @@ def test_tiles_that_do_not_fit_shared_memory_step_down(monkeypatch, caplog):
     fake = types.SimpleNamespace(bwd_kv=Picky("bwd_kv"), row_pass=Picky("row_pass"), bwd_delta=backward.bwd_delta)
     monkeypatch.setattr(backward_launch, "_kernels", lambda: fake)
     monkeypatch.setenv("ELSA_BWD_SHORT", "0")  # these shapes would take the one-launch backward
+    monkeypatch.setenv("ELSA_HOPPER", "0")  # (on an H100, strict's Gluon backward would take them: session 62)
     monkeypatch.setattr(backward_launch, "FITTED", {})
     with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
         _check(_leaf(1, 2, 40, 16), _leaf(1, 2, 45, 16), _leaf(1, 2, 45, 16), is_causal=True, deterministic=True)
@@ -976,6 +977,7 @@ def test_one_launch_backward_that_does_not_fit_falls_back_to_the_general_passes(
     monkeypatch.setattr(backward_launch, "_kernels", lambda: fake)
     monkeypatch.setattr(backward_launch, "_SHORT_REFUSED", set())
     monkeypatch.setattr(backward_launch, "FITTED", {})
+    monkeypatch.setenv("ELSA_HOPPER", "0")  # (on an H100, strict's Gluon backward would take them: session 62)
     with caplog.at_level("INFO", logger="elsa_surgery.kernels"):
         for _ in range(2):
             _check(_leaf(1, 2, 20, 16), _leaf(1, 2, 24, 16), _leaf(1, 2, 24, 16), is_causal=True)
