@@ -88,16 +88,6 @@ if gluon is not None:
         return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E), delta
 
     @gluon.jit
-    def _row_stat(ptr, b, h, s_lb, s_lh, s_ln, rows, Nq, LSE: gl.constexpr):
-        """One of :func:`_row_stats_g`'s two: ``lse`` in base 2 (``LSE``), else ``delta``."""
-        off = b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + rows.to(gl.int64) * s_ln
-        if LSE:
-            lse = gl.load(ptr + off, mask=rows < Nq, other=float("-inf"))
-            return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-        else:
-            return gl.load(ptr + off, mask=rows < Nq, other=0.0)
-
-    @gluon.jit
     def _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    IS_CAUSAL: gl.constexpr):
         """``(b, hk, n0, off, mb_lo, per_head, n_tiles, m_full)`` of a key-block program: its (batch, K/V head) and
@@ -311,65 +301,49 @@ if gluon is not None:
                 HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
         """``dq * scale`` (one query tile's share, registers) added into the fp32 ``dq`` at (b, h, rows m0...) through
         ``dq_smem``: by a TMA reduce-add (``DQ_TMA``; ``dq_smem`` the descriptor's [1, 1, BLOCK_M, HEAD_D] tile), else
-        read back from ``dq_smem`` ([BLOCK_M, HEAD_D]) by :func:`_dq_atomic_add`."""
+        read back from ``dq_smem`` ([BLOCK_M, HEAD_D]) by atomic adds of 16 bytes a thread, 32 columns at a time."""
         if DQ_TMA:
             tma.store_wait(pendings=0)  # the previous tile's reduce-add has read the tile
             dq_smem.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
             fence_async_shared()
             _dq_reduce_add(dq_desc, [b, h, m0, 0], dq_smem)
         else:
+            DQ_CHUNK: gl.constexpr = 32 if HEAD_D > 32 else HEAD_D
+            add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ_CHUNK // 4), DQ_CHUNK // 4],
+                                                        [num_warps, 1], [1, 0])
             dq_smem.store(dq * scale)
-            _dq_atomic_add(dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, BLOCK_M, num_warps)
-
-    @gluon.jit
-    def _dq_atomic_add(dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                       ROWS: gl.constexpr, num_warps: gl.constexpr):
-        """The fp32 tile in ``dq_smem`` ([BLOCK_M, HEAD_D]) added into ``dq`` at (b, h, rows m0...) by atomic adds of
-        16 bytes a thread, ``ROWS`` rows by 32 columns at a time (``num_warps``: the warps that run it)."""
-        DQ_CHUNK: gl.constexpr = 32 if HEAD_D > 32 else HEAD_D
-        add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ_CHUNK // 4), DQ_CHUNK // 4], [num_warps, 1],
-                                                    [1, 0])
-        qrows = gl.arange(0, ROWS, gl.SliceLayout(1, add_layout))
-        base = dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh + m0.to(gl.int64) * s_qn
-        offs = gl.expand_dims(qrows * s_qn, 1) + gl.expand_dims(gl.arange(0, DQ_CHUNK, gl.SliceLayout(
-            0, add_layout)), 0)
-        for r in gl.static_range(0, BLOCK_M, ROWS):
-            ok = gl.expand_dims(m0 + r + qrows < Nq, 1)
-            rows = dq_smem.slice(r, ROWS, 0)
+            qrows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, add_layout))
+            base = dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh + m0.to(gl.int64) * s_qn
+            offs = gl.expand_dims(qrows * s_qn, 1) + gl.expand_dims(gl.arange(0, DQ_CHUNK, gl.SliceLayout(
+                0, add_layout)), 0)
+            ok = gl.expand_dims(m0 + qrows < Nq, 1)
             for c in gl.static_range(0, HEAD_D, DQ_CHUNK):
-                gl.atomic_add(base + r * s_qn + c + offs, rows.slice(c, DQ_CHUNK, 1).load(add_layout), mask=ok,
+                gl.atomic_add(base + c + offs, dq_smem.slice(c, DQ_CHUNK, 1).load(add_layout), mask=ok,
                               sem="relaxed")
 
     @gluon.jit
     def _lowp_ds(k_smem, v_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0, keys, off, m_full,
                  Nq, qk_scale, st_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, TOGETHER: gl.constexpr, LATE: gl.constexpr = False):
+                 IS_CAUSAL: gl.constexpr, TOGETHER: gl.constexpr):
         """``(p^T, dS^T)`` (fp32, ``st_layout``) of one query tile of a key block: ``s^T = K·q^T`` and
         ``dP^T = V·dO^T`` on the tensor cores, issued together (``TOGETHER``) or dP^T once s^T is in, p^T computed
-        while dP^T runs; keys a row does not see (causal, ``keys`` against its rows) get p = 0. The rows' ``lse`` and
-        ``delta`` (a thread holds BLOCK_M / 4 of each) are loaded while the products run, or (``LATE``) each just
-        before its use, so that neither is live beside both products."""
+        while dP^T runs; keys a row does not see (causal, ``keys`` against its rows) get p = 0."""
         st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # (made here: not live across the loop)
         st_ = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         if TOGETHER:
             dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        if not LATE:
-            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
+        lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
         if TOGETHER:
             st_ = warpgroup_mma_wait(num_outstanding=1, deps=(st_, ))
         else:
             st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
             dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        if LATE:
-            lse2 = _row_stat(lse_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq, True)
         pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
         if IS_CAUSAL:
             if m0 < m_full:
                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-        if LATE:
-            delta = _row_stat(delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq, False)
         return pt, pt * (dpt - gl.expand_dims(delta, 0))
 
     @gluon.jit
@@ -379,8 +353,28 @@ if gluon is not None:
                   HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
                   OVERLAP: gl.constexpr, num_warps: gl.constexpr):
         """fp16/bf16: dK, dV of one key block (``BLOCK_N`` keys, 64 a warpgroup) of one (batch, K/V head) and its
-        share of dQ, over the ``BLOCK_M``-row query tiles of its group's ``G`` query heads that see it
-        (:func:`_lowp_loop`), its dQ shares added by the same warps: not deterministic."""
+        share of dQ, over the ``BLOCK_M``-row query tiles of its group's ``G`` query heads that see it; five
+        products a tile on the tensor cores, keys-major: ``s^T = K·q^T``, then ``dP^T = V·dO^T`` (issued while
+        p^T is computed), ``dV += p^T·dO`` and ``dK += dS^T·q`` with p^T and dS^T as register operands, and
+        ``dQ_part = dS·K`` with dS through shared memory, added into the fp32 ``dq`` (zero-filled) by TMA
+        reduce-adds (``DQ_TMA``) or atomic adds of 16 bytes a thread read back from shared memory: not
+        deterministic. ``OVERLAP``: s^T and dP^T issued together, then dQ's product before dV's and dK's, and its
+        adds made while those two run. (Session 60 tried dQ's product in flight into the next tile, its adds
+        overlapping that tile's first products: ptxas then serialised every wgmma of the kernel, C7514, reading an
+        accumulator carried across the loop's back edge as read before its wait.)"""
+        WM: gl.constexpr = BLOCK_M // 16 if BLOCK_M // 16 < num_warps else num_warps  # dQ's warps along rows
+        WN: gl.constexpr = num_warps // WM
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, HEAD_DV, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
+                                                            instr_shape=[16, HEAD_D // WN, 16])
+        pt_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dst_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+
         b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
                                                                        BLOCK_N, BLOCK_M, IS_CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
@@ -394,50 +388,7 @@ if gluon is not None:
         k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(
             q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
             HEAD_DV, STAGES)
-        dk, dv = _lowp_loop(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_smem, dq_desc, dq_smem,
-                            bars, bars, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dq_ptr, s_qb, s_qh, s_qn, b, hk, n0,
-                            off, G, mb_lo, per_head, n_tiles, m_full, Nq, qk_scale, scale, BLOCK_N, BLOCK_M, HEAD_D,
-                            HEAD_DV, STAGES, IS_CAUSAL, DQ_TMA, OVERLAP, False, num_warps)
-        _release(kv_bar, bars, STAGES)
-        _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N,
-                       HEAD_D, HEAD_DV, _acc_layout(HEAD_D, num_warps), _acc_layout(HEAD_DV, num_warps))
-        if DQ_TMA:
-            tma.store_wait(pendings=0)
 
-    @gluon.constexpr_function
-    def _acc_layout(cols, num_warps):
-        """The wgmma accumulator layout of a key block's ``[BLOCK_N, cols]`` tiles (dK, dV; and s^T at BLOCK_M)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, cols, 16])
-
-    @gluon.jit
-    def _lowp_loop(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_smem, dq_desc, dq_smem, dq_ready,
-                   dq_empty, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dq_ptr, s_qb, s_qh, s_qn, b, hk, n0, off, G, mb_lo,
-                   per_head, n_tiles, m_full, Nq, qk_scale, scale, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   DQ_TMA: gl.constexpr, OVERLAP: gl.constexpr, HANDOFF: gl.constexpr, num_warps: gl.constexpr):
-        """A key block's loop over its query tiles, five products a tile on the tensor cores, keys-major:
-        ``s^T = K·q^T``, then ``dP^T = V·dO^T`` (issued while p^T is computed), ``dV += p^T·dO`` and
-        ``dK += dS^T·q`` with p^T and dS^T as register operands, and ``dQ_part = dS·K`` with dS through shared memory.
-        Returns (dK, dV). Each tile's ``dQ_part`` is added into the fp32 ``dq`` (zero-filled) by these warps
-        (:func:`_dq_add`: TMA reduce-adds where ``DQ_TMA``, else atomic adds), or, under ``HANDOFF``, handed through
-        the two fp32 buffers ``dq_smem`` (and their mbarriers ``dq_ready``/``dq_empty``) to a warp that adds it
-        (:func:`_lowp_bwd_ws1`). ``OVERLAP`` (not with ``HANDOFF``): s^T and dP^T issued together, then dQ's
-        product before dV's and dK's, and its adds made while those two run. (Session 60 tried dQ's product in flight
-        into the next tile, its adds overlapping that tile's first products: ptxas then serialised every wgmma of
-        the kernel, C7514, reading an accumulator carried across the loop's back edge as read before its wait.)"""
-        WM: gl.constexpr = BLOCK_M // 16 if BLOCK_M // 16 < num_warps else num_warps  # dQ's warps along rows
-        WN: gl.constexpr = num_warps // WM
-        st_layout: gl.constexpr = _acc_layout(BLOCK_M, num_warps)
-        dk_layout: gl.constexpr = _acc_layout(HEAD_D, num_warps)
-        dv_layout: gl.constexpr = _acc_layout(HEAD_DV, num_warps)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
-                                                            instr_shape=[16, HEAD_D // WN, 16])
-        pt_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
-        dst_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
-        # s^T and dP^T issued together: OVERLAP, and HANDOFF at head dims <= 64 (at 128, ptxas spilled 356 bytes
-        # against 204 with them one after the other)
-        TOGETHER: gl.constexpr = OVERLAP or (HANDOFF and HEAD_D <= 64 and HEAD_DV <= 64)
-        dtype: gl.constexpr = q_desc.dtype
         keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, dk_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
@@ -445,8 +396,7 @@ if gluon is not None:
             h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
             pt, dst = _lowp_ds(k_smem, v_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0, keys,
-                               off, m_full, Nq, qk_scale, st_layout, BLOCK_N, BLOCK_M, IS_CAUSAL, TOGETHER,
-                               HANDOFF and not TOGETHER)
+                               off, m_full, Nq, qk_scale, st_layout, BLOCK_N, BLOCK_M, IS_CAUSAL, OVERLAP)
             dst = dst.to(dtype)
             dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
             if OVERLAP:  # dQ first: its adds run while dV and dK's products do
@@ -471,83 +421,15 @@ if gluon is not None:
             if nxt < n_tiles:
                 nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
                 _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
-            if HANDOFF:
-                c = j % 2
-                mbarrier.wait(dq_empty.index(c), ((j // 2) & 1) ^ 1)  # (a fresh mbarrier's phase 1 reads complete)
-                if DQ_TMA:
-                    dq_smem.index(c).reshape([BLOCK_M, HEAD_D]).store(dq * scale)
-                    fence_async_shared()
-                else:
-                    dq_smem.index(c).store(dq * scale)
-                mbarrier.arrive(dq_ready.index(c), count=1)
-            elif not OVERLAP:
+            if not OVERLAP:
                 _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D,
                         DQ_TMA, num_warps)
-        return dk, dv
 
-    @gluon.jit
-    def _ws1_add(dq_smem, dq_ready, dq_empty, dq_desc, dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo, per_head, n_tiles,
-                 Nq, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr):
-        """:func:`_lowp_bwd_ws1`'s adder (one warp): each query tile's dQ share, from the fp32 buffer the compute
-        partition filled, added into ``dq`` (a TMA reduce-add, else atomic adds 16 rows at a time), the buffer handed
-        back once read."""
-        for j in range(0, n_tiles):
-            c = j % 2
-            mbarrier.wait(dq_ready.index(c), (j // 2) & 1)
-            h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
-            if DQ_TMA:
-                _dq_reduce_add(dq_desc, [b, h, m0, 0], dq_smem.index(c))
-                tma.store_wait(pendings=0)
-            else:
-                _dq_atomic_add(dq_smem.index(c), dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, 8, 1)
-            mbarrier.arrive(dq_empty.index(c), count=1)
-
-    @gluon.jit
-    def _lowp_bwd_ws1(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb,
-                      s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
-                      n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                      HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
-                      ADD_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """:func:`_lowp_bwd` with its dQ adds moved to one warp of their own (session 62): the ``num_warps`` warps
-        of the default partition run all five products a tile (:func:`_lowp_loop` under ``HANDOFF``) and leave each
-        tile's scaled dQ share in one of two fp32 shared buffers; :func:`_ws1_add` adds it with ``ADD_REGS``
-        registers a thread. Triton pads the adder to a warpgroup (three idle warps at 24 registers), so at eight
-        compute warps the launch is 384 threads at 168 registers as :func:`_lowp_bwd_ws`'s, and ``setmaxnreg``
-        gives the compute warps 224 at run time (ptxas allocates each partition under its own limit: the compiled
-        compute code reaches R221). At D = 64 ptxas spills 24 bytes; at D = 128 (128 x 64 tiles) the five products'
-        accumulators, p^T, dS^T and the rows' statistics do not fit 224 and it spills ~1 KB (session 62, Triton 3.8)."""
-        b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
-                                                                       BLOCK_N, BLOCK_M, IS_CAUSAL)
-        dtype: gl.constexpr = q_desc.dtype
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-        if DQ_TMA:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
-        else:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D],
-                                                gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(dq_ready.index(i), count=1)
-            mbarrier.init(dq_empty.index(i), count=1)
-        k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(  # (its fence covers the inits above)
-            q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
-            HEAD_DV, STAGES)
-        dk, dv = gl.warp_specialize([
-            (_lowp_loop, (q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_smem, dq_desc, dq_smem, dq_ready,
-                          dq_empty, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dq_ptr, s_qb, s_qh, s_qn, b, hk, n0, off, G,
-                          mb_lo, per_head, n_tiles, m_full, Nq, qk_scale, scale, BLOCK_N, BLOCK_M, HEAD_D, HEAD_DV,
-                          STAGES, IS_CAUSAL, DQ_TMA, False, True, num_warps)),
-            (_ws1_add, (dq_smem, dq_ready, dq_empty, dq_desc, dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo, per_head,
-                        n_tiles, Nq, BLOCK_M, HEAD_D, DQ_TMA)),
-        ], [1], [ADD_REGS])
         _release(kv_bar, bars, STAGES)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(dq_ready.index(i))
-            mbarrier.invalidate(dq_empty.index(i))
         _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N,
-                       HEAD_D, HEAD_DV, _acc_layout(HEAD_D, num_warps), _acc_layout(HEAD_DV, num_warps))
+                       HEAD_D, HEAD_DV, dk_layout, dv_layout)
+        if DQ_TMA:
+            tma.store_wait(pendings=0)
 
     @gluon.jit
     def _ws_compute(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty, lse_ptr,
@@ -764,8 +646,7 @@ LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query row
 # 1.008 ms non-causal, 0.511 causal, against 1.135 and 0.870 at 128 x 64 with eight)
 LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
-WS1_ADD_REGS = 48  # _lowp_bwd_ws1: registers a thread of its adder warp (at 24, ptxas spilled its addresses)
-LOWP_FORMS = ("plain", "overlap", "ws", "ws1")
+LOWP_FORMS = ("plain", "overlap", "ws")
 
 
 def lowp_form() -> str:
@@ -780,11 +661,9 @@ def lowp_tiles(form: str, d: int, dv: int) -> tuple:
 
 
 def ws_maxnreg(warps: int) -> int:
-    """The register limit a thread of :func:`_lowp_bwd_ws` or :func:`_lowp_bwd_ws1` launched with ``warps`` compute
-    warps: the SM's 64K registers over all its threads, a multiple of 8, at most 248. Triton pads the worker warps to
-    a whole warpgroup (ws1's one adder warp too: 384 threads at eight compute warps, session 62's PTX), so both
-    launch ``warps + 4`` warps (8 warps: 168; 4 warps: 248, capped there). ``setmaxnreg`` then moves registers
-    between the partitions at run time (8 warps: ws's compute warps get 196; ws1's 224, its adder 48)."""
+    """The register limit a thread of :func:`_lowp_bwd_ws` launched with ``warps`` compute warps (and the dQ
+    warpgroup): the SM's 64K registers over all its threads, a multiple of 8, at most 248; the compute warps get
+    what the dQ warpgroup leaves (8 warps: 168, of which they get 196; 4 warps: 248, capped there)."""
     return min(248, 65536 // (32 * (warps + 4)) // 8 * 8)
 
 
@@ -822,9 +701,6 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
                  DQ_TMA=bool(dq_tma), num_warps=warps)
     if form == "ws":
         replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, maxnreg=ws_maxnreg(warps), **const)
-    elif form == "ws1":
-        replay.launch(_lowp_bwd_ws1, (n_nb * B * Hkv,), *args, ADD_REGS=WS1_ADD_REGS, maxnreg=ws_maxnreg(warps),
-                      **const)
     else:
         replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=form == "overlap", **const)
     return dq, dk, dv

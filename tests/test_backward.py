@@ -119,18 +119,16 @@ def test_lowp_gluon_backward_form(monkeypatch):
     assert hb.lowp_form() == "ws"
     assert hb.lowp_tiles("ws", 64, 64) == hb.LOWP_TILES and hb.lowp_tiles("ws", 64, 128) == hb.LOWP_WS_WIDE_TILES
     assert hb.lowp_tiles("plain", 128, 128) == hb.lowp_tiles("overlap", 128, 128) == hb.LOWP_TILES
-    assert hb.lowp_tiles("ws1", 128, 128) == hb.LOWP_TILES
-    assert hb.ws_maxnreg(8) == 168 and hb.ws_maxnreg(4) == 248
     t = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)
     call = dict(scale=0.125, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
                 varlen_dims=None, precision=None, dropout_p=0.0, seed=None)
     keys = {}
-    for form in ("plain", "overlap", "ws", "ws1", "auto"):
+    for form in ("plain", "overlap", "ws", "auto"):
         monkeypatch.setenv("ELSA_BWD_LOWP", form)
         assert hb.lowp_form() == ("ws" if form == "auto" else form)
         keys[form] = backward_launch._backward_key(t, t, t, t, t, lse, None, atomic=True, mask_grad=False, call=call)
-    assert len(set(keys.values())) == 5
+    assert len(set(keys.values())) == 4
     monkeypatch.setenv("ELSA_BWD_LOWP", "fast")
     with pytest.raises(ValueError, match="ELSA_BWD_LOWP"):
         hb.lowp_form()
@@ -753,12 +751,11 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,form", [(torch.bfloat16, "plain"), (torch.float16, "ws"), (torch.bfloat16, "overlap"),
-                                        (torch.bfloat16, "ws"), (torch.bfloat16, "auto"), (torch.bfloat16, "ws1"),
-                                        (torch.float16, "ws1")])
+                                        (torch.bfloat16, "ws"), (torch.bfloat16, "auto")])
 def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
     """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel in the form
     ``ELSA_BWD_LOWP`` names (kernels/hopper_backward._lowp_bwd, with its ``OVERLAP`` order of products or without, or
-    the warp-specialised _lowp_bwd_ws and _lowp_bwd_ws1) for dense calls, and the
+    the warp-specialised _lowp_bwd_ws) for dense calls, and the
     row pass deterministically: gradients against the float64 oracle as close as the row pass's, over ragged
     lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key: zero gradient) and Nq < Nk."""
     from elsa_surgery.kernels import hopper_backward

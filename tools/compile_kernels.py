@@ -120,13 +120,6 @@ def gluon_variants():
         descs, const = lowp(bn, bm, st, d, causal, False)
         yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws, descs,
                dict(const, DQ_REGS=hb.WS_DQ_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
-    for d, causal, dq_tma in ((64, False, False), (128, True, False), (128, False, True)):  # one adder warp
-        if dq_tma and not hb.dq_tma_available():
-            continue
-        bn, bm, st, w = hb.lowp_tiles("ws1", d, d)
-        descs, const = lowp(bn, bm, st, d, causal, dq_tma)
-        yield (f"gluon lowp_bwd_ws1 D={d} causal={causal} dq_tma={dq_tma} tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws1,
-               descs, dict(const, ADD_REGS=hb.WS1_ADD_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
 
 
 def gluon_source(fn, descs: dict, const: dict, warps):
