@@ -432,85 +432,6 @@ if gluon is not None:
             tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _lowp_bwd_qm(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb,
-                     s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
-                     n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                     HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
-                     num_warps: gl.constexpr):
-        """:func:`_lowp_bwd` query-major (session 62): per query tile ``s = q·K^T`` and ``dP = dO·V^T`` as
-        ``[BLOCK_M, BLOCK_N]`` tiles (the warps split the keys), so that a thread holds two query rows' ``lse`` and
-        ``delta`` where the keys-major kernel holds BLOCK_M / 4 of each; p and dS go to shared memory in the
-        operand dtype and every other product reads both operands from there: ``dV^T += dO^T·p`` and
-        ``dK^T += q^T·dS`` (transposed accumulators, ``[HEAD_D, BLOCK_N]``), ``dQ_part = dS·K``, added by
-        :func:`_dq_add`. No register operands: the two fp32 accumulators, s and dP are what a thread keeps (at
-        D = 128, 128 x 64 tiles, eight warps: 64 + 64 + 32 + 32 registers). Head dims 64 and 128 (a transposed
-        accumulator needs at least 64 rows, a warpgroup's)."""
-        WN_S: gl.constexpr = num_warps // 4  # s, dP: a warpgroup's 64 rows, the warpgroups side by side along keys
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN_S],
-                                                           instr_shape=[16, BLOCK_N // WN_S, 16])
-        WK: gl.constexpr = HEAD_D // 16 if HEAD_D // 16 < num_warps else num_warps
-        WV: gl.constexpr = HEAD_DV // 16 if HEAD_DV // 16 < num_warps else num_warps
-        dkt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WK, num_warps // WK],
-                                                             instr_shape=[16, BLOCK_N // (num_warps // WK), 16])
-        dvt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WV, num_warps // WV],
-                                                             instr_shape=[16, BLOCK_N // (num_warps // WV), 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN_S],
-                                                            instr_shape=[16, HEAD_D // WN_S, 16])
-        b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
-                                                                       BLOCK_N, BLOCK_M, IS_CAUSAL)
-        dtype: gl.constexpr = q_desc.dtype
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-        if DQ_TMA:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
-        else:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D],
-                                                gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-        k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(
-            q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
-            HEAD_DV, STAGES)
-        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        dkt = gl.zeros([HEAD_D, BLOCK_N], gl.float32, dkt_layout)
-        dvt = gl.zeros([HEAD_DV, BLOCK_N], gl.float32, dvt_layout)
-        for j in range(0, n_tiles):
-            h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
-            st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
-            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do_smem, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-            if IS_CAUSAL:
-                if m0 < m_full:
-                    p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows + off, 1), p, 0.0)
-            p_smem.store(p.to(dtype))
-            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
-            ds_smem.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
-            fence_async_shared()
-            dvt = warpgroup_mma(do_smem.permute((1, 0)), p_smem, dvt, is_async=True)
-            dkt = warpgroup_mma(q_smem.permute((1, 0)), ds_smem, dkt, is_async=True)
-            dq = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout), use_acc=False,
-                               is_async=True)
-            dvt, dkt, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dvt, dkt, dq))
-            nxt = j + STAGES
-            if nxt < n_tiles:
-                nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
-                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
-            _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, DQ_TMA,
-                    num_warps)
-        _release(kv_bar, bars, STAGES)
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        _store_lowp_kv(gl.convert_layout(gl.permute(dkt, (1, 0)), out_layout),
-                       gl.convert_layout(gl.permute(dvt, (1, 0)), out_layout), scale, dk_ptr, s_kb, s_kh, s_kn,
-                       dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N, HEAD_D, HEAD_DV, out_layout, out_layout)
-        if DQ_TMA:
-            tma.store_wait(pendings=0)
-
-    @gluon.jit
     def _ws_compute(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty, lse_ptr,
                     delta_ptr, s_lb, s_lh, s_ln, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, qk_scale,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
@@ -725,21 +646,13 @@ LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query row
 # 1.008 ms non-causal, 0.511 causal, against 1.135 and 0.870 at 128 x 64 with eight)
 LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
-LOWP_FORMS = ("plain", "overlap", "ws", "qm")
-QM_HEAD_DIMS = (64, 128)  # _lowp_bwd_qm's head dims; other calls of that form run ws
+LOWP_FORMS = ("plain", "overlap", "ws")
 
 
 def lowp_form() -> str:
     """The form of the fp16/bf16 Gluon backward that runs (``ELSA_BWD_LOWP``; auto: ``ws``)."""
     form = knobs.get(knobs.BWD_LOWP)
     return "ws" if form == "auto" else form
-
-
-def kernel_form(form: str, d: int, dv: int) -> str:
-    """The form whose kernel runs ``form``'s calls at head dims ``d``, ``dv``: ``qm`` only at head dims in
-    ``QM_HEAD_DIMS`` (a transposed accumulator needs a warpgroup's 64 rows; 256 would not fit shared memory), ws for
-    its other calls; every other form itself."""
-    return "ws" if form == "qm" and not (d in QM_HEAD_DIMS and dv in QM_HEAD_DIMS) else form
 
 
 def lowp_tiles(form: str, d: int, dv: int) -> tuple:
@@ -772,7 +685,6 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     form = form or lowp_form()
     if form not in LOWP_FORMS:
         raise ValueError(f"form={form!r}: one of {LOWP_FORMS}")
-    form = kernel_form(form, D, Dv)
     bn, bm, stages, warps = tiles or lowp_tiles(form, D, Dv)
     if dq_tma is None:
         dq_tma = dq_tma_available()
@@ -789,8 +701,6 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
                  DQ_TMA=bool(dq_tma), num_warps=warps)
     if form == "ws":
         replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, maxnreg=ws_maxnreg(warps), **const)
-    elif form == "qm":
-        replay.launch(_lowp_bwd_qm, (n_nb * B * Hkv,), *args, **const)
     else:
         replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=form == "overlap", **const)
     return dq, dk, dv

@@ -175,14 +175,12 @@ _DECLARED = (
          "rows and keys (backward_launch.gluon_auto), the row pass for every other call. Never atomic under "
          "torch.use_deterministic_algorithms(True)",
          _choice("rows", "atomic", "gluon", "auto"), scope="tuning", choices=("rows", "atomic", "gluon", "auto")),
-    Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws", "qm"), "auto",
+    Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws"), "auto",
          "which form of the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) runs: plain, five products a tile in one "
          "order; overlap, dQ's adds overlapping dV's and dK's products; ws, warp-specialised (a warpgroup of its own "
-         "runs dQ's product and adds); qm, query-major (p and dS through shared memory, dK and dV accumulated "
-         "transposed; head dims 64 and 128, else ws); auto: ws (session 61 H100, kernel alone, bf16 H = 16 "
-         "N = 4K: D = 64 0.535 ms against plain 0.592, causal 0.283 against 0.311)",
-         _choice("auto", "plain", "overlap", "ws", "qm"), scope="tuning",
-         choices=("auto", "plain", "overlap", "ws", "qm")),
+         "runs dQ's product and adds); auto: ws (session 61 H100, kernel alone, bf16 H = 16 N = 4K: D = 64 0.535 ms "
+         "against plain 0.592, causal 0.283 against 0.311)",
+         _choice("auto", "plain", "overlap", "ws"), scope="tuning", choices=("auto", "plain", "overlap", "ws")),
     Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",
          "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
          "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),

@@ -120,10 +120,6 @@ def gluon_variants():
         descs, const = lowp(bn, bm, st, d, causal, False)
         yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws, descs,
                dict(const, DQ_REGS=hb.WS_DQ_REGS), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
-    bn, bm, st, w = hb.LOWP_TILES
-    for d, causal in ((64, False), (128, True), (128, False)):  # query-major
-        descs, const = lowp(bn, bm, st, d, causal, False)
-        yield (f"gluon lowp_bwd_qm D={d} causal={causal} dq_tma=False", hb._lowp_bwd_qm, descs, const, w)
 
 
 def gluon_source(fn, descs: dict, const: dict, warps):
