@@ -5,6 +5,7 @@ partition rule's programs per SM, on decode shapes (GQA, long caches), graph-rep
 the best per shape beside SDPA's fastest backend replayed the same way.
 
     python benchmarks/lab/decode_tiles.py --dtype bf16 --shapes 1x32x8x128x32768,16x32x8x128x4096
+    python benchmarks/lab/decode_tiles.py --shapes 16x32x8x64x4096 --configs none --partitions 1,2,3 --eager
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main(argv=None):
                          "none: no sweep")
     ap.add_argument("--grid", action="store_true",
                     help="the decode grid's 1-query shapes: B 1, 16 x GQA 32:4, 32:8, MHA x D 64, 128 x keys 4K-128K")
+    ap.add_argument("--partitions", default=None,
+                    help="also time the rule's tiles at these forced partition counts (ELSA_NUM_PARTITIONS), e.g. 1,2,4")
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--eager", action="store_true",
                     help="also eager calls (host included): the rule's tiles and each SDPA backend in interleaved "
@@ -83,6 +86,15 @@ def main(argv=None):
                 occ.DECODE_PROGRAMS_PER_SM, occ.DECODE_PROGRAMS_PER_SM_NARROW = keep
                 launch.replay.clear()
         results.sort()
+        for parts in (a.partitions.split(",") if a.partitions else ()):
+            launch.replay.clear()
+            with benchmark.environ({"ELSA_NUM_PARTITIONS": parts}):
+                t = graph_ms(fn)
+                extra = ""
+                if a.eager:
+                    extra = f", eager {benchmark.interleaved_ms({'elsa': fn}, rounds=3, calls=20)['elsa'] * 1e3:.1f} us"
+            launch.replay.clear()
+            print(f"   {t * 1e3:7.1f} us  rule's tiles, {parts} partition(s){extra}", flush=True)
         runs = benchmark.sdpa_backends(q, k, v, enable_gqa=Hq != Hkv)[0]
         sdpa = {name: graph_ms(run) for name, run in runs.items()}
         eager = ""
