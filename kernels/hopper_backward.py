@@ -7,10 +7,12 @@ The portable passes' deterministic form runs seven N x N products against cuDNN'
 and 57: 0.73-0.81x cuDNN forward + backward at 4K and 16K non-causal); this kernel runs five. Exact on an H100
 (session 60, Triton 3.6, atomic dQ: gradients as close to float64 as the row pass's) but 0.79-0.96x the row pass's
 speed at 4K, D = 64 and 128 (docs/PERF.md): its products, softmax and dQ adds run one after another in each program.
-It runs only when asked for, in the form ``ELSA_BWD_LOWP`` names (:func:`lowp_form`): ``plain``, ``overlap``
-(:func:`_lowp_bwd`'s ``OVERLAP``) or ``ws``, the default (:func:`_lowp_bwd_ws`, warp-specialised: a warpgroup of its
-own runs dQ's product and adds; session 61, H100, the kernel alone at 4K: D = 64 0.90x the plain form's time
-non-causal, 0.91x causal).
+It runs in the form ``ELSA_BWD_LOWP`` names (:func:`lowp_form`): ``plain``, ``overlap`` (:func:`_lowp_bwd`'s
+``OVERLAP``), ``ws`` (:func:`_lowp_bwd_ws`, warp-specialised: a warpgroup of its own runs dQ's product and adds;
+session 61, H100, the kernel alone at 4K: D = 64 0.90x the plain form's time non-causal, 0.91x causal) or ``ws2``,
+the default (the same kernel with each of its two compute warpgroups a partition of its own, head dims up to 64;
+session 62, H100, public call at 4K: D = 64 0.85x ws's time non-causal, 0.87x causal), where
+``backward_launch.gluon_auto`` or ``ELSA_BWD_DQ=gluon`` sends a call.
 
 strict: every product an IEEE fp32 FMA (no tensor cores), blocked in
 registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and TMA tiles.
@@ -432,58 +434,92 @@ if gluon is not None:
             tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _ws_compute(q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty, lse_ptr,
-                    delta_ptr, s_lb, s_lh, s_ln, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, qk_scale,
-                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
-                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
-        """:func:`_lowp_bwd_ws`'s default partition: s^T, dP^T, p^T, dS^T and dV, dK of every query tile (four
-        products); each tile's dS goes to the dQ partition through one of two shared buffers. Returns (dK, dV)."""
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    def _ws_compute(q_desc, do_desc, q_ring, do_ring, bars, free, k_smem, v_smem, ds_bufs, ds_ready, ds_empty,
+                    lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk,
+                    n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, Nk, qk_scale, scale, W: gl.constexpr,
+                    NC: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                    HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Compute partition ``W`` of :func:`_lowp_bwd_ws` (``NC`` of them, ``KEYS`` keys each, from ``n0 + W·KEYS``):
+        s^T, dP^T, p^T, dS^T and dV, dK of every query tile (four products); each tile's dS^T goes to the dQ
+        partition through this partition's two shared buffers (``ds_bufs[2 W + j % 2]``). With one compute partition
+        it refills the q/dO ring itself and returns (dK, dV); with two, each releases each stage (``free``) for the
+        dQ partition to refill and stores its own keys' dK and dV."""
+        CW: gl.constexpr = gl.num_warps()
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                             instr_shape=[16, HEAD_D, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                             instr_shape=[16, HEAD_DV, 16])
         pt_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
         dst_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
         dtype: gl.constexpr = q_desc.dtype
-        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, dk_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
+        if NC == 1:
+            kw_smem = k_smem
+            vw_smem = v_smem
+        else:
+            kw_smem = k_smem.slice(KEYS * W, KEYS, 0)
+            vw_smem = v_smem.slice(KEYS * W, KEYS, 0)
+        nw = n0 + KEYS * W
+        keys = nw + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
+        dk = gl.zeros([KEYS, HEAD_D], gl.float32, dk_layout)
+        dv = gl.zeros([KEYS, HEAD_DV], gl.float32, dv_layout)
         for j in range(0, n_tiles):
             h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             st, q_smem, do_smem = _kv_tile(q_ring, do_ring, bars, j, STAGES)
-            pt, dst = _lowp_ds(k_smem, v_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0, keys,
-                               off, m_full, Nq, qk_scale, st_layout, BLOCK_N, BLOCK_M, IS_CAUSAL, True)
+            pt, dst = _lowp_ds(kw_smem, vw_smem, q_smem, do_smem, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, h, m0,
+                               keys, off, m_full, Nq, qk_scale, st_layout, KEYS, BLOCK_M, IS_CAUSAL, True)
             dst = dst.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), pt_op), do_smem, dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
             c = j % 2
             mbarrier.wait(ds_empty.index(c), ((j // 2) & 1) ^ 1)  # (a fresh mbarrier's phase 1 reads complete)
-            ds_bufs.index(c).permute((1, 0)).store(dst)
+            ds_bufs.index(2 * W + c).permute((1, 0)).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(c), count=1)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            nxt = j + STAGES
-            if nxt < n_tiles:
-                nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
-                _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
+            if NC == 1:
+                nxt = j + STAGES
+                if nxt < n_tiles:
+                    nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
+                    _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
+            else:
+                mbarrier.arrive(free.index(st), count=1)
+        if NC > 1:
+            _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, nw, Nk, KEYS,
+                           HEAD_D, HEAD_DV, dk_layout, dv_layout)
         return dk, dv
 
     @gluon.jit
-    def _ws_dq(ds_bufs, ds_ready, ds_empty, k_smem, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo,
-               per_head, n_tiles, Nq, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr):
-        """:func:`_lowp_bwd_ws`'s dQ partition (one warpgroup): ``dS·K`` of each query tile from the dS buffer the
-        compute partition filled, added into the fp32 ``dq`` (:func:`_dq_add`), the buffer handed back first."""
+    def _ws_dq(q_desc, do_desc, q_ring, do_ring, bars, free, ds_bufs, ds_ready, ds_empty, k_smem, dq_desc, dq_smem,
+               dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo, per_head, n_tiles, Nq, scale, NC: gl.constexpr,
+               KEYS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+               DQ_TMA: gl.constexpr):
+        """:func:`_lowp_bwd_ws`'s dQ partition (one warpgroup): ``dS·K`` of each query tile from the ``NC`` compute
+        partitions' dS^T buffers (one product each, into one accumulator), the buffers handed back, then (two compute
+        partitions) the tile's q/dO stage refilled with tile ``j + STAGES`` once both have released it, and the
+        adds into the fp32 ``dq`` (:func:`_dq_add`)."""
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_D, 16])
         for j in range(0, n_tiles):
             c = j % 2
             mbarrier.wait(ds_ready.index(c), (j // 2) & 1)
-            dq = warpgroup_mma(ds_bufs.index(c), k_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
+            dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
+            for w in gl.static_range(NC):
+                if NC == 1:
+                    kw_smem = k_smem
+                else:
+                    kw_smem = k_smem.slice(KEYS * w, KEYS, 0)
+                dq = warpgroup_mma(ds_bufs.index(2 * w + c), kw_smem, dq, use_acc=w > 0, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             mbarrier.arrive(ds_empty.index(c), count=1)
+            if NC > 1:
+                nxt = j + STAGES
+                if nxt < n_tiles:
+                    st = j % STAGES
+                    mbarrier.wait(free.index(st), (j // STAGES) & 1)
+                    nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
+                    _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
             h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
             _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, DQ_TMA, 4)
         if DQ_TMA:
@@ -494,17 +530,26 @@ if gluon is not None:
                      s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, dq_ptr, s_qb, s_qh, s_qn, Nq, Nk, Hkv, G, qk_scale, scale,
                      n_nblocks, head_group, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                      HEAD_DV: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
-                     DQ_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """:func:`_lowp_bwd` warp-specialised (session 60; session 61, H100: exact, and the fastest form at D = 64):
-        the ``num_warps`` warps of the default partition (:func:`_ws_compute`) run four products a tile and hand
-        each tile's dS, through two shared buffers and their mbarriers, to a warpgroup of its own (:func:`_ws_dq`,
-        ``DQ_REGS`` registers a thread) that runs dQ's product and adds, so that neither waits for the other's
-        latency."""
+                     DQ_REGS: gl.constexpr, NC: gl.constexpr, COMPUTE_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_lowp_bwd` warp-specialised: ``NC`` compute partitions (:func:`_ws_compute`) run four products a
+        tile on ``BLOCK_N / NC`` keys each and hand each tile's dS, through shared buffers and their mbarriers, to a
+        warpgroup of its own (:func:`_ws_dq`, ``DQ_REGS`` registers a thread) that runs dQ's product and adds, so
+        that neither waits for the other's latency.
+
+        ``NC`` = 1 (``ELSA_BWD_LOWP=ws``; session 60, exact on an H100 in session 61): the kernel's ``num_warps`` warps
+        are one compute partition. ``NC`` = 2 (``ws2``, session 62): two compute warpgroups of 64 keys, each a
+        partition of its own (``num_warps`` = 4, the second with ``COMPUTE_REGS`` registers a thread), that
+        synchronise only with the dQ warpgroup (their own dS buffers and mbarrier arrivals), never with each other,
+        so that one's softmax runs under the other's products; with one partition the compiler's barriers across it
+        (the shared-memory stores before each dS hand-over) keep its two warpgroups in step. The dQ warpgroup then
+        also refills the q/dO ring (``free``: an arrival from each compute partition a stage). H100, bf16, H = 16,
+        D = 64, public backward: 4K 0.461 ms against ws's 0.541, 16K 7.01 against 7.67."""
+        KEYS: gl.constexpr = BLOCK_N // NC
         b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
                                                                        BLOCK_N, BLOCK_M, IS_CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
-        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        ds_bufs = gl.allocate_shared_memory(dtype, [2 * NC, BLOCK_M, KEYS],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, KEYS], dtype))
         if DQ_TMA:
             dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
         else:
@@ -512,29 +557,55 @@ if gluon is not None:
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(ds_ready.index(i), count=1)
+            mbarrier.init(ds_ready.index(i), count=NC)
             mbarrier.init(ds_empty.index(i), count=1)
+        if NC > 1:
+            free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(free.index(i), count=NC)
         k_smem, v_smem, q_ring, do_ring, bars, kv_bar = _key_block_start(  # (its fence covers the inits above)
             q_desc, do_desc, k_desc, v_desc, b, hk, n0, G, mb_lo, per_head, n_tiles, BLOCK_N, BLOCK_M, HEAD_D,
             HEAD_DV, STAGES)
-        dk, dv = gl.warp_specialize([
-            (_ws_compute, (q_desc, do_desc, q_ring, do_ring, bars, k_smem, v_smem, ds_bufs, ds_ready, ds_empty,
-                           lse_ptr, delta_ptr, s_lb, s_lh, s_ln, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full,
-                           Nq, qk_scale, BLOCK_N, BLOCK_M, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL, num_warps)),
-            (_ws_dq, (ds_bufs, ds_ready, ds_empty, k_smem, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, hk, G,
-                      mb_lo, per_head, n_tiles, Nq, scale, BLOCK_M, HEAD_D, DQ_TMA)),
-        ], [4], [DQ_REGS])
+        if NC == 1:
+            free = bars  # (not used: the compute partition refills the ring itself)
+        if NC == 1:
+            dk, dv = gl.warp_specialize([
+                (_ws_compute, (q_desc, do_desc, q_ring, do_ring, bars, free, k_smem, v_smem, ds_bufs, ds_ready,
+                               ds_empty, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb,
+                               s_vh, s_vn, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, Nk, qk_scale,
+                               scale, 0, NC, KEYS, BLOCK_M, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)),
+                (_ws_dq, (q_desc, do_desc, q_ring, do_ring, bars, free, ds_bufs, ds_ready, ds_empty, k_smem, dq_desc,
+                          dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo, per_head, n_tiles, Nq, scale, NC, KEYS,
+                          BLOCK_M, HEAD_D, STAGES, DQ_TMA)),
+            ], [4], [DQ_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_compute, (q_desc, do_desc, q_ring, do_ring, bars, free, k_smem, v_smem, ds_bufs, ds_ready,
+                               ds_empty, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb,
+                               s_vh, s_vn, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, Nk, qk_scale,
+                               scale, 0, NC, KEYS, BLOCK_M, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)),
+                (_ws_compute, (q_desc, do_desc, q_ring, do_ring, bars, free, k_smem, v_smem, ds_bufs, ds_ready,
+                               ds_empty, lse_ptr, delta_ptr, s_lb, s_lh, s_ln, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb,
+                               s_vh, s_vn, b, hk, n0, off, G, mb_lo, per_head, n_tiles, m_full, Nq, Nk, qk_scale,
+                               scale, 1, NC, KEYS, BLOCK_M, HEAD_D, HEAD_DV, STAGES, IS_CAUSAL)),
+                (_ws_dq, (q_desc, do_desc, q_ring, do_ring, bars, free, ds_bufs, ds_ready, ds_empty, k_smem, dq_desc,
+                          dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, hk, G, mb_lo, per_head, n_tiles, Nq, scale, NC, KEYS,
+                          BLOCK_M, HEAD_D, STAGES, DQ_TMA)),
+            ], [4, 4], [COMPUTE_REGS, DQ_REGS])
         _release(kv_bar, bars, STAGES)
         for i in gl.static_range(2):
             mbarrier.invalidate(ds_ready.index(i))
             mbarrier.invalidate(ds_empty.index(i))
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, HEAD_D, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, HEAD_DV, 16])
-        _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N,
-                       HEAD_D, HEAD_DV, dk_layout, dv_layout)
-
+        if NC > 1:
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(free.index(i))
+        else:
+            dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                instr_shape=[16, HEAD_D, 16])
+            dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                instr_shape=[16, HEAD_DV, 16])
+            _store_lowp_kv(dk, dv, scale, dk_ptr, s_kb, s_kh, s_kn, dv_ptr, s_vb, s_vh, s_vn, b, hk, n0, Nk, BLOCK_N,
+                           HEAD_D, HEAD_DV, dk_layout, dv_layout)
 
 def eligible(q, k, v, do, *, dot: int, mask, q_lengths, kv_lengths, varlen: bool, dropout_p: float,
              mask_grad: bool) -> Optional[str]:
@@ -646,13 +717,22 @@ LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query row
 # 1.008 ms non-causal, 0.511 causal, against 1.135 and 0.870 at 128 x 64 with eight)
 LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
-LOWP_FORMS = ("plain", "overlap", "ws")
+LOWP_FORMS = ("plain", "overlap", "ws", "ws2")
+WS2_COMPUTE_REGS = 200  # _lowp_bwd_ws at NC = 2 (ws2): registers a thread of its second compute warpgroup
 
 
 def lowp_form() -> str:
-    """The form of the fp16/bf16 Gluon backward that runs (``ELSA_BWD_LOWP``; auto: ``ws``)."""
+    """The form of the fp16/bf16 Gluon backward that runs (``ELSA_BWD_LOWP``; auto: ``ws2``, which runs ``ws`` at
+    head dims over 64: :func:`kernel_form`)."""
     form = knobs.get(knobs.BWD_LOWP)
-    return "ws" if form == "auto" else form
+    return "ws2" if form == "auto" else form
+
+
+def kernel_form(form: str, d: int, dv: int) -> str:
+    """The form whose kernel runs ``form``'s calls at head dims ``d``, ``dv``: ``ws2`` only at head dims up to 64
+    (each compute warpgroup's two accumulators, s^T, dP^T and the rows' statistics in ~200 registers), ``ws`` for
+    its wider calls; every other form itself."""
+    return "ws" if form == "ws2" and max(d, dv) > 64 else form
 
 
 def lowp_tiles(form: str, d: int, dv: int) -> tuple:
@@ -685,6 +765,7 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     form = form or lowp_form()
     if form not in LOWP_FORMS:
         raise ValueError(f"form={form!r}: one of {LOWP_FORMS}")
+    form = kernel_form(form, D, Dv)
     bn, bm, stages, warps = tiles or lowp_tiles(form, D, Dv)
     if dq_tma is None:
         dq_tma = dq_tma_available()
@@ -700,7 +781,11 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     const = dict(BLOCK_N=bn, BLOCK_M=bm, HEAD_D=D, HEAD_DV=Dv, STAGES=stages, IS_CAUSAL=bool(is_causal),
                  DQ_TMA=bool(dq_tma), num_warps=warps)
     if form == "ws":
-        replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, maxnreg=ws_maxnreg(warps), **const)
+        replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, NC=1, COMPUTE_REGS=0,
+                      maxnreg=ws_maxnreg(warps), **const)
+    elif form == "ws2":  # two compute warpgroups, each a partition: the kernel's own warps are the first
+        replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, NC=2, COMPUTE_REGS=WS2_COMPUTE_REGS,
+                      maxnreg=ws_maxnreg(8), **dict(const, num_warps=4))
     else:
         replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=form == "overlap", **const)
     return dq, dk, dv

@@ -169,18 +169,21 @@ _DECLARED = (
     Knob(BWD_DQ, "choice", _choices("rows", "atomic", "gluon", "auto"), "auto",
          "how the backward computes dQ: rows, a pass over query blocks (deterministic; session 28 H100: faster in "
          "every measured tile); atomic, atomic adds from the key-block pass; gluon, atomic adds, and fp16/bf16 calls "
-         "in the Hopper kernels' scope through one Gluon kernel (its form: ELSA_BWD_LOWP; session 61 H100: exact, "
-         "the warp-specialised form 1.07-1.17x the row pass's speed at D = 64 and N >= 4K, level at 1-2K, slower at "
-         "D = 128 and at N <= 512); auto, that kernel for such calls with head dims <= 64 and at least 4096 query "
+         "in the Hopper kernels' scope through one Gluon kernel (its form: ELSA_BWD_LOWP; H100: exact; at D = 64 the "
+         "warp-specialised form with two compute partitions (session 62) 1.2-1.6x the row pass's speed at 4K and "
+         "16K, the one-partition form 1.07-1.17x, level at 1-2K and slower at N <= 512 (session 61); slower at "
+         "D = 128); auto, that kernel for such calls with head dims <= 64 and at least 4096 query "
          "rows and keys (backward_launch.gluon_auto), the row pass for every other call. Never atomic under "
          "torch.use_deterministic_algorithms(True)",
          _choice("rows", "atomic", "gluon", "auto"), scope="tuning", choices=("rows", "atomic", "gluon", "auto")),
-    Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws"), "auto",
+    Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws", "ws2"), "auto",
          "which form of the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) runs: plain, five products a tile in one "
          "order; overlap, dQ's adds overlapping dV's and dK's products; ws, warp-specialised (a warpgroup of its own "
-         "runs dQ's product and adds); auto: ws (session 61 H100, kernel alone, bf16 H = 16 N = 4K: D = 64 0.535 ms "
-         "against plain 0.592, causal 0.283 against 0.311)",
-         _choice("auto", "plain", "overlap", "ws"), scope="tuning", choices=("auto", "plain", "overlap", "ws")),
+         "runs dQ's product and adds); ws2, ws with each compute warpgroup a partition of its own (head dims <= 64, "
+         "else ws); auto: ws2 (session 62 H100, public call, bf16 H = 16 N = 4K D = 64: 0.461 ms against ws's "
+         "0.541 and plain's ~0.59; causal 0.233 against 0.267)",
+         _choice("auto", "plain", "overlap", "ws", "ws2"), scope="tuning",
+         choices=("auto", "plain", "overlap", "ws", "ws2")),
     Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",
          "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
          "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),

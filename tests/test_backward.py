@@ -116,19 +116,22 @@ def test_lowp_gluon_backward_form(monkeypatch):
     from elsa_surgery.kernels import backward_launch, hopper_backward as hb
 
     monkeypatch.delenv("ELSA_BWD_LOWP", raising=False)
-    assert hb.lowp_form() == "ws"
+    assert hb.lowp_form() == "ws2"
     assert hb.lowp_tiles("ws", 64, 64) == hb.LOWP_TILES and hb.lowp_tiles("ws", 64, 128) == hb.LOWP_WS_WIDE_TILES
     assert hb.lowp_tiles("plain", 128, 128) == hb.lowp_tiles("overlap", 128, 128) == hb.LOWP_TILES
+    assert [hb.kernel_form("ws2", d, dv) for d, dv in ((64, 64), (16, 32), (64, 128), (128, 64))] == [
+        "ws2", "ws2", "ws", "ws"]
+    assert hb.kernel_form("plain", 128, 128) == "plain"
     t = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)
     call = dict(scale=0.125, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
                 varlen_dims=None, precision=None, dropout_p=0.0, seed=None)
     keys = {}
-    for form in ("plain", "overlap", "ws", "auto"):
+    for form in ("plain", "overlap", "ws", "ws2", "auto"):
         monkeypatch.setenv("ELSA_BWD_LOWP", form)
-        assert hb.lowp_form() == ("ws" if form == "auto" else form)
+        assert hb.lowp_form() == ("ws2" if form == "auto" else form)
         keys[form] = backward_launch._backward_key(t, t, t, t, t, lse, None, atomic=True, mask_grad=False, call=call)
-    assert len(set(keys.values())) == 4
+    assert len(set(keys.values())) == 5
     monkeypatch.setenv("ELSA_BWD_LOWP", "fast")
     with pytest.raises(ValueError, match="ELSA_BWD_LOWP"):
         hb.lowp_form()
@@ -751,12 +754,13 @@ def test_gpu_strict_backward_runs_the_gluon_kernels(tiles, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,form", [(torch.bfloat16, "plain"), (torch.float16, "ws"), (torch.bfloat16, "overlap"),
-                                        (torch.bfloat16, "ws"), (torch.bfloat16, "auto")])
+                                        (torch.bfloat16, "ws"), (torch.bfloat16, "auto"), (torch.bfloat16, "ws2"),
+                                        (torch.float16, "ws2")])
 def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
     """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel in the form
     ``ELSA_BWD_LOWP`` names (kernels/hopper_backward._lowp_bwd, with its ``OVERLAP`` order of products or without, or
-    the warp-specialised _lowp_bwd_ws) for dense calls, and the
-    row pass deterministically: gradients against the float64 oracle as close as the row pass's, over ragged
+    the warp-specialised _lowp_bwd_ws with one compute partition, or with two, ws2, at head dims up to 64) for dense
+    calls, and the row pass deterministically: gradients against the float64 oracle as close as the row pass's, over ragged
     lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key: zero gradient) and Nq < Nk."""
     from elsa_surgery.kernels import hopper_backward
 
@@ -767,8 +771,8 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
     ran = []
     real = hopper_backward.lowp_backward
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hopper_backward, "lowp_backward",
-                   lambda *a, **kw: ran.append(hopper_backward.lowp_form()) or real(*a, **kw))
+        mp.setattr(hopper_backward, "lowp_backward", lambda *a, **kw: ran.append(hopper_backward.kernel_form(
+            hopper_backward.lowp_form(), a[1].shape[-1], a[3].shape[-1])) or real(*a, **kw))
         for b, hq, hkv, nq, nk, d, dv, causal in [(2, 4, 2, 333, 517, 64, 64, False),
                                                    (1, 8, 2, 700, 300, 64, 32, True),
                                                    (2, 2, 2, 257, 1025, 128, 128, True),
@@ -788,7 +792,8 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
                     out = elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa", enable_gqa=True)
                     g = torch.autograd.grad(out, (q, k, v), go)
                 assert (len(ran) > n) == (not det)
-                assert set(ran[n:]) <= {"ws" if form == "auto" else form}
+                want = hopper_backward.kernel_form("ws2" if form == "auto" else form, d, dv)
+                assert set(ran[n:]) <= {want}
                 assert all(torch.isfinite(t).all() for t in g)
                 errs[det] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
                 if causal and nq > nk:  # rows that see no key: zero gradient
