@@ -12,8 +12,7 @@ It runs in the form ``ELSA_BWD_LOWP`` names (:func:`lowp_form`): ``plain``, ``ov
 session 61, H100, the kernel alone at 4K: D = 64 0.90x the plain form's time non-causal, 0.91x causal) or ``ws2``,
 the default (the same kernel with each of its two compute warpgroups a partition of its own, head dims up to 64;
 session 62, H100, at 4K, D = 64: 0.85x ws's time non-causal through the public call, 0.87x causal for the kernels
-alone), where
-``backward_launch.gluon_auto`` or ``ELSA_BWD_DQ=gluon`` sends a call.
+alone), where ``backward_launch.gluon_auto`` or ``ELSA_BWD_DQ=gluon`` sends a call.
 
 strict: every product an IEEE fp32 FMA (no tensor cores), blocked in
 registers as the forward's ``hopper._elsa_fwd_sm90_fma``, with its layouts and TMA tiles.
