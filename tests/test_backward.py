@@ -139,6 +139,44 @@ def test_lowp_gluon_backward_form(monkeypatch):
         hb.lowp_backward(t, t, t, t, lse, lse, t.float(), t, t, scale=0.125, is_causal=False, form="fast")
 
 
+def test_lowp_backward_launches_each_form_with_its_kernel_arguments(monkeypatch):
+    """The launcher's wiring of each fp16/bf16 Gluon form, checked without a GPU (the kernels themselves run in the
+    GPU tests): ws launches _lowp_bwd_ws with one compute partition of the tiles' warps, ws2 with two of four warps
+    (its second at WS2_COMPUTE_REGS registers) and 168 registers at launch, ws2 at a head dim over 64 the ws kernel
+    at its wide tiles, plain and overlap _lowp_bwd with and without OVERLAP; one program per key block and (batch,
+    K/V head)."""
+    from elsa_surgery.kernels import hopper_backward as hb
+
+    if hb.gluon is None:
+        pytest.skip(f"no Gluon in this Triton ({hb.hopper._IMPORT_ERROR})")
+    calls = []
+    monkeypatch.setattr(hb.replay, "launch", lambda fn, grid, *a, **kw: calls.append((fn, grid, kw)))
+
+    def launch(form, d):
+        q = torch.zeros(2, 4, 300, d, dtype=torch.bfloat16)
+        k = torch.zeros(2, 2, 300, d, dtype=torch.bfloat16)
+        lse = torch.zeros(2, 4, 300)
+        hb.lowp_backward(q, q, k, k, lse, lse, torch.zeros(q.shape), torch.empty_like(k), torch.empty_like(k),
+                         scale=d ** -0.5, is_causal=False, form=form, dq_tma=False)
+        fn, grid, kw = calls.pop()
+        return fn, grid[0], kw
+
+    fn, programs, kw = launch("ws", 64)
+    assert fn is hb._lowp_bwd_ws and kw["NC"] == 1 and kw["num_warps"] == hb.LOWP_TILES[3]
+    assert programs == 3 * 2 * 2 and kw["maxnreg"] == hb.ws_maxnreg(hb.LOWP_TILES[3])
+    fn, programs, kw = launch("ws2", 64)
+    assert fn is hb._lowp_bwd_ws and kw["NC"] == 2 and kw["num_warps"] == 4 and kw["BLOCK_N"] == 128
+    assert kw["COMPUTE_REGS"] == hb.WS2_COMPUTE_REGS and kw["maxnreg"] == hb.ws_maxnreg(8) == 168
+    assert programs == 3 * 2 * 2
+    fn, programs, kw = launch("ws2", 128)
+    assert fn is hb._lowp_bwd_ws and kw["NC"] == 1
+    assert (kw["BLOCK_N"], kw["BLOCK_M"], kw["STAGES"], kw["num_warps"]) == hb.LOWP_WS_WIDE_TILES
+    assert programs == 5 * 2 * 2
+    for form in ("plain", "overlap"):
+        fn, _, kw = launch(form, 64)
+        assert fn is hb._lowp_bwd and kw["OVERLAP"] == (form == "overlap")
+
+
 def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
            precision="strict", go=None, tol=None, **kw):
     """Kernel grads (backend='elsa', ``precision``: strict fp32 unless given) vs the oracle's; returns the kernel's
@@ -760,8 +798,9 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
     """fp16/bf16 backward on a Hopper GPU under ``ELSA_BWD_DQ=gluon`` runs the Gluon kernel in the form
     ``ELSA_BWD_LOWP`` names (kernels/hopper_backward._lowp_bwd, with its ``OVERLAP`` order of products or without, or
     the warp-specialised _lowp_bwd_ws with one compute partition, or with two, ws2, at head dims up to 64) for dense
-    calls, and the row pass deterministically: gradients against the float64 oracle as close as the row pass's, over ragged
-    lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key: zero gradient) and Nq < Nk."""
+    calls, and the row pass deterministically: gradients against the float64 oracle as close as the row pass's, over
+    ragged lengths, GQA, Dv != D, narrow heads, causal with Nq > Nk (rows that see no key: zero gradient) and
+    Nq < Nk."""
     from elsa_surgery.kernels import hopper_backward
 
     if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
