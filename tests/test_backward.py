@@ -175,6 +175,12 @@ def test_lowp_backward_launches_each_form_with_its_kernel_arguments(monkeypatch)
     for form in ("plain", "overlap"):
         fn, _, kw = launch(form, 64)
         assert fn is hb._lowp_bwd and kw["OVERLAP"] == (form == "overlap")
+    t = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 64)
+    with pytest.raises(ValueError, match=r"tiles=\(64, 64, 2, 4\): ws2 .* BLOCK_N = 128"):
+        hb.lowp_backward(t, t, t, t, lse, lse, t.float(), t, t, scale=0.125, is_causal=False, form="ws2",
+                         tiles=(64, 64, 2, 4))
+    assert not calls
 
 
 def _check(q, k, v, mask=None, *, dtype=torch.float32, oracle_mask=None, grad_lse=False, deterministic=False,
