@@ -3,7 +3,7 @@ by TMA reduce-adds or atomics) against float64 and against cuDNN's and the row p
 investigation for issue 25's bf16 target (>= 0.9x cuDNN forward + backward), not a recipe.
 
     python benchmarks/lab/lowp_bwd.py [--tiles '128,64,2,8;64,64,2,4'] [--n 4096] [--shapes 16x64,16x128] [--dq tma]
-        [--forms plain,overlap,ws]
+        [--forms plain,overlap,ws,ws2]
 
 Prints, per tile configuration: the relative L2 error of dQ, dK, dV against float64 autograd on small shapes (GQA,
 ragged lengths, causal with Nq != Nk) next to the row pass's; then the backward's GPU time (CUDA events, median of
@@ -82,8 +82,9 @@ def main():
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--dq", default="tma", help="tma (atomic where this Triton has no TMA reduce-add), atomic")
     ap.add_argument("--forms", default="plain,overlap,ws",
-                    help="the kernel's forms (ELSA_BWD_LOWP): plain, overlap (_lowp_bwd's OVERLAP), ws (the "
-                         "warp-specialised _lowp_bwd_ws), each timed alone and through the public call")
+                    help="the kernel's forms (ELSA_BWD_LOWP): plain, overlap (_lowp_bwd's OVERLAP), ws and ws2 "
+                         "(the warp-specialised _lowp_bwd_ws with one or two compute partitions; ws2 takes 128 x 64 "
+                         "tiles only), each timed alone and through the public call")
     ap.add_argument("--skip-check", action="store_true")
     a = ap.parse_args()
     import elsa_surgery
