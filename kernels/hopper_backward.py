@@ -759,8 +759,8 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     launch. ``form`` (default :func:`lowp_form`): ``plain`` or ``overlap`` (:func:`_lowp_bwd` without or with its
     ``OVERLAP`` order), ``ws`` or ``ws2`` (:func:`_lowp_bwd_ws` with one or two compute partitions; ws2's calls over
     D = 64 run ws, :func:`kernel_form`); ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``, default
-    :func:`lowp_tiles` (ws2: BLOCK_N 128 and 8 warps, its two warpgroups, or ValueError); ``dq_tma``: TMA
-    reduce-adds (default where :func:`dq_tma_available`) or atomic adds."""
+    :func:`lowp_tiles` (ws2: BLOCK_N 128 and 8 warps, its two warpgroups, and BLOCK_M a multiple of 64, or
+    ValueError); ``dq_tma``: TMA reduce-adds (default where :func:`dq_tma_available`) or atomic adds."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -772,6 +772,9 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     if form == "ws2" and (bn, warps) != (128, 8):
         raise ValueError(f"tiles={tiles}: ws2 runs two compute warpgroups of 64 keys each, so BLOCK_N = 128 and "
                          f"num_warps = 8 (got {bn} and {warps})")
+    if form == "ws2" and bm % 64:
+        raise ValueError(f"tiles={tiles}: ws2 computes dQ as [BLOCK_M, D] in one warpgroup, so BLOCK_M is a "
+                         f"multiple of 64 (got {bm})")
     if dq_tma is None:
         dq_tma = dq_tma_available()
     if not (Nk and Nq and B * Hkv):

@@ -180,6 +180,9 @@ def test_lowp_backward_launches_each_form_with_its_kernel_arguments(monkeypatch)
     with pytest.raises(ValueError, match=r"tiles=\(64, 64, 2, 4\): ws2 .* BLOCK_N = 128"):
         hb.lowp_backward(t, t, t, t, lse, lse, t.float(), t, t, scale=0.125, is_causal=False, form="ws2",
                          tiles=(64, 64, 2, 4))
+    with pytest.raises(ValueError, match=r"tiles=\(128, 32, 2, 8\): ws2 .* multiple of 64 \(got 32\)"):
+        hb.lowp_backward(t, t, t, t, lse, lse, t.float(), t, t, scale=0.125, is_causal=False, form="ws2",
+                         tiles=(128, 32, 2, 8))
     assert not calls
 
 

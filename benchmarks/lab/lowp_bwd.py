@@ -3,7 +3,7 @@ by TMA reduce-adds or atomics) against float64 and against cuDNN's and the row p
 investigation for issue 25's bf16 target (>= 0.9x cuDNN forward + backward), not a recipe.
 
     python benchmarks/lab/lowp_bwd.py [--tiles '128,64,2,8;64,64,2,4'] [--n 4096] [--shapes 16x64,16x128] [--dq tma]
-        [--forms plain,overlap,ws,ws2]
+        [--forms plain,overlap,ws,ws2] [--public-forms ws,ws2]
 
 Prints, per tile configuration: the relative L2 error of dQ, dK, dV against float64 autograd on small shapes (GQA,
 ragged lengths, causal with Nq != Nk) next to the row pass's; then the backward's GPU time (CUDA events, median of
@@ -85,6 +85,8 @@ def main():
                     help="the kernel's forms (ELSA_BWD_LOWP): plain, overlap (_lowp_bwd's OVERLAP), ws and ws2 "
                          "(the warp-specialised _lowp_bwd_ws with one or two compute partitions; ws2 takes 128 x 64 "
                          "tiles only), each timed alone and through the public call")
+    ap.add_argument("--public-forms", default=None,
+                    help="the forms timed through the public call (default: --forms)")
     ap.add_argument("--skip-check", action="store_true")
     a = ap.parse_args()
     import elsa_surgery
@@ -159,8 +161,9 @@ def main():
                                                                               backend="elsa"))
                 with benchmark.environ({"ELSA_BWD_DQ": "rows"}):
                     res["row pass"] = triton.testing.do_bench(elsa_fb) - efwd
-                for form in forms:  # the public path to this kernel, in each form (its knob keys the launch plan:
-                    # session 60's lab patched the launcher instead, and a recorded plan replayed the first form)
+                # the public path to this kernel, in each form (its knob keys the launch plan: session 60's lab
+                # patched the launcher instead, and a recorded plan replayed the first form)
+                for form in (a.public_forms.split(",") if a.public_forms else forms):
                     with benchmark.environ({"ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": form}):
                         try:
                             res[f"public {form}"] = triton.testing.do_bench(elsa_fb) - efwd
