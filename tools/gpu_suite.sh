@@ -4,8 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | lowp-bwd | compile-time | compile-time-2 | compile-autotune | generate-eager | exec (then: OUTDIR
-#   COMMAND..., run with the package mapped).
+#   races | lowp-bwd | lowp-short | compile-time | compile-time-2 | compile-autotune | generate-eager | exec (then:
+#   OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -82,6 +82,13 @@ case "$part" in
     (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
        --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 | tee "$out/pytest_lowp_bwd.log" \
        | tail -5) ;;
+  lowp-short)  # session 63 (written without a GPU): ws2 where auto's bounds were set from ws's numbers alone (N >= 4K,
+    # D <= 64): ws, ws2 and the row pass (auto's choice below 4K) at 1K (B = 16) and 2K (B = 4) query rows, D = 32
+    # and 64, through the public call and alone, against cuDNN (benchmarks/lab/lowp_bwd.py)
+    for nb in "1024 16" "2048 4"; do set -- $nb
+      timeout 170 python3 benchmarks/lab/lowp_bwd.py --forms ws,ws2 --tiles 128,64,2,8 --shapes 16x32,16x64 \
+        --n "$1" --batch "$2" --skip-check 2>&1 | tee "$out/lowp_short_$1.log" | grep -v '^ '
+    done ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
