@@ -96,9 +96,10 @@ def main():
     configs = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split(";")]
     modes = sorted({m == "tma" and hb.dq_tma_available() for m in a.dq.split(",")}, reverse=True)
     forms = a.forms.split(",")
-    bad = [f for f in forms if f not in hb.LOWP_FORMS]
+    public_forms = a.public_forms.split(",") if a.public_forms else forms
+    bad = [f for f in forms + public_forms if f not in hb.LOWP_FORMS]
     if bad:
-        ap.error(f"--forms: {bad} not among {hb.LOWP_FORMS}")
+        ap.error(f"--forms, --public-forms: {bad} not among {hb.LOWP_FORMS}")
     kinds = variants(configs, modes, forms)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "TMA reduce-add available:", hb.dq_tma_available(), flush=True)
@@ -163,7 +164,7 @@ def main():
                     res["row pass"] = triton.testing.do_bench(elsa_fb) - efwd
                 # the public path to this kernel, in each form (its knob keys the launch plan: session 60's lab
                 # patched the launcher instead, and a recorded plan replayed the first form)
-                for form in (a.public_forms.split(",") if a.public_forms else forms):
+                for form in public_forms:
                     with benchmark.environ({"ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": form}):
                         try:
                             res[f"public {form}"] = triton.testing.do_bench(elsa_fb) - efwd
