@@ -300,20 +300,26 @@ if gluon is not None:
 
     @gluon.jit
     def _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M: gl.constexpr,
-                HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
+                HEAD_D: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr, DQ_T: gl.constexpr = False):
         """``dq * scale`` (one query tile's share, registers) added into the fp32 ``dq`` at (b, h, rows m0...) through
         ``dq_smem``: by a TMA reduce-add (``DQ_TMA``; ``dq_smem`` the descriptor's [1, 1, BLOCK_M, HEAD_D] tile), else
         read back from ``dq_smem`` ([BLOCK_M, HEAD_D]) by atomic adds of 16 bytes a thread, 32 columns at a time."""
         if DQ_TMA:
             tma.store_wait(pendings=0)  # the previous tile's reduce-add has read the tile
-            dq_smem.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
+            if DQ_T:  # (dq^T, [HEAD_D, BLOCK_M])
+                dq_smem.reshape([BLOCK_M, HEAD_D]).permute((1, 0)).store(dq * scale)
+            else:
+                dq_smem.reshape([BLOCK_M, HEAD_D]).store(dq * scale)
             fence_async_shared()
             _dq_reduce_add(dq_desc, [b, h, m0, 0], dq_smem)
         else:
             DQ_CHUNK: gl.constexpr = 32 if HEAD_D > 32 else HEAD_D
             add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ_CHUNK // 4), DQ_CHUNK // 4],
                                                         [num_warps, 1], [1, 0])
-            dq_smem.store(dq * scale)
+            if DQ_T:
+                dq_smem.permute((1, 0)).store(dq * scale)
+            else:
+                dq_smem.store(dq * scale)
             qrows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, add_layout))
             base = dq_ptr + b.to(gl.int64) * s_qb + h.to(gl.int64) * s_qh + m0.to(gl.int64) * s_qn
             offs = gl.expand_dims(qrows * s_qn, 1) + gl.expand_dims(gl.arange(0, DQ_CHUNK, gl.SliceLayout(
@@ -474,7 +480,10 @@ if gluon is not None:
             dk = warpgroup_mma(gl.convert_layout(dst, dst_op), q_smem, dk, is_async=True)
             c = j % 2
             mbarrier.wait(ds_empty.index(c), ((j // 2) & 1) ^ 1)  # (a fresh mbarrier's phase 1 reads complete)
-            ds_bufs.index(2 * W + c).permute((1, 0)).store(dst)
+            if HEAD_D > 64:  # dS^T as computed: the dQ partition's right operand of dQ^T = K^T·dS^T
+                ds_bufs.index(2 * W + c).store(dst)
+            else:
+                ds_bufs.index(2 * W + c).permute((1, 0)).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(c), count=1)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -499,18 +508,30 @@ if gluon is not None:
         partitions' dS^T buffers (one product each, into one accumulator), the buffers handed back, then (two compute
         partitions) the tile's q/dO stage refilled with tile ``j + STAGES`` once both have released it, and the
         adds into the fp32 ``dq`` (:func:`_dq_add`)."""
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_D, 16])
+        DQ_T: gl.constexpr = HEAD_D > 64  # dQ^T = K^T·dS^T ([HEAD_D, BLOCK_M]): BLOCK_M may be under a warpgroup's 64
+        if DQ_T:
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, BLOCK_M, 16])
+        else:
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, HEAD_D, 16])
         for j in range(0, n_tiles):
             c = j % 2
             mbarrier.wait(ds_ready.index(c), (j // 2) & 1)
-            dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
+            if DQ_T:
+                dq = gl.zeros([HEAD_D, BLOCK_M], gl.float32, dq_layout)
+            else:
+                dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
             for w in gl.static_range(NC):
                 if NC == 1:
                     kw_smem = k_smem
                 else:
                     kw_smem = k_smem.slice(KEYS * w, KEYS, 0)
-                dq = warpgroup_mma(ds_bufs.index(2 * w + c), kw_smem, dq, use_acc=w > 0, is_async=True)
+                if DQ_T:
+                    dq = warpgroup_mma(kw_smem.permute((1, 0)), ds_bufs.index(2 * w + c), dq, use_acc=w > 0,
+                                       is_async=True)
+                else:
+                    dq = warpgroup_mma(ds_bufs.index(2 * w + c), kw_smem, dq, use_acc=w > 0, is_async=True)
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
             mbarrier.arrive(ds_empty.index(c), count=1)
             if NC > 1:
@@ -521,7 +542,8 @@ if gluon is not None:
                     nh, nm0 = _query_tile(nxt, hk, G, mb_lo, per_head, BLOCK_M)
                     _issue_kv(q_desc, do_desc, q_ring, do_ring, bars, b, nh, nm0, st)
             h, m0 = _query_tile(j, hk, G, mb_lo, per_head, BLOCK_M)
-            _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, DQ_TMA, 4)
+            _dq_add(dq, scale, dq_desc, dq_smem, dq_ptr, s_qb, s_qh, s_qn, b, h, m0, Nq, BLOCK_M, HEAD_D, DQ_TMA, 4,
+                    DQ_T)
         if DQ_TMA:
             tma.store_wait(pendings=0)
 
@@ -548,8 +570,12 @@ if gluon is not None:
         b, hk, n0, off, mb_lo, per_head, n_tiles, m_full = _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G,
                                                                        BLOCK_N, BLOCK_M, IS_CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
-        ds_bufs = gl.allocate_shared_memory(dtype, [2 * NC, BLOCK_M, KEYS],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, KEYS], dtype))
+        if HEAD_D > 64:  # dS^T as computed ([keys, rows]): the right operand of dQ^T = K^T·dS^T
+            ds_bufs = gl.allocate_shared_memory(dtype, [2 * NC, KEYS, BLOCK_M],
+                                                gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype))
+        else:
+            ds_bufs = gl.allocate_shared_memory(dtype, [2 * NC, BLOCK_M, KEYS],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, KEYS], dtype))
         if DQ_TMA:
             dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_D], dq_desc.layout)
         else:
@@ -716,9 +742,15 @@ LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query row
 # ptxas serialised the products for want of registers, C7512; session 61 H100, bf16 H = 16 N = 4K D = 128: 64 x 64
 # 1.008 ms non-causal, 0.511 causal, against 1.135 and 0.870 at 128 x 64 with eight)
 LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
+# ws2 at D = 128 (branch s62-d128-ws2, not measured): 32 query rows a tile, so that a compute warpgroup's dK, dV,
+# s^T, dP^T, statistics and operands fit ~208 registers; dQ computed transposed (M = D)
+LOWP_WS2_WIDE_TILES = (128, 32, 2, 4)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
 LOWP_FORMS = ("plain", "overlap", "ws", "ws2")
 WS2_COMPUTE_REGS = 200  # _lowp_bwd_ws at NC = 2 (ws2): registers a thread of its second compute warpgroup
+# ws2 at D = 128 (branch, not measured): compute warpgroups 216 (ptxas, Triton 3.8: 28-96 bytes of spills; 200: 284),
+# the dQ warpgroup 80 (its dQ^T accumulator, 128 x 32, is 32 registers a thread)
+WS2_WIDE_REGS = (216, 80)
 
 
 def lowp_form() -> str:
@@ -732,11 +764,13 @@ def kernel_form(form: str, d: int, dv: int) -> str:
     """The form whose kernel runs ``form``'s calls at head dims ``d``, ``dv``: ``ws2`` only at head dims up to 64
     (each compute warpgroup's two accumulators, s^T, dP^T and the rows' statistics in ~200 registers), ``ws`` for
     its wider calls; every other form itself."""
-    return "ws" if form == "ws2" and max(d, dv) > 64 else form
+    return "ws" if form == "ws2" and max(d, dv) > 64 and not (d == 128 and dv <= 128) else form
 
 
 def lowp_tiles(form: str, d: int, dv: int) -> tuple:
     """``(BLOCK_N, BLOCK_M, STAGES, num_warps)`` of ``form`` at head dims ``d``, ``dv``."""
+    if form == "ws2" and max(d, dv) > 64:
+        return LOWP_WS2_WIDE_TILES
     return LOWP_WS_WIDE_TILES if form == "ws" and max(d, dv) > 64 else LOWP_TILES
 
 
@@ -792,7 +826,8 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
         replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, NC=1, COMPUTE_REGS=0,
                       maxnreg=ws_maxnreg(warps), **const)
     elif form == "ws2":  # two compute warpgroups, each a partition: the kernel's own warps are the first
-        replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, NC=2, COMPUTE_REGS=WS2_COMPUTE_REGS,
+        compute_regs, dq_regs = WS2_WIDE_REGS if max(D, Dv) > 64 else (WS2_COMPUTE_REGS, WS_DQ_REGS)
+        replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=dq_regs, NC=2, COMPUTE_REGS=compute_regs,
                       maxnreg=ws_maxnreg(8), **dict(const, num_warps=4))
     else:
         replay.launch(_lowp_bwd, (n_nb * B * Hkv,), *args, OVERLAP=form == "overlap", **const)

@@ -119,8 +119,9 @@ def test_lowp_gluon_backward_form(monkeypatch):
     assert hb.lowp_form() == "ws2"
     assert hb.lowp_tiles("ws", 64, 64) == hb.LOWP_TILES and hb.lowp_tiles("ws", 64, 128) == hb.LOWP_WS_WIDE_TILES
     assert hb.lowp_tiles("plain", 128, 128) == hb.lowp_tiles("overlap", 128, 128) == hb.LOWP_TILES
-    assert [hb.kernel_form("ws2", d, dv) for d, dv in ((64, 64), (16, 32), (64, 128), (128, 64))] == [
-        "ws2", "ws2", "ws", "ws"]
+    assert [hb.kernel_form("ws2", d, dv) for d, dv in ((64, 64), (16, 32), (64, 128), (128, 64), (128, 128),
+                                                        (96, 96))] == ["ws2", "ws2", "ws", "ws2", "ws2", "ws"]
+    assert hb.lowp_tiles("ws2", 128, 128) == hb.LOWP_WS2_WIDE_TILES
     assert hb.kernel_form("plain", 128, 128) == "plain"
     t = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)

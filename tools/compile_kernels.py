@@ -120,11 +120,12 @@ def gluon_variants():
         descs, const = lowp(bn, bm, st, d, causal, False)
         yield (f"gluon lowp_bwd_ws D={d} causal={causal} dq_tma=False tiles={bn}x{bm}/{w}", hb._lowp_bwd_ws, descs,
                dict(const, DQ_REGS=hb.WS_DQ_REGS, NC=1, COMPUTE_REGS=0), dict(num_warps=w, maxnreg=hb.ws_maxnreg(w)))
-    for d, causal in ((64, False), (64, True), (32, False)):  # two compute warpgroups, each a partition
+    for d, causal in ((64, False), (64, True), (32, False), (128, False), (128, True)):  # two compute partitions
         bn, bm, st, w = hb.lowp_tiles("ws2", d, d)
         descs, const = lowp(bn, bm, st, d, causal, False)
         yield (f"gluon lowp_bwd_ws2 D={d} causal={causal} dq_tma=False", hb._lowp_bwd_ws, descs,
-               dict(const, DQ_REGS=hb.WS_DQ_REGS, NC=2, COMPUTE_REGS=hb.WS2_COMPUTE_REGS),
+               dict(const, NC=2, **dict(zip(("COMPUTE_REGS", "DQ_REGS"), hb.WS2_WIDE_REGS if d > 64 else (
+                   hb.WS2_COMPUTE_REGS, hb.WS_DQ_REGS)))),
                dict(num_warps=4, maxnreg=hb.ws_maxnreg(8)))
 
 
