@@ -744,7 +744,7 @@ LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query row
 LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
 # ws2 at D = 128 (branch s62-d128-ws2, not measured): 32 query rows a tile, so that a compute warpgroup's dK, dV,
 # s^T, dP^T, statistics and operands fit ~208 registers; dQ computed transposed (M = D)
-LOWP_WS2_WIDE_TILES = (128, 32, 2, 4)
+LOWP_WS2_WIDE_TILES = (128, 32, 2, 8)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
 LOWP_FORMS = ("plain", "overlap", "ws", "ws2")
 WS2_COMPUTE_REGS = 200  # _lowp_bwd_ws at NC = 2 (ws2): registers a thread of its second compute warpgroup
@@ -761,9 +761,10 @@ def lowp_form() -> str:
 
 
 def kernel_form(form: str, d: int, dv: int) -> str:
-    """The form whose kernel runs ``form``'s calls at head dims ``d``, ``dv``: ``ws2`` only at head dims up to 64
-    (each compute warpgroup's two accumulators, s^T, dP^T and the rows' statistics in ~200 registers), ``ws`` for
-    its wider calls; every other form itself."""
+    """The form whose kernel runs ``form``'s calls at head dims ``d``, ``dv``: ``ws2`` at head dims up to 64 (each
+    compute warpgroup's two accumulators, s^T, dP^T and the rows' statistics in ~200 registers) and at D = 128,
+    Dv <= 128 (branch s63-d128, not measured: 32 query rows a tile, :data:`LOWP_WS2_WIDE_TILES`), ``ws`` for its
+    other wider calls; every other form itself."""
     return "ws" if form == "ws2" and max(d, dv) > 64 and not (d == 128 and dv <= 128) else form
 
 
@@ -793,7 +794,7 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     launch. ``form`` (default :func:`lowp_form`): ``plain`` or ``overlap`` (:func:`_lowp_bwd` without or with its
     ``OVERLAP`` order), ``ws`` or ``ws2`` (:func:`_lowp_bwd_ws` with one or two compute partitions; ws2's calls over
     D = 64 run ws, :func:`kernel_form`); ``tiles``: ``(BLOCK_N, BLOCK_M, STAGES, num_warps)``, default
-    :func:`lowp_tiles` (ws2: BLOCK_N 128 and 8 warps, its two warpgroups, and BLOCK_M a multiple of 64, or
+    :func:`lowp_tiles` (ws2: BLOCK_N 128 and 8 warps, its two warpgroups, and BLOCK_M a multiple of 64 at D <= 64, or
     ValueError); ``dq_tma``: TMA reduce-adds (default where :func:`dq_tma_available`) or atomic adds."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -806,9 +807,9 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
     if form == "ws2" and (bn, warps) != (128, 8):
         raise ValueError(f"tiles={tiles}: ws2 runs two compute warpgroups of 64 keys each, so BLOCK_N = 128 and "
                          f"num_warps = 8 (got {bn} and {warps})")
-    if form == "ws2" and bm % 64:
-        raise ValueError(f"tiles={tiles}: ws2 computes dQ as [BLOCK_M, D] in one warpgroup, so BLOCK_M is a "
-                         f"multiple of 64 (got {bm})")
+    if form == "ws2" and max(D, Dv) <= 64 and bm % 64:
+        raise ValueError(f"tiles={tiles}: ws2 at head dims up to 64 computes dQ as [BLOCK_M, D] in one warpgroup, "
+                         f"so BLOCK_M is a multiple of 64 (got {bm}); 32-row tiles are its D = 128 form's")
     if dq_tma is None:
         dq_tma = dq_tma_available()
     if not (Nk and Nq and B * Hkv):

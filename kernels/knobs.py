@@ -179,8 +179,8 @@ _DECLARED = (
     Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws", "ws2"), "auto",
          "which form of the fp16/bf16 Gluon backward (ELSA_BWD_DQ=gluon) runs: plain, five products a tile in one "
          "order; overlap, dQ's adds overlapping dV's and dK's products; ws, warp-specialised (a warpgroup of its own "
-         "runs dQ's product and adds); ws2, ws with each compute warpgroup a partition of its own (head dims <= 64, "
-         "else ws); auto: ws2 (session 62 H100, public call, bf16 H = 16 N = 4K D = 64: 0.461 ms against ws's "
+         "runs dQ's product and adds); ws2, ws with each compute warpgroup a partition of its own (head dims <= 64 "
+         "and D = 128 with 32-row tiles, else ws); auto: ws2 (session 62 H100, public call, bf16 H = 16 N = 4K D = 64: 0.461 ms against ws's "
          "0.541 and plain's ~0.59; causal, the kernels alone, 0.232 against 0.267)",
          _choice("auto", "plain", "overlap", "ws", "ws2"), scope="tuning",
          choices=("auto", "plain", "overlap", "ws", "ws2")),

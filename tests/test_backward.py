@@ -170,6 +170,10 @@ def test_lowp_backward_launches_each_form_with_its_kernel_arguments(monkeypatch)
     assert kw["COMPUTE_REGS"] == hb.WS2_COMPUTE_REGS and kw["maxnreg"] == hb.ws_maxnreg(8) == 168
     assert programs == 3 * 2 * 2
     fn, programs, kw = launch("ws2", 128)
+    assert fn is hb._lowp_bwd_ws and kw["NC"] == 2 and kw["num_warps"] == 4 and kw["BLOCK_M"] == 32
+    assert (kw["COMPUTE_REGS"], kw["DQ_REGS"]) == hb.WS2_WIDE_REGS and kw["maxnreg"] == 168
+    assert programs == 3 * 2 * 2
+    fn, programs, kw = launch("ws2", 256)
     assert fn is hb._lowp_bwd_ws and kw["NC"] == 1
     assert (kw["BLOCK_N"], kw["BLOCK_M"], kw["STAGES"], kw["num_warps"]) == hb.LOWP_WS_WIDE_TILES
     assert programs == 5 * 2 * 2

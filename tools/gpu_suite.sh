@@ -4,8 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | lowp-bwd | lowp-short | compile-time | compile-time-2 | compile-autotune | generate-eager | exec (then:
-#   OUTDIR COMMAND..., run with the package mapped).
+#   races | lowp-bwd | lowp-short | lowp-d128 | compile-time | compile-time-2 | compile-autotune | generate-eager |
+#   exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -89,6 +89,19 @@ case "$part" in
       timeout 170 python3 benchmarks/lab/lowp_bwd.py --forms ws,ws2 --tiles 128,64,2,8 --shapes 16x32,16x64 \
         --n "$1" --batch "$2" --skip-check 2>&1 | tee "$out/lowp_short_$1.log" | grep -v '^ '
     done ;;
+  lowp-d128)  # branch s63-d128 (sessions 62-63, never run on a GPU): ws2 at D = 128 (32 query rows a tile, dQ^T =
+    # K^T.dS^T) against float64, the row pass, ws (which at D = 128 now also computes dQ^T) and cuDNN: the kernel
+    # alone at 2-4 stages and two register splits, the public ws and ws2, at 4K (with the exactness check) and 16K;
+    # then the backward's GPU tests (the form test's D = 128 case runs ws2 there). One call, ~450 s estimated.
+    timeout 230 python3 benchmarks/lab/lowp_bwd.py --forms ws2 --public-forms ws,ws2 --shapes 16x128 \
+      --tiles '128,32,2,8;128,32,3,8;128,32,4,8' --wide-regs '216,80;224,64' 2>&1 | tee "$out/lowp_d128_4k.log" \
+      | cut -c1-600
+    timeout 120 python3 benchmarks/lab/lowp_bwd.py --forms ws2 --public-forms ws,ws2 --shapes 16x128 --n 16384 \
+      --tiles '128,32,2,8;128,32,3,8' --skip-check 2>&1 | tee "$out/lowp_d128_16k.log"
+    (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
+       --rootdir "$repo" --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 \
+       | tee "$out/pytest_lowp_d128.log" \
+       | tail -5) ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)

@@ -42,8 +42,15 @@ def reference(q, k, v, do, causal, scale):
     return out, lse, (q64.grad, k64.grad, v64.grad)
 
 
-def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, form="plain", delta=None):
-    """This kernel's gradients in ``form`` (``hb.LOWP_FORMS``)."""
+def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, form="plain", delta=None, regs=None):
+    """This kernel's gradients in ``form`` (``hb.LOWP_FORMS``; ``regs``: ws2's registers over D = 64,
+    ``hb.WS2_WIDE_REGS``, for this call)."""
+    if regs is not None:
+        saved, hb.WS2_WIDE_REGS = hb.WS2_WIDE_REGS, regs
+        try:
+            return ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, form, delta)
+        finally:
+            hb.WS2_WIDE_REGS = saved
     if delta is None:
         delta = (do.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -53,10 +60,11 @@ def ours(q, k, v, do, out, lse, causal, scale, tiles, dq_tma, form="plain", delt
     return dq.to(q.dtype), dk, dv
 
 
-def variants(configs, modes, forms):
-    """``(label, tiles, dq_tma, form)`` of every kernel configuration asked for."""
-    return [(f"{t} {'tma' if m else 'atomic'}{'' if f == 'plain' else ' ' + f}", t, m, f)
-            for t in configs for m in modes for f in forms]
+def variants(configs, modes, forms, wide_regs=(None, )):
+    """``(label, tiles, dq_tma, form, regs)`` of every kernel configuration asked for (``regs``: ws2's at head dims
+    over 64, None for the default)."""
+    return [(f"{t} {'tma' if m else 'atomic'}{'' if f == 'plain' else ' ' + f}{'' if r is None else f' regs={r}'}", t,
+             m, f, r) for t in configs for m in modes for f in forms for r in (wide_regs if f == "ws2" else (None, ))]
 
 
 def rel(a, b):
@@ -87,6 +95,9 @@ def main():
                          "tiles only), each timed alone and through the public call")
     ap.add_argument("--public-forms", default=None,
                     help="the forms timed through the public call (default: --forms)")
+    ap.add_argument("--wide-regs", default=None,
+                    help="ws2's (compute, dQ) registers a thread over D = 64 to try, e.g. '216,80;224,64' "
+                         "(default: hb.WS2_WIDE_REGS); 2 x compute + dQ <= 512")
     ap.add_argument("--skip-check", action="store_true")
     a = ap.parse_args()
     import elsa_surgery
@@ -100,7 +111,8 @@ def main():
     bad = [f for f in forms + public_forms if f not in hb.LOWP_FORMS]
     if bad:
         ap.error(f"--forms, --public-forms: {bad} not among {hb.LOWP_FORMS}")
-    kinds = variants(configs, modes, forms)
+    wide = ([tuple(int(x) for x in r.split(",")) for r in a.wide_regs.split(";")] if a.wide_regs else [None])
+    kinds = variants(configs, modes, forms, wide)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "TMA reduce-add available:", hb.dq_tma_available(), flush=True)
     if not a.skip_check:
@@ -123,9 +135,9 @@ def main():
                     o = elsa_surgery.attention(qq, kk, vv, is_causal=causal, backend="elsa", enable_gqa=True)
                     g = torch.autograd.grad(o, (qq, kk, vv), do)
                 line += " | public gluon " + " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
-                for label, t, tma_, f in kinds:
+                for label, t, tma_, f, r in kinds:
                     try:
-                        g = ours(q, k, v, do, out, lse, causal, scale, t, tma_, f)
+                        g = ours(q, k, v, do, out, lse, causal, scale, t, tma_, f, regs=r)
                         torch.cuda.synchronize()
                         errs = " ".join(f"{rel(x, r):.2e}" for x, r in zip(g, ref))
                     except Exception as e:
@@ -180,10 +192,10 @@ def main():
                     lse = torch.logsumexp(s, -1).contiguous()
                     del s
                     delta = (do.float() * o.float()).sum(-1)
-                for label, t, tma_, f in kinds:  # (delta made once: the kernel, dQ's zero-fill and cast timed)
+                for label, t, tma_, f, r in kinds:  # (delta made once: the kernel, dQ's zero-fill and cast timed)
                     try:
                         res[label] = triton.testing.do_bench(
-                            lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_, f, delta))
+                            lambda: ours(q, k, v, do, o, lse, causal, scale, t, tma_, f, delta, r))
                     except Exception as e:
                         res[label] = float("nan")
                         print("  failed", label, type(e).__name__, str(e)[:300])
