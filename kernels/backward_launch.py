@@ -135,30 +135,43 @@ def atomic_dq(deterministic: Optional[bool] = None, gluon_call: Optional[Callabl
     return mode in ("atomic", "gluon")
 
 
-AUTO_GLUON_MAX_D = 64  # ELSA_BWD_DQ=auto: the widest head (D and Dv) that runs the Gluon kernel (gluon_auto)
-AUTO_GLUON_MIN_N = 4096  # ... and the fewest query rows and keys a sequence (the same)
+AUTO_GLUON_MAX_D = 128  # ELSA_BWD_DQ=auto: the widest head (D and Dv) that runs the Gluon kernel (gluon_auto)
+# ... and the fewest query rows and keys a sequence, by head width (64: D and Dv <= 64; 128: wider) and causality
+AUTO_GLUON_MIN_N = {(64, False): 1024, (64, True): 256, (128, False): 1024, (128, True): 2048}
 
 
 def gluon_auto(q, k, v, do, call: dict, mask_grad: bool) -> bool:
     """``ELSA_BWD_DQ=auto``'s rule: a dense fp16/bf16 call in the Gluon backward's scope
-    (``hopper_backward.lowp_eligible``) with head dims of at most :data:`AUTO_GLUON_MAX_D` and at least
-    :data:`AUTO_GLUON_MIN_N` query rows and keys runs it (dQ by atomic adds); any other call the row pass. Session 61,
-    H100, bf16, the backward through the public call (delta, dQ's zero-fill and cast included), the warp-specialised
-    kernel against the row pass, ms: D = 64, H = 16, B = 1: N = 4K 0.536 / 0.576 (causal 0.272 / 0.306), 16K 7.35 /
-    8.62 (causal 3.65 / 4.28); N = 2K B = 4 0.594 / 0.602 (causal 0.343 / 0.337), 1K B = 16 0.663 / 0.663; shorter
-    rows slower (H = 12: N = 512 B = 32 0.330 / 0.308, N = 197 B = 64 0.234 / 0.195); D = 128 slower (4K 1.026 /
-    0.965, 16K 15.9 / 14.6; causal level: 0.528 / 0.531, 7.67 / 7.85). Since session 62 the kernel's form is ws2
-    (``hopper_backward.lowp_form``): D = 64, H = 16, B = 1, 4K 0.461 ms against the row pass's 0.562, 16K 7.01
-    against 8.59; the bounds above were set from ws's numbers, and ws2 has not been timed below 4K."""
-    if call["varlen_dims"] is not None or q.dim() != 4 or max(q.shape[-1], v.shape[-1]) > AUTO_GLUON_MAX_D:
+    (``hopper_backward.lowp_eligible``) runs it (dQ by atomic adds) when its head dims are at most 64, or wider up to
+    :data:`AUTO_GLUON_MAX_D` where the form that runs is ws2 (``hopper_backward.kernel_form``: D = 128, Dv <= 128),
+    and its query rows and keys reach :data:`AUTO_GLUON_MIN_N` for its width and causality; any other call the row
+    pass.
+
+    The bounds are ws2's, session 64 (H100, bf16, H = 16, the backward through the public call: delta, dQ's
+    zero-fill and cast included), ws2 against the row pass, ms, non-causal / causal:
+
+    * D = 64: N = 256 B = 64 0.417 / 0.387, causal 0.301 / 0.395; 512 B = 32 0.442 / 0.413, causal 0.350 / 0.449;
+      1K B = 16 0.595 / 0.654, causal 0.422 / 0.420; 2K B = 4 0.507 / 0.601, causal 0.305 / 0.335. D = 32: 1K 0.428 /
+      0.495, causal 0.305 / 0.319; 2K 0.425 / 0.457, causal 0.213 / 0.336. Session 62, 4K and 16K: 0.461 / 0.562,
+      7.01 / 8.59.
+    * D = 128 (32-row tiles): N = 256 0.515 / 0.498, causal 0.669 / 0.456; 512 0.679 / 0.703, causal 0.656 / 0.551;
+      1K 1.044 / 1.128, causal 0.801 / 0.751; 2K 0.930 / 1.038, causal 0.595 / 0.606; 4K B = 1 0.814 / 0.982, causal
+      0.482 / 0.523; 16K 12.31 / 14.47, causal 6.77 / 7.62.
+
+    Below the bounds the kernel's own time still wins at most lengths; dQ's fp32 zero-fill and cast and delta (about
+    0.03-0.15 ms at these sizes) are what the row pass does not pay."""
+    width = max(q.shape[-1], v.shape[-1])
+    if call["varlen_dims"] is not None or q.dim() != 4 or width > AUTO_GLUON_MAX_D:
         return False
-    if min(q.shape[-2], k.shape[-2]) < AUTO_GLUON_MIN_N:
+    if min(q.shape[-2], k.shape[-2]) < AUTO_GLUON_MIN_N[(64 if width <= 64 else 128, bool(call["is_causal"]))]:
         return False
     dot = launch._dot_kind(q.dtype, call["precision"], q.device)
     if dot != occ.DOT_LOWP:
         return False
     from . import hopper_backward
 
+    if width > 64 and hopper_backward.kernel_form(hopper_backward.lowp_form(), q.shape[-1], v.shape[-1]) != "ws2":
+        return False
     return hopper_backward.lowp_eligible(q, k, v, do, dot=dot, mask=call["mask"], q_lengths=call["q_lengths"],
                                          kv_lengths=call["kv_lengths"], varlen=False, dropout_p=call["dropout_p"],
                                          mask_grad=mask_grad) is None

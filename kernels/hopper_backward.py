@@ -742,14 +742,16 @@ LOWP_TILES = (128, 64, 2, 8)  # BLOCK_N keys (64 a warpgroup), BLOCK_M query row
 # ptxas serialised the products for want of registers, C7512; session 61 H100, bf16 H = 16 N = 4K D = 128: 64 x 64
 # 1.008 ms non-causal, 0.511 causal, against 1.135 and 0.870 at 128 x 64 with eight)
 LOWP_WS_WIDE_TILES = (64, 64, 2, 4)
-# ws2 at D = 128 (branch s62-d128-ws2, not measured): 32 query rows a tile, so that a compute warpgroup's dK, dV,
-# s^T, dP^T, statistics and operands fit ~208 registers; dQ computed transposed (M = D)
+# ws2 at D = 128: 32 query rows a tile, so that a compute warpgroup's dK, dV, s^T, dP^T, statistics and operands fit
+# ~216 registers; dQ computed transposed (M = D). Session 64, H100, bf16 H = 16 N = 4K, the kernel alone: 0.814 ms
+# non-causal, 0.475 causal at 2 stages (3: 0.825 / 0.464, 4: 0.832 / 0.474), against ws's 0.984 / 0.517 (public)
 LOWP_WS2_WIDE_TILES = (128, 32, 2, 8)
 WS_DQ_REGS = 112  # _lowp_bwd_ws: registers a thread of its dQ warpgroup
 LOWP_FORMS = ("plain", "overlap", "ws", "ws2")
 WS2_COMPUTE_REGS = 200  # _lowp_bwd_ws at NC = 2 (ws2): registers a thread of its second compute warpgroup
-# ws2 at D = 128 (branch, not measured): compute warpgroups 216 (ptxas, Triton 3.8: 28-96 bytes of spills; 200: 284),
-# the dQ warpgroup 80 (its dQ^T accumulator, 128 x 32, is 32 registers a thread)
+# ws2 at D = 128: compute warpgroups 216 (ptxas, Triton 3.6: 80 / 180 bytes of spills non-causal / causal; 200: 284),
+# the dQ warpgroup 80 (its dQ^T accumulator, 128 x 32, is 32 registers a thread); session 64 H100 4K: 224 / 64
+# 0.828 / 0.488 ms against 216 / 80's 0.814 / 0.475
 WS2_WIDE_REGS = (216, 80)
 
 
@@ -763,8 +765,8 @@ def lowp_form() -> str:
 def kernel_form(form: str, d: int, dv: int) -> str:
     """The form whose kernel runs ``form``'s calls at head dims ``d``, ``dv``: ``ws2`` at head dims up to 64 (each
     compute warpgroup's two accumulators, s^T, dP^T and the rows' statistics in ~200 registers) and at D = 128,
-    Dv <= 128 (branch s63-d128, not measured: 32 query rows a tile, :data:`LOWP_WS2_WIDE_TILES`), ``ws`` for its
-    other wider calls; every other form itself."""
+    Dv <= 128 (32 query rows a tile, :data:`LOWP_WS2_WIDE_TILES`), ``ws`` for its other wider calls; every other
+    form itself."""
     return "ws" if form == "ws2" and max(d, dv) > 64 and not (d == 128 and dv <= 128) else form
 
 

@@ -171,9 +171,11 @@ _DECLARED = (
          "every measured tile); atomic, atomic adds from the key-block pass; gluon, atomic adds, and fp16/bf16 calls "
          "in the Hopper kernels' scope through one Gluon kernel (its form: ELSA_BWD_LOWP; H100: exact; at D = 64 the "
          "warp-specialised form with two compute partitions (session 62) 1.2-1.6x the row pass's speed at 4K and "
-         "16K, the one-partition form 1.07-1.17x, level at 1-2K and slower at N <= 512 (session 61); slower at "
-         "D = 128); auto, that kernel for such calls with head dims <= 64 and at least 4096 query "
-         "rows and keys (backward_launch.gluon_auto), the row pass for every other call. Never atomic under "
+         "16K, the one-partition form 1.07-1.17x, level at 1-2K and slower at N <= 512 (session 61); at D = 128 "
+         "the two-partition form with 32-row tiles 1.08-1.21x at 1-16K, causal 1.08-1.13x at 4-16K (session 64)); "
+         "auto, that kernel for such calls with head dims <= 64, or D = 128 where that form runs, and enough "
+         "query rows and keys (backward_launch.gluon_auto: 1024, causal 256 at D <= 64, causal 2048 at D = 128), "
+         "the row pass for every other call. Never atomic under "
          "torch.use_deterministic_algorithms(True)",
          _choice("rows", "atomic", "gluon", "auto"), scope="tuning", choices=("rows", "atomic", "gluon", "auto")),
     Knob(BWD_LOWP, "choice", _choices("auto", "plain", "overlap", "ws", "ws2"), "auto",

@@ -58,8 +58,9 @@ def test_dq_mode_defaults_to_auto(monkeypatch):
 
 def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     """``ELSA_BWD_DQ=auto``: atomic dQ (the fp16/bf16 Gluon kernel) exactly for the calls ``gluon_auto`` names, dense
-    fp16/bf16 calls in the kernel's scope with head dims <= 64 and at least 4096 query rows and keys; the row pass
-    for the rest and always under deterministic algorithms (the rule itself is not consulted there)."""
+    fp16/bf16 calls in the kernel's scope with head dims <= 64, or D = 128 where ws2 runs, and at least
+    ``AUTO_GLUON_MIN_N`` query rows and keys for their width and causality; the row pass for the rest and always under
+    deterministic algorithms (the rule itself is not consulted there)."""
     from elsa_surgery.kernels import backward_launch as bl, hopper_backward as hb
 
     monkeypatch.setenv("ELSA_BWD_DQ", "auto")
@@ -69,8 +70,9 @@ def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     assert not bl.atomic_dq(True, lambda: asked.append(2) or True) and asked == [1]
     call = dict(scale=0.125, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
                 varlen_dims=None, precision=None, dropout_p=0.0, seed=None)
+    n_max = max(bl.AUTO_GLUON_MIN_N.values())
 
-    def t(d, dtype=torch.float16, n=bl.AUTO_GLUON_MIN_N):  # (bf16 under the interpreter: a dot kind of its own)
+    def t(d, dtype=torch.float16, n=n_max):  # (bf16 under the interpreter: a dot kind of its own)
         return torch.empty(1, 2, n, d, dtype=dtype)
 
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)  # here: not a Hopper GPU (lowp_eligible)
@@ -78,16 +80,27 @@ def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     monkeypatch.setattr(hb, "lowp_eligible", lambda *a, **kw: scoped.append(kw) or None)  # as on a Hopper GPU
     assert bl.gluon_auto(t(64), t(64), t(32), t(32), call, False)
     assert scoped[-1]["dropout_p"] == 0.0 and scoped[-1]["mask_grad"] is False
+    assert bl.gluon_auto(t(128), t(128), t(128), t(128), call, False)  # ws2's D = 128 form
+    assert bl.gluon_auto(t(128), t(128), t(64), t(64), call, False)
     n = len(scoped)
-    assert not bl.gluon_auto(t(128), t(128), t(128), t(128), call, False)
-    assert not bl.gluon_auto(t(64), t(64), t(128), t(128), call, False)  # Dv wider than the rule's 64
+    assert not bl.gluon_auto(t(64), t(64), t(128), t(128), call, False)  # D = 64, Dv = 128: ws, not ws2
+    assert not bl.gluon_auto(t(256), t(256), t(256), t(256), call, False)  # wider than AUTO_GLUON_MAX_D
+    monkeypatch.setenv("ELSA_BWD_LOWP", "ws")
+    assert not bl.gluon_auto(t(128), t(128), t(128), t(128), call, False)  # the bounds at D = 128 are ws2's
+    monkeypatch.delenv("ELSA_BWD_LOWP")
     assert not bl.gluon_auto(t(64, torch.float32), t(64, torch.float32), t(64, torch.float32),
                              t(64, torch.float32), call, False)
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), dict(call, varlen_dims=(1, 64, 64)), False)
-    short = bl.AUTO_GLUON_MIN_N - 1
-    assert not bl.gluon_auto(t(64, n=short), t(64), t(64), t(64, n=short), call, False)  # too few query rows
-    assert not bl.gluon_auto(t(64), t(64, n=short), t(64, n=short), t(64), call, False)  # too few keys
     assert len(scoped) == n  # each refused by the rule before the scope check
+    for (width, causal), least in bl.AUTO_GLUON_MIN_N.items():
+        c = dict(call, is_causal=causal)
+        assert bl.gluon_auto(t(width, n=least), t(width, n=least), t(width, n=least), t(width, n=least), c, False)
+        n = len(scoped)
+        short = least - 1
+        assert not bl.gluon_auto(t(width, n=short), t(width), t(width), t(width, n=short), c, False)  # query rows
+        assert not bl.gluon_auto(t(width), t(width, n=short), t(width, n=short), t(width), c, False)  # keys
+        assert len(scoped) == n, (width, causal)
+    assert bl.AUTO_GLUON_MIN_N[(64, True)] < bl.AUTO_GLUON_MIN_N[(64, False)]  # the bound follows causality
     monkeypatch.setattr(hb, "lowp_eligible", lambda *a, **kw: "masks run on the portable kernel")
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)
 
@@ -857,21 +870,21 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
 
 @pytest.mark.gpu
 def test_gpu_dq_auto_runs_the_gluon_kernel_at_narrow_heads():
-    """``ELSA_BWD_DQ=auto`` (the default) on a Hopper GPU: a bf16 call at D = 64 with 4096 query rows and keys runs
-    the Gluon kernel; one at D = 128, one with 4095 keys and one under deterministic algorithms the row pass; each as
-    close to float64 as the row pass."""
+    """``ELSA_BWD_DQ=auto`` (the default) on a Hopper GPU, causal bf16 calls: D = 64 and D = 128 with as many query
+    rows and keys as D = 128's causal bound run the Gluon kernel; D = 128 with one key fewer, and D = 64 under
+    deterministic algorithms, the row pass; each as close to float64 as the row pass."""
     from elsa_surgery.kernels import backward_launch, hopper_backward
 
     if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.lowp_eligible(
             *(torch.empty(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16),) * 4, dot=0, mask=None, q_lengths=None,
             kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False) is not None:
         pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
-    n = backward_launch.AUTO_GLUON_MIN_N
+    n = backward_launch.AUTO_GLUON_MIN_N[(128, True)]
     ran = []
     real = hopper_backward.lowp_backward
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hopper_backward, "lowp_backward", lambda *a, **kw: ran.append(a[1].shape[-1]) or real(*a, **kw))
-        for d, nk, det, gluon in ((64, n, False, True), (128, n, False, False), (64, n - 1, False, False),
+        for d, nk, det, gluon in ((64, n, False, True), (128, n, False, True), (128, n - 1, False, False),
                                   (64, n, True, False)):
             q, k, v = _leaf(1, 2, n, d, dtype=torch.bfloat16), *(_leaf(1, 2, nk, d, dtype=torch.bfloat16)
                                                                  for _ in range(2))

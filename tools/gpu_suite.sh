@@ -82,14 +82,14 @@ case "$part" in
     (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
        --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 | tee "$out/pytest_lowp_bwd.log" \
        | tail -5) ;;
-  lowp-short)  # session 63 (written without a GPU): ws2 where auto's bounds were set from ws's numbers alone (N >= 4K,
-    # D <= 64): ws, ws2 and the row pass (auto's choice below 4K) at 1K (B = 16) and 2K (B = 4) query rows, D = 32
+  lowp-short)  # session 63 (first run in session 64): ws2 where auto's bounds had been set from ws's numbers alone
+    # (N >= 4K, D <= 64): ws, ws2 and the row pass (auto's choice below 4K) at 1K (B = 16) and 2K (B = 4) query rows, D = 32
     # and 64, through the public call and alone, against cuDNN (benchmarks/lab/lowp_bwd.py)
     for nb in "1024 16" "2048 4"; do set -- $nb
       timeout 170 python3 benchmarks/lab/lowp_bwd.py --forms ws,ws2 --tiles 128,64,2,8 --shapes 16x32,16x64 \
         --n "$1" --batch "$2" --skip-check 2>&1 | tee "$out/lowp_short_$1.log" | grep -v '^ '
     done ;;
-  lowp-d128)  # branch s63-d128 (sessions 62-63, never run on a GPU): ws2 at D = 128 (32 query rows a tile, dQ^T =
+  lowp-d128)  # sessions 62-63, measured and merged in session 64: ws2 at D = 128 (32 query rows a tile, dQ^T =
     # K^T.dS^T) against float64, the row pass, ws (which at D = 128 now also computes dQ^T) and cuDNN: the kernel
     # alone at 2-4 stages and two register splits, the public ws and ws2, at 4K (with the exactness check) and 16K;
     # then the backward's GPU tests (the form test's D = 128 case runs ws2 there). One call, ~450 s estimated.
