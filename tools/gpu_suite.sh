@@ -83,8 +83,8 @@ case "$part" in
        --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 | tee "$out/pytest_lowp_bwd.log" \
        | tail -5) ;;
   lowp-short)  # session 63 (first run in session 64): ws2 where auto's bounds had been set from ws's numbers alone
-    # (N >= 4K, D <= 64): ws, ws2 and the row pass (auto's choice below 4K) at 1K (B = 16) and 2K (B = 4) query rows, D = 32
-    # and 64, through the public call and alone, against cuDNN (benchmarks/lab/lowp_bwd.py)
+    # (N >= 4K, D <= 64): ws, ws2 and the row pass (auto's choice below 4K) at 1K (B = 16) and 2K (B = 4) query rows,
+    # D = 32 and 64, through the public call and alone, against cuDNN (benchmarks/lab/lowp_bwd.py)
     for nb in "1024 16" "2048 4"; do set -- $nb
       timeout 170 python3 benchmarks/lab/lowp_bwd.py --forms ws,ws2 --tiles 128,64,2,8 --shapes 16x32,16x64 \
         --n "$1" --batch "$2" --skip-check 2>&1 | tee "$out/lowp_short_$1.log" | grep -v '^ '
