@@ -4,8 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | lowp-bwd | lowp-short | lowp-d128 | compile-time | compile-time-2 | compile-autotune | generate-eager |
-#   exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | compile-time | compile-time-2 | compile-autotune |
+#   generate-eager | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -102,6 +102,14 @@ case "$part" in
        --rootdir "$repo" --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 \
        | tee "$out/pytest_lowp_d128.log" \
        | tail -5) ;;
+  lowp-auto)  # session 64 (written without a GPU run of it): ELSA_BWD_DQ=auto with ws2's bounds
+    # (backward_launch.AUTO_GLUON_MIN_N: ws2 at D <= 64 from 1K rows, causal 256; D = 128 from 1K, causal 2K): the
+    # routing test, then forward + backward through auto against cuDNN at D = 64 and 128, 1K to 16K; ~300 s
+    (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
+       --rootdir "$repo" --tb=short "$repo/tests/test_backward.py" -k "dq_auto or lowp" 2>&1 \
+       | tee "$out/pytest_lowp_auto.log" | tail -5)
+    timeout 300 python3 recipes/bench_attention.py --backward --dtypes bf16 --n 1024,4096,16384 \
+      --shapes 16x64,16x128 --baselines flash,cudnn --batch 1 2>&1 | tee "$out/bwd_auto.log" | grep -v '^ ' ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
