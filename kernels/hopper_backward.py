@@ -755,6 +755,12 @@ WS2_COMPUTE_REGS = 200  # _lowp_bwd_ws at NC = 2 (ws2): registers a thread of it
 WS2_WIDE_REGS = (216, 80)
 
 
+def ws2_regs(d: int, dv: int) -> tuple:
+    """``(COMPUTE_REGS, DQ_REGS)`` of ws2 at head dims ``d``, ``dv``: :data:`WS2_WIDE_REGS` over 64, else
+    :data:`WS2_COMPUTE_REGS` and :data:`WS_DQ_REGS`."""
+    return WS2_WIDE_REGS if max(d, dv) > 64 else (WS2_COMPUTE_REGS, WS_DQ_REGS)
+
+
 def lowp_form() -> str:
     """The form of the fp16/bf16 Gluon backward that runs (``ELSA_BWD_LOWP``; auto: ``ws2``, which runs ``ws`` at
     head dims over 64: :func:`kernel_form`)."""
@@ -829,7 +835,7 @@ def lowp_backward(do, q, k, v, lse, delta, dq, dk, dv, *, scale: float, is_causa
         replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=WS_DQ_REGS, NC=1, COMPUTE_REGS=0,
                       maxnreg=ws_maxnreg(warps), **const)
     elif form == "ws2":  # two compute warpgroups, each a partition: the kernel's own warps are the first
-        compute_regs, dq_regs = WS2_WIDE_REGS if max(D, Dv) > 64 else (WS2_COMPUTE_REGS, WS_DQ_REGS)
+        compute_regs, dq_regs = ws2_regs(D, Dv)
         replay.launch(_lowp_bwd_ws, (n_nb * B * Hkv,), *args, DQ_REGS=dq_regs, NC=2, COMPUTE_REGS=compute_regs,
                       maxnreg=ws_maxnreg(8), **dict(const, num_warps=4))
     else:

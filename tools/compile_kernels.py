@@ -124,8 +124,7 @@ def gluon_variants():
         bn, bm, st, w = hb.lowp_tiles("ws2", d, d)
         descs, const = lowp(bn, bm, st, d, causal, False)
         yield (f"gluon lowp_bwd_ws2 D={d} causal={causal} dq_tma=False", hb._lowp_bwd_ws, descs,
-               dict(const, NC=2, **dict(zip(("COMPUTE_REGS", "DQ_REGS"), hb.WS2_WIDE_REGS if d > 64 else (
-                   hb.WS2_COMPUTE_REGS, hb.WS_DQ_REGS)))),
+               dict(const, NC=2, **dict(zip(("COMPUTE_REGS", "DQ_REGS"), hb.ws2_regs(d, d)))),
                dict(num_warps=4, maxnreg=hb.ws_maxnreg(8)))
 
 

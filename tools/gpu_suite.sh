@@ -42,10 +42,10 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu_$part.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu_$part.txt"
 gpu_tests() {  # $1: log name, then pytest selection; run from outside the checkout so that the repo's unmapped
-  # elsa_surgery/ is not imported first
+  # elsa_surgery/ is not imported first. TESTS_TIMEOUT: seconds (default 560; less where a part runs more after it)
   local log=$1; shift
-  (cd /tmp && timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
-     --rootdir "$repo" --tb=short "$@" 2>&1 | tee "$out/$log" | tail -60)
+  (cd /tmp && timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+     -c "$repo/pyproject.toml" --rootdir "$repo" --tb=short "$@" 2>&1 | tee "$out/$log" | tail -60)
 }
 case "$part" in
   tests-kernels) gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" -k "not every_tile_config" ;;
@@ -79,9 +79,7 @@ case "$part" in
     # (benchmarks/lab/lowp_bwd.py; session 61, H100: ~100 s a run), then its GPU test
     timeout 200 python3 benchmarks/lab/lowp_bwd.py --forms plain,ws,ws2 --tiles '128,64,2,8' 2>&1 \
       | tee "$out/lowp_bwd.log"
-    (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
-       --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 | tee "$out/pytest_lowp_bwd.log" \
-       | tail -5) ;;
+    TESTS_TIMEOUT=150 gpu_tests pytest_lowp_bwd.log "$repo/tests/test_backward.py" -k "lowp or dq_auto" ;;
   lowp-short)  # session 63 (first run in session 64): ws2 where auto's bounds had been set from ws's numbers alone
     # (N >= 4K, D <= 64): ws, ws2 and the row pass (auto's choice below 4K) at 1K (B = 16) and 2K (B = 4) query rows,
     # D = 32 and 64, through the public call and alone, against cuDNN (benchmarks/lab/lowp_bwd.py)
@@ -98,16 +96,11 @@ case "$part" in
       | cut -c1-600
     timeout 120 python3 benchmarks/lab/lowp_bwd.py --forms ws2 --public-forms ws,ws2 --shapes 16x128 --n 16384 \
       --tiles '128,32,2,8;128,32,3,8' --skip-check 2>&1 | tee "$out/lowp_d128_16k.log"
-    (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
-       --rootdir "$repo" --tb=short "$repo/tests/test_backward.py" -k "lowp or dq_auto" 2>&1 \
-       | tee "$out/pytest_lowp_d128.log" \
-       | tail -5) ;;
+    TESTS_TIMEOUT=150 gpu_tests pytest_lowp_d128.log "$repo/tests/test_backward.py" -k "lowp or dq_auto" ;;
   lowp-auto)  # session 64 (written without a GPU run of it): ELSA_BWD_DQ=auto with ws2's bounds
     # (backward_launch.AUTO_GLUON_MIN_N: ws2 at D <= 64 from 1K rows, causal 256; D = 128 from 1K, causal 2K): the
     # routing test, then forward + backward through auto against cuDNN at D = 64 and 128, 1K to 16K; ~300 s
-    (cd /tmp && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -c "$repo/pyproject.toml" \
-       --rootdir "$repo" --tb=short "$repo/tests/test_backward.py" -k "dq_auto or lowp" 2>&1 \
-       | tee "$out/pytest_lowp_auto.log" | tail -5)
+    TESTS_TIMEOUT=150 gpu_tests pytest_lowp_auto.log "$repo/tests/test_backward.py" -k "lowp or dq_auto"
     timeout 300 python3 recipes/bench_attention.py --backward --dtypes bf16 --n 1024,4096,16384 \
       --shapes 16x64,16x128 --baselines flash,cudnn --batch 1 2>&1 | tee "$out/bwd_auto.log" | grep -v '^ ' ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
