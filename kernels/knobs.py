@@ -45,6 +45,7 @@ BWD_SPLIT = "ELSA_BWD_SPLIT"
 MASK_TILES = "ELSA_MASK_TILES"
 COMPILE_OP = "ELSA_COMPILE_OP"
 PRECOMPILE = "ELSA_PRECOMPILE"
+DECODE_MERGE = "ELSA_DECODE_MERGE"
 
 _MAX_CACHED = 32  # parsed values kept per knob (by raw value)
 
@@ -186,6 +187,11 @@ _DECLARED = (
          "0.541 and plain's ~0.59; causal, the kernels alone, 0.232 against 0.267)",
          _choice("auto", "plain", "overlap", "ws", "ws2"), scope="tuning",
          choices=("auto", "plain", "overlap", "ws", "ws2")),
+    Knob(DECODE_MERGE, "choice", _choices("fused", "kernel"), "fused",
+         "phase 2 of a packed short-query call (decode) of several partitions: fused, merged by the last program of "
+         "each row tile in the phase-1 launch (one launch a call; occupancy.fused_merge: where the merge takes at "
+         "most two loads, not while a CUDA graph captures or torch.compile traces the call); kernel, a second "
+         "launch (scan.elsa_merge_rows)", _choice("fused", "kernel"), scope="tuning", choices=("fused", "kernel")),
     Knob(BWD_SHORT, "choice", _choices("0", "1"), "1",
          "1: calls of at most 64 query rows and keys take the one-launch backward (bwd_short); 0: the general "
          "passes", _choice("0", "1"), scope="tuning", choices=("0", "1")),

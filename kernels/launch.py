@@ -519,6 +519,9 @@ class LaunchPlan:
     # packed calls: their partition rule, ``parts_of(n_k=...)`` (split_keys), for calls with other key counts
     # (KeysFamily); not part of the plan's identity
     parts_of: Optional[Callable[..., int]] = field(default=None, compare=False, repr=False)
+    # packed calls of several partitions: scan.elsa_fwd's (FUSE_MERGE, MERGE_M), phase 2 in the phase-1 launch
+    # (occupancy.fused_merge), or None for elsa_merge_rows
+    merge_fused: Optional[Tuple[int, int]] = None
 
     @property
     def split(self) -> bool:
@@ -635,8 +638,9 @@ def _kernel_plan(sig: CallSignature) -> LaunchPlan:
     pack_rows = occ.decode_rows(n_q=d.Nq, groups=d.groups, n_k=d.Nk, dot=dot, varlen=d.varlen)
     if pack_rows is not None:
         cfg, n_mb, parts, part_len, parts_of = _tiles(sig, d, dot, pack_rows)
+        fused = None if sig.has_state else occ.fused_merge(parts, pack_rows, cfg.block_m, d.BDV)
         return LaunchPlan(d, dot, cfg, n_mb, parts, part_len, False, ("whole", 0), False, hopper_mode, pack_rows,
-                          parts_of=parts_of)
+                          parts_of=parts_of, merge_fused=fused)
     split_dot = occ.precise_split(dot, _rows_per_kv(sig, d), eligible=not d.varlen and not sig.has_state,
                                   work=float(d.BH) * d.Nq * d.Nk * d.D)
     if split_dot == occ.DOT_F16X3V and (d.BD != d.D or d.BDV != d.Dv):
@@ -783,6 +787,18 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         pm = ps = pw = dummy
     write_state = parts > 1 or state is not None
     n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
+    # phase 2 in the phase-1 launch: not through wrap_triton (its counters are state kept between calls) nor into a
+    # CUDA graph (a replay's counters would be the capture stream's)
+    fused = (plan.merge_fused if parts > 1 and state is None and not replay.wrapping()
+             and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) else None)
+    count = dummy
+    if fused is not None:
+        n_count = n_mblocks * B * (Hq // groups)
+        if replay.collecting():  # (launch.precompile, on fake tensors: a stand-in of the same dtype)
+            count = torch.empty(n_count, dtype=torch.int32, device=q.device)
+        else:
+            count = merge_counters(q.device, n_count)
+            replay.derived("merge_count", count, _counters_maker(q.device, n_count))
     if pack_rows is not None and plan.parts_of is not None:  # (KeysFamily)
         replay.note("keys", (plan.parts_of, cfg.block_n, dot, parts, plan.part_len, blocked))
 
@@ -808,7 +824,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             q_lengths if q_lengths is not None else dummy, kv_lengths if kv_lengths is not None else dummy,
             cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
             out_ if out_ is not None else dummy, lse_ if lse_ is not None else dummy, pm_, ps_, pw_,
-            kl, ki, vl, vi, ranges_ if ranges_ is not None else dummy,
+            kl, ki, vl, vi, ranges_ if ranges_ is not None else dummy, count,
             float(scale) * LOG2E, Nq, Nk, hq, groups, n_mblocks, part_len_, rows_buf, bh_, period, koff, klim,
             head_group,
             *_strides4(q_, varlen), *_strides4(k_, varlen), *_strides4(v_, varlen), *si, *sm, *sr,
@@ -817,7 +833,8 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), HAS_QLEN=q_lengths is not None,
             HAS_KVLEN=kv_lengths is not None, VARLEN=varlen, WRITE_STATE=write_state_,
             WRITE_LSE=lse_ is not None, DOT=dot, CHUNKED=chunked, PACK=pack_rows is not None, BLOCKED_PV=blocked,
-            HAS_RANGES=ranges_ is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HAS_RANGES=ranges_ is not None, FUSE_MERGE=fused[0] if fused else 0, MERGE_M=fused[1] if fused else 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     lse_arg = lse if want_lse else None
@@ -842,7 +859,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             replay.derived("v_staged", staged, lambda slots: _stage_v(slots["v"], varlen))
         v = staged
     fwd(q, k, v, out, lse_arg, mask, 0, Nk, part_len, pm, ps, pw, write_state, 0, split_args, ranges)
-    if parts > 1 and pack_rows is not None:  # few rows, many partitions: one program per row
+    if parts > 1 and pack_rows is not None and fused is None:  # few rows, many partitions: one program per row
         fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
         replay.launch(
             scan.elsa_merge_rows, (BH * Nq,), pm, ps, pw, out if out is not None else dummy,
@@ -850,7 +867,7 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             DV=Dv, BLOCK_DV=BDV, BLOCK_P=min(occ.next_pow2(parts), occ.MERGE_PARTITIONS_PER_LOAD),
             WRITE_STATE=state is not None, WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
         )
-    elif parts > 1:
+    elif parts > 1 and pack_rows is None:
         merge_m = 64 if BDV <= 128 else 32
         nmb = -(-Nq // merge_m)
         fm, fs, fw = state if state is not None else (dummy, dummy, dummy)
@@ -862,6 +879,41 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
             WRITE_LSE=bool(want_lse and lse is not None), num_warps=4, num_stages=1,
         )
     return out, lse, state
+
+
+# (device, stream) -> the fused merge's counters (int32, zero between launches)
+_COUNTERS: Dict[tuple, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 counters for fused-merge launches (``scan.elsa_fwd``'s ``COUNT``) on the current
+    stream of ``device``: one buffer a stream, which each launch leaves zeroed, so launches in one stream's order share
+    it and launches in two streams never do. Grown (a new zeroed buffer, allocated on that stream) when too short."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, _raw_stream(index))
+    else:
+        key = (device.type, device.index)
+    t = _COUNTERS.get(key)
+    if t is None or t.numel() < n:
+        t = _COUNTERS[key] = torch.zeros(max(n, 256, 2 * t.numel() if t is not None else 0), dtype=torch.int32,
+                                         device=device)
+    return t
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def _counters_of(device: torch.device, n: int, slots) -> torch.Tensor:
+    """A replay's ``merge_count`` slot (:func:`replay.derived`): the counters of the stream it runs on."""
+    return merge_counters(device, n)
+
+
+@functools.lru_cache(maxsize=256)
+def _counters_maker(device: torch.device, n: int):
+    """One :func:`_counters_of` a (device, count): plans of equal launches have equal preparations."""
+    return functools.partial(_counters_of, device, n)
 
 
 def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,

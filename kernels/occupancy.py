@@ -61,6 +61,12 @@ DECODE_WIDE_GROUPS_DIV = 2
 DECODE_MIN_KEYS_PER_PARTITION = 256
 DECODE_MAX_PARTITIONS = 128
 MERGE_PARTITIONS_PER_LOAD = 32  # scan.elsa_merge_rows: partitions read per [BLOCK_P, Dv] tile
+# A packed call's phase 2 in its phase-1 launch (scan.elsa_fwd's FUSE_MERGE, ELSA_DECODE_MERGE): the last program of a
+# row tile merges the partitions, FUSED_MERGE_TILE elements ([partitions, rows, Dv], fp32) a load, where that takes at
+# most FUSED_MERGE_MAX_ROUNDS dependent loads; more partitions keep elsa_merge_rows, which spreads them over a
+# program per row.
+FUSED_MERGE_TILE = 4096
+FUSED_MERGE_MAX_ROUNDS = 2
 
 ENV_LEAN_ETA = knobs.LEAN_ETA  # float >= 0: partition-state memory <= eta * (bytes of the output)
 ENV_PARTITIONS = knobs.NUM_PARTITIONS  # force a partition count (testing / benchmarking)
@@ -206,6 +212,21 @@ def decode_rows(*, n_q: int, groups: int, n_k: int, dot: int, varlen: bool) -> O
     if varlen or dot in SPLIT_DOTS or rows > DECODE_MAX_ROWS or n_k < DECODE_MIN_KEYS or n_q < 1:
         return None
     return rows
+
+
+def fused_merge(parts: int, rows: int, block_m: int, bdv: int) -> Optional[Tuple[int, int]]:
+    """``(FUSE_MERGE, MERGE_M)`` of scan.elsa_fwd for a packed call of ``parts`` partitions and ``rows`` query rows
+    per K/V head in row tiles of ``block_m`` (value head dims padded to ``bdv``): partitions a load, and a tile's rows
+    rounded up to a power of two; None where its phase 2 runs as elsa_merge_rows (one partition: nothing to merge;
+    more than FUSED_MERGE_MAX_ROUNDS loads; ``ELSA_DECODE_MERGE=kernel``)."""
+    if parts <= 1 or knobs.get(knobs.DECODE_MERGE) == "kernel":
+        return None
+    merge_m = min(next_pow2(max(1, rows)), block_m)
+    fit = max(1, FUSED_MERGE_TILE // (merge_m * bdv))
+    per_load = min(next_pow2(parts), 1 << (fit.bit_length() - 1))
+    if -(-parts // per_load) > FUSED_MERGE_MAX_ROUNDS:
+        return None
+    return per_load, merge_m
 
 
 def _decode_tuned(device: Optional[torch.device], itemsize: int, width: int) -> Optional[int]:

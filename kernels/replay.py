@@ -210,6 +210,11 @@ def note(name: str, value) -> None:
         rec.notes[name] = value
 
 
+def collecting() -> bool:
+    """Whether launches are collected into a list, not run (``launch.precompile``: :func:`wrapped_launches`)."""
+    return getattr(_local, "wrap", False) and getattr(_local, "collect", None) is not None
+
+
 def launch(fn, grid, *args, **kwargs):
     """``fn[grid](*args, **kwargs)``, recorded when a plan is being recorded; through ``wrap_triton`` inside
     :func:`wrapped_launches` (returns None there)."""

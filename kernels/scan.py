@@ -302,7 +302,7 @@ def heaviest_first(pid, n_blocks, BH, head_group, LAST_IS_HEAVIEST: tl.constexpr
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def elsa_fwd(
     Q, K, V, MASK, QLEN, KVLEN, CUQ, CUK,
-    OUT, LSE, PM, PS, PW, KL, KI, VL, VI, RANGES,
+    OUT, LSE, PM, PS, PW, KL, KI, VL, VI, RANGES, COUNT,
     qk_scale, Nq, Nk, Hq, GROUPS, n_mblocks, part_len, n_rows_buf, BH, mask_period, koff, klim, head_group,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -316,7 +316,7 @@ def elsa_fwd(
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KVLEN: tl.constexpr,
     VARLEN: tl.constexpr, WRITE_STATE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT: tl.constexpr,
     CHUNKED: tl.constexpr, PACK: tl.constexpr = False, BLOCKED_PV: tl.constexpr = False,
-    HAS_RANGES: tl.constexpr = False,
+    HAS_RANGES: tl.constexpr = False, FUSE_MERGE: tl.constexpr = 0, MERGE_M: tl.constexpr = 1,
 ):
     """Phase 1. Keys ``[koff, koff + klim)`` of each row (``koff = 0``, ``klim = Nk`` unless chunked).
 
@@ -330,6 +330,13 @@ def elsa_fwd(
     loaded once for the whole GQA group; ``BH`` and ``pid_bh`` then count (batch, K/V head) pairs and
     ``n_rows_buf`` is ``GROUPS · Nq``: partition states land in the same ``[P, B, Hq, Nq]`` layout as unpacked
     ones, so phase 2 merges them unchanged. Not combined with ``VARLEN`` or ``CHUNKED``.
+
+    ``FUSE_MERGE`` (packed calls of several partitions writing ``out``; 0: off): phase 2 in this launch. Each program
+    writes its partition state, then takes a ticket from its row tile's counter in ``COUNT`` (int32, zero before the
+    launch); the program that draws the last ticket merges every partition's state of its rows, ``FUSE_MERGE``
+    partitions a ``[FUSE_MERGE, MERGE_M, Dv]`` tile (``MERGE_M``: the tile's rows, a power of two), always in
+    partition order whoever comes last (deterministic), finishes them, and sets the counter back to zero. One launch
+    a decode step instead of two (the launch's host time and the second kernel's start).
     """
     # fp32 whoever launches: Triton's launcher types a Python float fp32, Inductor's code for a wrap_triton launch
     # (kernels/ops.py's inline op) fp64, which would carry the scores and the dots' accumulators to fp64
@@ -548,6 +555,10 @@ def elsa_fwd(
         else:
             tl.store(PW + srow[:, None] * DV + offs_dv[None, :], acc_st,
                      mask=state_rows[:, None] & (offs_dv[None, :] < DV))
+        if FUSE_MERGE:
+            _merge_last(PM, PS, PW, OUT, LSE, COUNT, pid_m, pid_bh, n_mblocks, start_m, store_rows, n_rows_buf, BH,
+                        b64, h, Nq, stride_ob, stride_oh, stride_on, stride_od, stride_lb, stride_lh, stride_ln,
+                        DV, BLOCK_DV, FUSE_MERGE, MERGE_M, WRITE_LSE)
     if (not WRITE_STATE) or CHUNKED:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -563,6 +574,58 @@ def elsa_fwd(
             else:
                 l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (q_row0 + offs_m) * stride_ln
             tl.store(l_ptrs, lse, mask=final_rows)
+
+
+@triton.jit
+def _merge_last(PM, PS, PW, OUT, LSE, COUNT, pid_m, pid_bh, n_mblocks, start_m, store_rows, n_rows_buf, BH, b64, h, Nq,
+                stride_ob, stride_oh, stride_on, stride_od, stride_lb, stride_lh, stride_ln,
+                DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, MERGE_M: tl.constexpr,
+                WRITE_LSE: tl.constexpr):
+    """``elsa_fwd``'s ``FUSE_MERGE``: the last of a packed row tile's partition programs merges them all.
+
+    The states were stored by every thread of each program; the barrier orders them before the program's ticket
+    (an atomic add by one thread, release and acquire at GPU scope), so the program that draws the last ticket reads
+    every other program's states after its own acquire (as CUTLASS's serial split-K semaphore does); its loads skip
+    L1 (``.cg``), which no other program's stores update."""
+    tl.debug_barrier()
+    counter = COUNT + pid_bh.to(tl.int64) * n_mblocks + pid_m
+    n_part = tl.num_programs(1)
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_part - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # (the next launch's counters start at zero)
+        offs_r = start_m + tl.arange(0, MERGE_M)
+        r_ok = offs_r < store_rows
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < DV
+        m = tl.full([MERGE_M], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([MERGE_M], dtype=tl.float32)
+        w = tl.zeros([MERGE_M, BLOCK_DV], dtype=tl.float32)
+        for p0 in range(0, n_part, BLOCK_P):
+            ok = ((p0 + offs_p) < n_part)[:, None] & r_ok[None, :]
+            srow = ((p0 + offs_p)[:, None] * BH + pid_bh).to(tl.int64) * n_rows_buf + offs_r[None, :]
+            m_p = tl.load(PM + srow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            s_p = tl.load(PS + srow, mask=ok, other=0.0, cache_modifier=".cg")
+            w_p = tl.load(PW + srow[:, :, None] * DV + offs_dv[None, None, :],
+                          mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(m_p, 0))
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m - ref)
+            c = tl.exp(m_p - ref[None, :])  # partitions with no visible key (m_p = -inf) weigh 0
+            s = s * a + tl.sum(s_p * c, 0)
+            w = w * a[:, None] + tl.sum(w_p * c[:, :, None], 0)
+            m = m_new
+        empty = s == 0.0
+        s_safe = tl.where(empty, 1.0, s)
+        row_h = h + offs_r // Nq
+        row_q = offs_r % Nq
+        o_ptrs = (OUT + b64 * stride_ob + row_h[:, None].to(tl.int64) * stride_oh
+                  + row_q[:, None].to(tl.int64) * stride_on + offs_dv[None, :] * stride_od)
+        tl.store(o_ptrs, (w / s_safe[:, None]).to(OUT.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
+        if WRITE_LSE:
+            lse = tl.where(empty, float("-inf"), m + tl.log(s_safe))
+            l_ptrs = LSE + b64 * stride_lb + row_h.to(tl.int64) * stride_lh + row_q * stride_ln
+            tl.store(l_ptrs, lse, mask=r_ok)
 
 
 @triton.jit(do_not_specialize=["Nq", "n_mblocks", "n_rows_buf", "BH", "NUM_PART"])

@@ -136,6 +136,7 @@ def test_unpacked_when_rows_exceed_the_tile(packs):
 def test_row_merge_reads_partitions_in_tiles(state, monkeypatch, packs):
     """Phase 2 of the packed path (scan.elsa_merge_rows) over more partitions than one tile holds, with
     partitions past a row's valid length (empty states, m = -inf)."""
+    monkeypatch.setenv("ELSA_DECODE_MERGE", "kernel")
     monkeypatch.setattr(occ, "MERGE_PARTITIONS_PER_LOAD", 2)
     q, k, v = _qkv(2, 4, 2, 1, NK)
     kl = torch.tensor([NK, 40], dtype=torch.int32, device=q.device)  # row 1: every partition but the first is empty
@@ -148,6 +149,110 @@ def test_row_merge_reads_partitions_in_tiles(state, monkeypatch, packs):
         out, lse = poisoned_run(q, k, v, kv_lengths=kl, num_partitions=5)
         check(out, lse, ref_out, ref_lse, TOL["strict"])
     assert packs == [True]
+
+
+@pytest.fixture
+def merges(monkeypatch):
+    """Phase 2 of every packed launch of the test: 'fused' (scan.elsa_fwd's FUSE_MERGE) or 'kernel'
+    (scan.elsa_merge_rows launched), one entry a call; launch plans off, so that each call plans anew."""
+    monkeypatch.setenv("ELSA_LAUNCH_PLANS", "0")
+    seen = []
+    real = launch.replay.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if kw.get("PACK"):
+            seen.append("fused" if kw.get("FUSE_MERGE") else "one")
+        elif getattr(kernel, "__name__", "") == "elsa_merge_rows" or "elsa_merge_rows" in repr(kernel):
+            seen[-1] = "kernel"
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(launch.replay, "launch", spy)
+    return seen
+
+
+def _counters_zero():
+    return all(int(t.count_nonzero()) == 0 for t in launch._COUNTERS.values())
+
+
+@pytest.mark.parametrize("merge", ["fused", "kernel"])
+@pytest.mark.parametrize("case", ["gqa", "causal_lengths", "q_lengths", "mask", "fp16_mha"])
+def test_fused_merge_matches_the_oracle(case, merge, merges, monkeypatch):
+    """Phase 2 in the phase-1 launch (the last program of each row tile merges its partitions) and in a launch of
+    its own give the oracle's answer, with partitions past a row's valid length (empty states), padded query rows,
+    masks; the counters are zero again after every fused launch."""
+    monkeypatch.setenv("ELSA_DECODE_MERGE", merge)
+    kw, dtype, shape = {}, torch.float32, (3, 8, 2, 1)
+    if case == "fp16_mha":
+        dtype, shape = torch.float16, (2, 4, 4, 1)
+    elif case == "causal_lengths":
+        shape = (3, 4, 2, 3)
+        kw = dict(is_causal=True, kv_lengths=torch.tensor([NK, 40, 300], dtype=torch.int32))
+    elif case == "q_lengths":
+        shape = (2, 6, 2, 5)
+        kw = dict(is_causal=True, q_lengths=torch.tensor([5, 2], dtype=torch.int32),
+                  kv_lengths=torch.tensor([NK, 530], dtype=torch.int32))
+    B, Hq, Hkv, Nq = shape
+    q, k, v = _qkv(B, Hq, Hkv, Nq, NK, dtype=dtype)
+    kw = {n: t.to(q.device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    if case == "mask":
+        kw["mask"] = rand(B, Hq, Nq, NK)
+        kw["mask"][1, 3, 0] = float("-inf")  # a fully masked row: zeros
+    for parts in (2, 5):
+        out, lse = poisoned_run(q, k, v, num_partitions=parts, **kw)
+        ref_out, ref_lse = oracle(q, k, v, **kw)
+        check(out, lse, ref_out, ref_lse, TOL["strict" if dtype == torch.float32 else dtype])
+        assert _counters_zero()
+    if case == "mask":
+        assert torch.all(out[1, 3, 0] == 0)
+    assert merges == [merge, merge]
+
+
+def test_fused_merge_in_several_loads_and_its_bounds(monkeypatch, merges):
+    """A fused merge of more partitions than one load holds (two rounds), and past FUSED_MERGE_MAX_ROUNDS the merge
+    kernel; rows padded to the merge tile's power of two (3 rows a K/V head)."""
+    monkeypatch.setattr(occ, "FUSED_MERGE_TILE", 4 * 32 * 2)  # [2 partitions, 4 rows, Dv 32] a load
+    q, k, v = _qkv(2, 3, 1, 1, NK)
+    kl = torch.tensor([NK, 100], dtype=torch.int32, device=q.device)
+    ref_out, ref_lse = oracle(q, k, v, kv_lengths=kl)
+    for parts in (2, 3, 4, 5):
+        out, lse = poisoned_run(q, k, v, num_partitions=parts, kv_lengths=kl)
+        check(out, lse, ref_out, ref_lse, TOL["strict"])
+    assert merges == ["fused", "fused", "fused", "kernel"]
+    assert _counters_zero()
+
+
+def test_fused_merge_rule(monkeypatch):
+    """(partitions a load, merge rows): a [partitions, rows, Dv] tile of at most FUSED_MERGE_TILE elements, at most
+    FUSED_MERGE_MAX_ROUNDS loads; none for one partition or under ELSA_DECODE_MERGE=kernel."""
+    monkeypatch.delenv("ELSA_DECODE_MERGE", raising=False)
+    assert occ.FUSED_MERGE_TILE == 4096 and occ.FUSED_MERGE_MAX_ROUNDS == 2
+    assert occ.fused_merge(1, 4, 16, 64) is None
+    assert occ.fused_merge(4, 4, 16, 64) == (4, 4)  # B = 16 32:8 D = 64 4K on an H100: one load
+    assert occ.fused_merge(3, 4, 16, 128) == (4, 4)
+    assert occ.fused_merge(16, 4, 16, 128) == (8, 4)  # two loads
+    assert occ.fused_merge(17, 4, 16, 128) is None  # three
+    assert occ.fused_merge(64, 1, 16, 64) == (64, 1)
+    assert occ.fused_merge(5, 64, 64, 128) is None  # [1, 64, 128] a load: five
+    assert occ.fused_merge(2, 24, 16, 32) == (2, 16)  # rows past a 16-row tile: the tile's
+    monkeypatch.setenv("ELSA_DECODE_MERGE", "kernel")
+    assert occ.fused_merge(4, 4, 16, 64) is None
+    monkeypatch.setenv("ELSA_DECODE_MERGE", "both")
+    with pytest.raises(ValueError, match="ELSA_DECODE_MERGE"):
+        occ.fused_merge(4, 4, 16, 64)
+
+
+def test_merge_counters_one_buffer_a_stream():
+    """The counters: zeroed, at least as many as asked, the same buffer while it is long enough, a longer zeroed one
+    otherwise."""
+    launch._COUNTERS.clear()
+    dev = torch.device("cpu")
+    a = launch.merge_counters(dev, 10)
+    assert a.dtype == torch.int32 and a.numel() >= 10 and int(a.count_nonzero()) == 0
+    assert launch.merge_counters(dev, a.numel()) is a
+    b = launch.merge_counters(dev, a.numel() + 1)
+    assert b is not a and b.numel() > a.numel() and int(b.count_nonzero()) == 0
+    assert launch.merge_counters(dev, 5) is b
+    launch._COUNTERS.clear()
 
 
 @pytest.mark.parametrize("nq,hq,hkv,causal", [(1, 4, 4, False), (1, 8, 2, True), (3, 4, 2, True)])
@@ -218,15 +323,19 @@ def _route_plan(elsa_surgery, q, k, v, **kw):
     return out, next(route[2][0] for rkey, route in callcache._routes.items())
 
 
-@pytest.mark.parametrize("dtype,parts,causal,nq", [(torch.float32, None, False, 1), (torch.bfloat16, "3", False, 1),
-                                                   (torch.float16, "2", True, 1), (torch.float32, "2", True, 3)])
-def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, nq, families, monkeypatch):
+@pytest.mark.parametrize("dtype,parts,causal,nq,merge", [
+    (torch.float32, None, False, 1, "fused"), (torch.bfloat16, "3", False, 1, "fused"),
+    (torch.float16, "2", True, 1, "kernel"), (torch.float32, "2", True, 3, "fused"),
+    (torch.float32, "3", False, 3, "kernel")])
+def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, nq, merge, families, monkeypatch):
     """Decode steps of 520-527 keys (one band): the first runs the full path and makes the family's route; the next
     seven run its plan retargeted to their keys, with the kernels' exact answer; each retargeted plan launches what
     the planner records for that call itself (same kernels, grids and arguments). Three queries a step, causal: a
-    chunked prefill or speculative step, bottom-right over the step's own keys."""
+    chunked prefill or speculative step, bottom-right over the step's own keys. Phase 2 fused into the one launch
+    or in a launch of its own (ELSA_DECODE_MERGE)."""
     from elsa_surgery import callcache
 
+    monkeypatch.setenv("ELSA_DECODE_MERGE", merge)
     if parts:
         monkeypatch.setenv("ELSA_NUM_PARTITIONS", parts)
     elsa_surgery, counts = families
@@ -240,7 +349,7 @@ def test_growing_cache_steps_run_one_retargeted_plan(dtype, parts, causal, nq, f
     for q, k, v in steps[3:5]:
         got = fam.family.plan_for(k, v)
         out, want = _route_plan(elsa_surgery, q, k, v, is_causal=causal)
-        assert len(got.launches) == len(want.launches) == (1 if parts is None else 2)
+        assert len(got.launches) == len(want.launches) == (1 if parts is None or merge == "fused" else 2)
         for a, b in zip(got.launches, want.launches):
             assert (a.fn, a.kernel, a.grid, a.vals, a.subs, a.options) == (b.fn, b.kernel, b.grid, b.vals, b.subs,
                                                                           b.options)
@@ -317,3 +426,52 @@ def test_growing_cache_family_on_the_gpu(dtype):
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
         assert rel(out, ref) <= TOL["strict" if dtype == torch.float32 else dtype]
     callcache.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_merge_on_the_gpu(d, monkeypatch):
+    """On the GPU: decode steps of B = 16, GQA 32:8 over 4,096 keys (the fused merge's cell), fused in one launch,
+    the merge kernel's answer to fp32 rounding and the float64 one to bf16's; 200 calls back to back give the same
+    bits (the counters start every launch at zero); on a second stream (its own counters) and captured in a CUDA
+    graph (not fused there: the merge kernel) the same answer."""
+    import elsa_surgery
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(16, 32, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(16, 8, 4096, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    plan = launch.cached_plan(launch.call_signature(q, k, v, None, precision=None))
+    assert plan.pack_rows == 4 and plan.parts > 1 and plan.merge_fused is not None
+
+    def call():
+        return elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)
+
+    first = call()
+    outs = [call() for _ in range(200)]
+    assert all(torch.equal(o, first) for o in outs)
+    assert _counters_zero()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    assert rel(first, ref) <= TOL[torch.bfloat16]
+    monkeypatch.setenv("ELSA_DECODE_MERGE", "kernel")
+    unfused = call()
+    monkeypatch.delenv("ELSA_DECODE_MERGE")
+    assert (first.float() - unfused.float()).abs().max().item() <= 2 ** -7 * unfused.float().abs().max().item()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = [call() for _ in range(20)]
+    torch.cuda.current_stream().wait_stream(side)
+    assert all(torch.equal(o, first) for o in on_side)
+    assert len({key for key in launch._COUNTERS if key[0] == torch.cuda.current_device()}) >= 2
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # (warm-up on the capture stream)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, unfused)
+    assert _counters_zero()

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PTR_DTYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DS": "*fp32", "RES": "*fp32", "PM": "*fp32",
                "PS": "*fp32", "PW": "*fp32", "KI": "*fp32", "VI": "*fp32", "QLEN": "*i32", "KVLEN": "*i32",
-               "CUQ": "*i32", "CUK": "*i32", "SEED": "*i64", "RANGES": "*i32", "CLS": "*i8"}
+               "CUQ": "*i32", "CUK": "*i32", "SEED": "*i64", "RANGES": "*i32", "CLS": "*i8",
+               "COUNT": "*i32"}
 _DATA = ("Q", "K", "V", "MASK", "DO", "OUT", "DK", "DV", "KL", "VL")
 _FLOATS = {"qk_scale", "scale", "p_drop", "keep_scale"}
 
@@ -61,6 +62,12 @@ def variants():
                dict(fwd, IS_CAUSAL=True, DOT=dot, WRITE_STATE=state, BLOCKED_PV=blocked), 8)
     yield ("elsa_fwd dot=1 (strict) state=True", scan.elsa_fwd, "fp32",
            dict(fwd, IS_CAUSAL=True, DOT=1, WRITE_STATE=True, BLOCKED_PV=False), 8)
+    # packed decode, phase 2 fused (FUSE_MERGE) and not
+    for d, causal, qlen, fm in ((64, False, False, 8), (128, True, True, 8), (128, True, True, 0)):
+        yield (f"elsa_fwd pack fused merge={fm} D={d}", scan.elsa_fwd, "bf16",
+               dict(fwd, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=16, IS_CAUSAL=causal, HAS_QLEN=qlen,
+                    HAS_KVLEN=qlen, DOT=0, WRITE_STATE=True, BLOCKED_PV=False, PACK=True, FUSE_MERGE=fm, MERGE_M=4),
+               4)
     for kind in (1, 2):  # the mask's tile ranges (scan.mask_tile_classes, mask_tile_ranges)
         yield (f"elsa_fwd mask={kind} ranges", scan.elsa_fwd, "bf16",
                dict(fwd, MASK_KIND=kind, IS_CAUSAL=True, DOT=0, WRITE_STATE=False, BLOCKED_PV=False,

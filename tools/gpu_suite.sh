@@ -4,7 +4,7 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | compile-time | compile-time-2 | compile-autotune |
+#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | compile-time | compile-time-2 | compile-autotune |
 #   generate-eager | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
@@ -103,6 +103,17 @@ case "$part" in
     TESTS_TIMEOUT=150 gpu_tests pytest_lowp_auto.log "$repo/tests/test_backward.py" -k "lowp or dq_auto"
     timeout 300 python3 recipes/bench_attention.py --backward --dtypes bf16 --n 1024,4096,16384 \
       --shapes 16x64,16x128 --baselines flash,cudnn --batch 1 2>&1 | tee "$out/bwd_auto.log" | grep -v '^ ' ;;
+  decode-merge)  # session 65: a packed decode call's phase 2 fused into its launch (ELSA_DECODE_MERGE=fused, the
+    # default): the fused-merge tests on the compiled kernels (the CPU ones on CUDA too) and the decode GPU tests; host
+    # and eager time fused against the merge kernel (decode_host.py --ab-env); session 62's one-query decode grid
+    (cd /tmp && timeout 200 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+       --tb=short "$repo/tests/test_decode.py" -k "fused or row_merge or family_on_the_gpu" 2>&1 \
+       | tee "$out/pytest_decode_merge.log" | tail -30)
+    timeout 150 python3 benchmarks/lab/decode_host.py --ab-env ELSA_DECODE_MERGE=kernel --profile 0 \
+      --shapes 16x32x8x64x4096,16x32x8x128x4096,1x32x8x128x4096,1x28x4x128x4097 2>&1 \
+      | tee "$out/decode_host_merge.log" | grep -v Warn
+    timeout 230 python3 recipes/bench_attention.py --decode --dtypes bf16 --shapes 32x128,32x64 --gqa 32:4,32:8 \
+      --queries 1 --keys 4096,32768 --batch 1,16 2>&1 | tee "$out/decode_grid.log" | grep DECODE | cut -c1-330 ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)

@@ -5,7 +5,14 @@ graph-replayed kernel time, for ``elsa_surgery.attention(backend="elsa")`` and S
 kernels one ELSA call launches (torch.profiler); then a cProfile of ``--profile`` ELSA calls (first shape).
 
     python benchmarks/lab/decode_host.py [--shapes 16x32x8x64x4096,1x32x8x128x4096] [--calls 200]
+
+``--ab-env ELSA_DECODE_MERGE=kernel``: also time ELSA with that variable set (``elsa:kernel``), interleaved in the
+rounds (session 65: the fused merge against the merge kernel; graph-replayed calls never fuse, so their column is
+the same kernels for both).
 """
+
+import contextlib
+import os
 
 import argparse
 import statistics
@@ -27,7 +34,18 @@ def main():
     ap.add_argument("--ab-pointer-ints", action="store_true",
                     help="also time ELSA with its replayed launches handing Triton's launcher the tensors themselves "
                          "('elsa-tensors') instead of their addresses (session 58), interleaved in the rounds")
+    ap.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="also time ELSA with NAME=VALUE in the environment ('elsa:VALUE'), interleaved")
     a = ap.parse_args()
+    envs = dict(e.split("=", 1) for e in a.ab_env)
+
+    def env_of(name):
+        """The environment an entry runs in (``elsa:VALUE``: its --ab-env variable set)."""
+        if not name.startswith("elsa:"):
+            return contextlib.nullcontext()
+        var = next(n for n, val in envs.items() if val == name[5:])
+        return _env(var, envs[var])
+
     warnings.filterwarnings("ignore", category=UserWarning)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     first = None
@@ -38,16 +56,19 @@ def main():
         fns = {"elsa": lambda: elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True)}
         if a.ab_pointer_ints:
             fns["elsa-tensors"] = fns["elsa"]
+        for val in envs.values():
+            fns[f"elsa:{val}"] = fns["elsa"]
         fns.update(benchmark.sdpa_backends(q, k, v, ("cudnn", "flash"), enable_gqa=Hq != Hkv)[0])
         res = {name: [] for name in fns}
         for _ in range(3):  # interleaved rounds
             for name, fn in fns.items():
-                if name.startswith("elsa"):
-                    fn()  # (the plan recorded)
-                    for plan in replay._plans.values():  # every launch of every plan: addresses, or the tensors
-                        for one in plan.launches or ():
-                            one.ints = None if name == "elsa" else False
-                res[name].append(benchmark.host_and_eager_us(fn, a.calls))
+                with env_of(name):
+                    if name.startswith("elsa"):
+                        fn()  # (the plan recorded)
+                        for plan in replay._plans.values():  # every launch of every plan: addresses, or the tensors
+                            for one in plan.launches or ():
+                                one.ints = False if name == "elsa-tensors" else None
+                    res[name].append(benchmark.host_and_eager_us(fn, a.calls))
         for plan in replay._plans.values():
             for one in plan.launches or ():
                 one.ints = None
@@ -60,12 +81,26 @@ def main():
         for name in fns:
             host = statistics.median(h for h, _ in res[name])
             wall = statistics.median(w for _, w in res[name])
-            graph = triton.testing.do_bench(benchmark.cuda_graph(fns[name]), warmup=25, rep=100,
-                                            return_mode="median") * 1e3
+            with env_of(name):
+                graph = triton.testing.do_bench(benchmark.cuda_graph(fns[name]), warmup=25, rep=100,
+                                                return_mode="median") * 1e3
             print(f"  {name:6s} host {host:7.1f} us  eager {wall:7.1f} us  graph {graph:7.1f} us", flush=True)
         first = first or fns["elsa"]
     if a.profile:
         benchmark.print_host_profile(first, a.profile, (("tottime", 18),))
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 if __name__ == "__main__":
