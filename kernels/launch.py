@@ -766,15 +766,31 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
 
     dummy = q
     f32 = dict(device=q.device, dtype=torch.float32)
+    n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
+    # phase 2 in the phase-1 launch: not through wrap_triton (its scratch is state kept between calls) nor into a
+    # CUDA graph (a graph's replays would share the capture stream's scratch with whatever else runs there)
+    fused = (plan.merge_fused if parts > 1 and state is None and not replay.wrapping()
+             and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) else None)
+    count = dummy
     if parts > 1 and not replay.wrapping():
         # the partition states m, S and W carved from one allocation (each at a 16-byte boundary): a replay
-        # allocates once, and hands the kernels the pieces' addresses (session 58)
+        # allocates once, and hands the kernels the pieces' addresses (session 58). Fused: carved after the merge's
+        # ticket counters from the stream's scratch (merge_scratch), which a replay looks up instead of allocating
         n = parts * BH * Nq
         n16 = -(-n // 4) * 4
-        part = torch.empty(2 * n16 + n * Dv, **f32)
-        replay.allocated("part", part)
+        size = 2 * n16 + n * Dv
+        if fused is None or replay.collecting():  # (launch.precompile, on fake tensors: stand-ins)
+            part = torch.empty(size, **f32)
+            replay.allocated("part", part)
+            if fused is not None:
+                count = torch.empty(n_mblocks * B * (Hq // groups), device=q.device, dtype=torch.int32)
+        else:
+            n_count = n_mblocks * B * (Hq // groups)
+            count, part = merge_scratch(q.device, n_count, size)
+            replay.derived("merge_count", count, _scratch_maker(q.device, n_count, size, 0))
+            replay.derived("part", part, _scratch_maker(q.device, n_count, size, 1))
         pm, ps = part[:n].view(parts, BH, Nq), part[n16:n16 + n].view(parts, BH, Nq)
-        pw = part[2 * n16:].view(parts, BH, Nq, Dv)
+        pw = part[2 * n16:size].view(parts, BH, Nq, Dv)
         for name, t in (("part_m", pm), ("part_s", ps), ("part_w", pw)):
             replay.carved(name, t, "part")
     elif parts > 1:  # traced into wrap_triton launches (kernels/ops.py): three tensors of their own
@@ -786,19 +802,6 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     else:
         pm = ps = pw = dummy
     write_state = parts > 1 or state is not None
-    n_mblocks, pack_rows = plan.n_mblocks, plan.pack_rows
-    # phase 2 in the phase-1 launch: not through wrap_triton (its counters are state kept between calls) nor into a
-    # CUDA graph (a replay's counters would be the capture stream's)
-    fused = (plan.merge_fused if parts > 1 and state is None and not replay.wrapping()
-             and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) else None)
-    count = dummy
-    if fused is not None:
-        n_count = n_mblocks * B * (Hq // groups)
-        if replay.collecting():  # (launch.precompile, on fake tensors: a stand-in of the same dtype)
-            count = torch.empty(n_count, dtype=torch.int32, device=q.device)
-        else:
-            count = merge_counters(q.device, n_count)
-            replay.derived("merge_count", count, _counters_maker(q.device, n_count))
     if pack_rows is not None and plan.parts_of is not None:  # (KeysFamily)
         replay.note("keys", (plan.parts_of, cfg.block_n, dot, parts, plan.part_len, blocked))
 
@@ -881,39 +884,49 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     return out, lse, state
 
 
-# (device, stream) -> the fused merge's counters (int32, zero between launches)
-_COUNTERS: Dict[tuple, torch.Tensor] = {}
+# (device, stream) -> the fused merge's buffers: [ticket counters (int32, zero between launches), partition states
+# (fp32)]
+_SCRATCH: Dict[tuple, list] = {}
 
 
-def merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters for fused-merge launches (``scan.elsa_fwd``'s ``COUNT``) on the current
-    stream of ``device``: one buffer a stream, which each launch leaves zeroed, so launches in one stream's order share
-    it and launches in two streams never do. Grown (a new zeroed buffer, allocated on that stream) when too short."""
+def merge_scratch(device: torch.device, n_count: int, n_states: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(counters, states)`` of fused-merge launches on the current stream of ``device``: at least ``n_count`` int32
+    ticket counters (``scan.elsa_fwd``'s ``COUNT``; zero, as every launch leaves them) and ``n_states`` fp32 for the
+    partition states. One pair a stream: launches in one stream's order share it, each done with it before the next
+    starts, and launches in two streams never do. Each grown (a new buffer allocated on that stream, counters zeroed)
+    when too short."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, _raw_stream(index))
     else:
         key = (device.type, device.index)
-    t = _COUNTERS.get(key)
-    if t is None or t.numel() < n:
-        t = _COUNTERS[key] = torch.zeros(max(n, 256, 2 * t.numel() if t is not None else 0), dtype=torch.int32,
-                                         device=device)
-    return t
+    got = _SCRATCH.get(key)
+    if got is None:
+        got = _SCRATCH[key] = [None, None]
+    count, states = got
+    if count is None or count.numel() < n_count:
+        count = got[0] = torch.zeros(max(n_count, 256, 2 * count.numel() if count is not None else 0),
+                                     dtype=torch.int32, device=device)
+    if states is None or states.numel() < n_states:
+        states = got[1] = torch.empty(max(n_states, 2 * states.numel() if states is not None else 0),
+                                      dtype=torch.float32, device=device)
+    return count, states
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
-def _counters_of(device: torch.device, n: int, slots) -> torch.Tensor:
-    """A replay's ``merge_count`` slot (:func:`replay.derived`): the counters of the stream it runs on."""
-    return merge_counters(device, n)
+def _scratch_of(device: torch.device, n_count: int, n_states: int, which: int, slots) -> torch.Tensor:
+    """A replay's ``merge_count`` (``which`` 0) or ``part`` (1) slot of a fused launch (:func:`replay.derived`): the
+    buffers of the stream it runs on."""
+    return merge_scratch(device, n_count, n_states)[which]
 
 
-@functools.lru_cache(maxsize=256)
-def _counters_maker(device: torch.device, n: int):
-    """One :func:`_counters_of` a (device, count): plans of equal launches have equal preparations."""
-    return functools.partial(_counters_of, device, n)
+@functools.lru_cache(maxsize=512)
+def _scratch_maker(device: torch.device, n_count: int, n_states: int, which: int):
+    """One :func:`_scratch_of` a (device, sizes, buffer): plans of equal launches have equal preparations."""
+    return functools.partial(_scratch_of, device, n_count, n_states, which)
 
 
 def not_inline(q, k, v, *, scale: float, mask=None, is_causal=False, q_lengths=None, kv_lengths=None,

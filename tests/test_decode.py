@@ -170,8 +170,9 @@ def merges(monkeypatch):
     return seen
 
 
-def _counters_zero():
-    return all(int(t.count_nonzero()) == 0 for t in launch._COUNTERS.values())
+def _counters_zero(n):
+    """Whether every stream's ticket counters of the fused merge are zero (the first ``n`` and the rest)."""
+    return all(int(count.count_nonzero()) == 0 for count, _ in launch._SCRATCH.values()) and n > 0
 
 
 @pytest.mark.parametrize("merge", ["fused", "kernel"])
@@ -201,7 +202,7 @@ def test_fused_merge_matches_the_oracle(case, merge, merges, monkeypatch):
         out, lse = poisoned_run(q, k, v, num_partitions=parts, **kw)
         ref_out, ref_lse = oracle(q, k, v, **kw)
         check(out, lse, ref_out, ref_lse, TOL["strict" if dtype == torch.float32 else dtype])
-        assert _counters_zero()
+        assert _counters_zero(B * Hkv)
     if case == "mask":
         assert torch.all(out[1, 3, 0] == 0)
     assert merges == [merge, merge]
@@ -218,7 +219,18 @@ def test_fused_merge_in_several_loads_and_its_bounds(monkeypatch, merges):
         out, lse = poisoned_run(q, k, v, num_partitions=parts, kv_lengths=kl)
         check(out, lse, ref_out, ref_lse, TOL["strict"])
     assert merges == ["fused", "fused", "fused", "kernel"]
-    assert _counters_zero()
+    assert _counters_zero(2)
+
+
+def test_fused_merge_calls_of_other_sizes_share_the_streams_buffers(merges):
+    """Fused calls of different sizes one after another on one stream (fewer, more, fewer row tiles and partitions):
+    each reads only its own partition states and finds its counters at zero, whatever the call before left."""
+    shapes = [(1, 4, 1, 1, 3), (3, 8, 2, 2, 5), (1, 4, 1, 1, 2), (2, 6, 3, 1, 4)]  # B, Hq, Hkv, Nq, partitions
+    for B, Hq, Hkv, Nq, parts in shapes + shapes[::-1]:
+        q, k, v = _qkv(B, Hq, Hkv, Nq, NK)
+        out, lse = poisoned_run(q, k, v, num_partitions=parts)
+        check(out, lse, *oracle(q, k, v), TOL["strict"])
+    assert merges == ["fused"] * 8 and _counters_zero(6)
 
 
 def test_fused_merge_rule(monkeypatch):
@@ -241,18 +253,21 @@ def test_fused_merge_rule(monkeypatch):
         occ.fused_merge(4, 4, 16, 64)
 
 
-def test_merge_counters_one_buffer_a_stream():
-    """The counters: zeroed, at least as many as asked, the same buffer while it is long enough, a longer zeroed one
-    otherwise."""
-    launch._COUNTERS.clear()
+def test_merge_scratch_one_pair_a_stream():
+    """The fused merge's buffers: counters zeroed, each at least as long as asked, the same buffers while they are
+    long enough, a longer one (counters zeroed) otherwise."""
+    launch._SCRATCH.clear()
     dev = torch.device("cpu")
-    a = launch.merge_counters(dev, 10)
-    assert a.dtype == torch.int32 and a.numel() >= 10 and int(a.count_nonzero()) == 0
-    assert launch.merge_counters(dev, a.numel()) is a
-    b = launch.merge_counters(dev, a.numel() + 1)
-    assert b is not a and b.numel() > a.numel() and int(b.count_nonzero()) == 0
-    assert launch.merge_counters(dev, 5) is b
-    launch._COUNTERS.clear()
+    c, s = launch.merge_scratch(dev, 10, 20)
+    assert c.dtype == torch.int32 and c.numel() >= 10 and int(c.count_nonzero()) == 0
+    assert s.dtype == torch.float32 and s.numel() >= 20
+    c2, s2 = launch.merge_scratch(dev, c.numel(), s.numel())
+    assert c2 is c and s2 is s
+    c3, s3 = launch.merge_scratch(dev, c.numel() + 1, 5)
+    assert c3 is not c and c3.numel() > c.numel() and int(c3.count_nonzero()) == 0 and s3 is s
+    c4, s4 = launch.merge_scratch(dev, 5, s.numel() + 1)
+    assert c4 is c3 and s4.numel() > s.numel()
+    launch._SCRATCH.clear()
 
 
 @pytest.mark.parametrize("nq,hq,hkv,causal", [(1, 4, 4, False), (1, 8, 2, True), (3, 4, 2, True)])
@@ -449,7 +464,7 @@ def test_fused_merge_on_the_gpu(d, monkeypatch):
     first = call()
     outs = [call() for _ in range(200)]
     assert all(torch.equal(o, first) for o in outs)
-    assert _counters_zero()
+    assert _counters_zero(16 * 8)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
     assert rel(first, ref) <= TOL[torch.bfloat16]
     monkeypatch.setenv("ELSA_DECODE_MERGE", "kernel")
@@ -462,7 +477,7 @@ def test_fused_merge_on_the_gpu(d, monkeypatch):
         on_side = [call() for _ in range(20)]
     torch.cuda.current_stream().wait_stream(side)
     assert all(torch.equal(o, first) for o in on_side)
-    assert len({key for key in launch._COUNTERS if key[0] == torch.cuda.current_device()}) >= 2
+    assert len({key for key in launch._SCRATCH if key[0] == torch.cuda.current_device()}) >= 2
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -474,4 +489,4 @@ def test_fused_merge_on_the_gpu(d, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, unfused)
-    assert _counters_zero()
+    assert _counters_zero(16 * 8)

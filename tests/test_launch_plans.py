@@ -111,9 +111,14 @@ def test_replay_matches_the_oracle(case):
         assert torch.equal(torch.isfinite(lse), fin) and rel(lse[fin], ref_lse[fin]) <= 1e-5
 
 
-def test_replay_allocates_outputs_and_partition_states():
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
+def test_replay_allocates_outputs_and_partition_states(merge, monkeypatch):
     """Outputs the planner allocated (out, lse, the partition states of a split call) come new from each replay; the
-    three partition states are pieces of one allocation, each at a 16-byte boundary."""
+    three partition states are pieces of one allocation, each at a 16-byte boundary. A packed call (8 query rows a K/V
+    head) whose merge is fused into its one launch carves them from its stream's scratch, beside its ticket counters
+    (``merge_count``): each replay looks both up (``launch.merge_scratch``) instead of allocating."""
+    monkeypatch.setenv("ELSA_DECODE_MERGE", merge)
+    replay.clear()
     q, k, v = rand(1, 2, 8, 32), rand(1, 2, 600, 32), rand(1, 2, 600, 32)
     first, _ = launch.attention(decoy(q), decoy(k), decoy(v), scale=0.2, precision="strict", num_partitions=3)
     before = replay.STATS["replayed"]
@@ -124,8 +129,11 @@ def test_replay_allocates_outputs_and_partition_states():
                                           backend="reference")
     assert rel(out, ref) <= 2e-6 and rel(lse, ref_lse) <= 1e-6
     (plan,) = replay._plans.values()
-    assert {name for name, _ in plan.prep} == {"out", "lse", "part"}
-    assert [type(one.fn).__name__ for one in plan.launches] and len(plan.launches) == 2  # phase 1 and the merge
+    fused = merge == "fused"
+    prep = dict(plan.prep)
+    assert set(prep) == {"out", "lse", "part"} | ({"merge_count"} if fused else set())
+    assert callable(prep["part"]) == fused and all(callable(prep[n]) for n in prep if n == "merge_count")
+    assert len(plan.launches) == (1 if fused else 2)  # phase 1 and the merge
     pieces = {view for one in plan.launches for _, name, view in one.subs if name == "part"}
     n = 3 * 2 * 8  # partitions x batch·heads x rows
     assert sorted((v[0], v[2]) for v in pieces) == [((3, 2, 8), 0), ((3, 2, 8), 48), ((3, 2, 8, 32), 96)]
