@@ -124,7 +124,7 @@ def atomic_dq(deterministic: Optional[bool] = None, gluon_call: Optional[Callabl
     """Whether dQ is summed with atomic adds in the key-block pass rather than by the row pass: never when
     deterministic algorithms are on (``deterministic``, default ``torch.are_deterministic_algorithms_enabled()``);
     else when ``ELSA_BWD_DQ`` is atomic or gluon, or auto and ``gluon_call()`` says that the call runs the fp16/bf16
-    Gluon kernel (:func:`gluon_auto`)."""
+    Gluon kernel or strict's with atomic dQ (:func:`gluon_auto`)."""
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:
@@ -138,6 +138,10 @@ def atomic_dq(deterministic: Optional[bool] = None, gluon_call: Optional[Callabl
 AUTO_GLUON_MAX_D = 128  # ELSA_BWD_DQ=auto: the widest head (D and Dv) that runs the Gluon kernel (gluon_auto)
 # ... and the fewest query rows and keys a sequence, by head width (64: D and Dv <= 64; 128: wider) and causality
 AUTO_GLUON_MIN_N = {(64, False): 1024, (64, True): 256, (128, False): 1024, (128, True): 2048}
+# ... and fp32 strict calls that strict's Gluon backward of Hopper takes: dQ by atomic adds from its key-block pass from
+# this many query rows and keys (sessions 46-47, H100, N = 4K, H = 16: forward + backward against ME-SDPA, rows /
+# atomic, D = 64 0.836 / 0.995x, causal 0.986 / 1.139x; D = 128 0.603 / 0.793x, causal 0.672 / 0.840x)
+AUTO_STRICT_ATOMIC_MIN_N = 4096
 
 
 def gluon_auto(q, k, v, do, call: dict, mask_grad: bool) -> bool:
@@ -159,16 +163,25 @@ def gluon_auto(q, k, v, do, call: dict, mask_grad: bool) -> bool:
       0.482 / 0.523; 16K 12.31 / 14.47, causal 6.77 / 7.62.
 
     Below the bounds the kernel's own time still wins at most lengths; dQ's fp32 zero-fill and cast and delta (about
-    0.03-0.15 ms at these sizes) are what the row pass does not pay."""
+    0.03-0.15 ms at these sizes) are what the row pass does not pay.
+
+    fp32 ``strict`` calls that strict's Gluon backward takes (``hopper_backward.eligible``) add dQ atomically in its
+    key-block pass from :data:`AUTO_STRICT_ATOMIC_MIN_N` query rows and keys (head dims up to 128; the row pass
+    recomputes two of the backward's products): nondeterministic in the order of dQ's fp32 sums, as ME-SDPA's
+    backward, and never under ``torch.use_deterministic_algorithms(True)`` (:func:`atomic_dq`)."""
     width = max(q.shape[-1], v.shape[-1])
     if call["varlen_dims"] is not None or q.dim() != 4 or width > AUTO_GLUON_MAX_D:
         return False
-    if min(q.shape[-2], k.shape[-2]) < AUTO_GLUON_MIN_N[(64 if width <= 64 else 128, bool(call["is_causal"]))]:
-        return False
+    n = min(q.shape[-2], k.shape[-2])
     dot = launch._dot_kind(q.dtype, call["precision"], q.device)
-    if dot != occ.DOT_LOWP:
-        return False
     from . import hopper_backward
+
+    if dot == occ.DOT_IEEE:
+        return n >= AUTO_STRICT_ATOMIC_MIN_N and hopper_backward.eligible(
+            q, k, v, do, dot=dot, mask=call["mask"], q_lengths=call["q_lengths"], kv_lengths=call["kv_lengths"],
+            varlen=False, dropout_p=call["dropout_p"], mask_grad=mask_grad) is None
+    if n < AUTO_GLUON_MIN_N[(64 if width <= 64 else 128, bool(call["is_causal"]))] or dot != occ.DOT_LOWP:
+        return False
 
     if width > 64 and hopper_backward.kernel_form(hopper_backward.lowp_form(), q.shape[-1], v.shape[-1]) != "ws2":
         return False

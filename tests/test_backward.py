@@ -105,6 +105,41 @@ def test_dq_mode_auto_takes_the_gluon_kernel_by_rule(monkeypatch):
     assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)
 
 
+def test_dq_mode_auto_adds_strict_dq_atomically_on_long_calls(monkeypatch):
+    """``ELSA_BWD_DQ=auto`` for fp32: strict calls that strict's Gluon backward takes (``hopper_backward.eligible``)
+    add dQ atomically from ``AUTO_STRICT_ATOMIC_MIN_N`` query rows and keys, causal or not, D <= 128; shorter ones,
+    precise and turbo calls, wider heads and calls out of that kernel's scope keep the row pass; deterministic
+    algorithms never take atomics."""
+    from elsa_surgery.kernels import backward_launch as bl, hopper_backward as hb
+
+    monkeypatch.setenv("ELSA_BWD_DQ", "auto")
+    least = bl.AUTO_STRICT_ATOMIC_MIN_N
+    call = dict(scale=0.125, mask=None, is_causal=False, q_lengths=None, kv_lengths=None, cu_q=None, cu_k=None,
+                varlen_dims=None, precision="strict", dropout_p=0.0, seed=None)
+
+    def t(d, n=least):
+        return torch.empty(1, 2, n, d, dtype=torch.float32)
+
+    assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)  # here: not a Hopper GPU (eligible says why)
+    scoped = []
+    monkeypatch.setattr(hb, "eligible", lambda *a, **kw: scoped.append(kw) or None)  # as on a Hopper GPU
+    for causal, d in ((False, 64), (True, 64), (False, 128), (True, 128)):
+        c = dict(call, is_causal=causal)
+        assert bl.gluon_auto(t(d), t(d), t(d), t(d), c, False), (causal, d)
+        assert not bl.gluon_auto(t(d, least - 1), t(d), t(d), t(d, least - 1), c, False)  # query rows
+        assert not bl.gluon_auto(t(d), t(d, least - 1), t(d, least - 1), t(d), c, False)  # keys
+    assert scoped[-1]["dot"] == bl.occ.DOT_IEEE and scoped[-1]["mask_grad"] is False
+    n = len(scoped)
+    assert not bl.gluon_auto(t(256), t(256), t(256), t(256), call, False)  # wider than AUTO_GLUON_MAX_D
+    for precision in ("precise", "turbo"):
+        assert not bl.gluon_auto(t(64), t(64), t(64), t(64), dict(call, precision=precision), False)
+    assert len(scoped) == n  # each refused before the scope check
+    assert bl.atomic_dq(False, lambda: bl.gluon_auto(t(64), t(64), t(64), t(64), call, False))
+    assert not bl.atomic_dq(True, lambda: bl.gluon_auto(t(64), t(64), t(64), t(64), call, False))
+    monkeypatch.setattr(hb, "eligible", lambda *a, **kw: "masks run on the portable passes")
+    assert not bl.gluon_auto(t(64), t(64), t(64), t(64), call, False)
+
+
 def test_lowp_gluon_backward_scope(monkeypatch):
     """Which fp16/bf16 backward calls under ``ELSA_BWD_DQ=gluon`` (deterministic algorithms off) the Gluon kernel of
     Hopper takes: dense calls without dropout or a mask gradient in the forward's Hopper scope. On
@@ -901,6 +936,37 @@ def test_gpu_dq_auto_runs_the_gluon_kernel_at_narrow_heads():
                 assert (len(ran) > count) == (gluon and mode is None), (d, nk, det, mode)
                 errs[mode] = [rel_err(a.double(), r) for a, r in zip(g, rg)]
             assert all(e1 <= 1.5 * e0 + 2e-3 for e1, e0 in zip(errs[None], errs["rows"])), (d, nk, det, errs)
+
+
+@pytest.mark.gpu
+def test_gpu_dq_auto_adds_strict_dq_atomically_on_long_calls():
+    """``ELSA_BWD_DQ=auto`` (the default) on a Hopper GPU, fp32 strict: calls of ``AUTO_STRICT_ATOMIC_MIN_N`` query
+    rows and keys add dQ atomically in strict's Gluon backward, one key fewer and deterministic algorithms take its
+    row pass; gradients as close to float64 either way."""
+    from elsa_surgery.kernels import backward_launch, hopper_backward
+
+    t = torch.empty(1, 1, 16, 64, device="cuda")
+    if torch.cuda.get_device_capability()[0] != 9 or hopper_backward.eligible(
+            t, t, t, t, dot=1, mask=None, q_lengths=None, kv_lengths=None, varlen=False, dropout_p=0.0,
+            mask_grad=False) is not None:
+        pytest.skip("strict's Gluon backward needs a Hopper GPU with Gluon")
+    n = backward_launch.AUTO_STRICT_ATOMIC_MIN_N
+    ran = []
+    real = hopper_backward.backward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hopper_backward, "backward", lambda *a, **kw: ran.append(kw["atomic"]) or real(*a, **kw))
+        for d, nk, det, causal, atomic in ((64, n, False, False, True), (128, n, False, True, True),
+                                           (64, n - 1, False, False, False), (64, n, True, True, False)):
+            q, k, v = _leaf(1, 2, n, d), _leaf(1, 2, nk, d), _leaf(1, 2, nk, d)
+            go = torch.randn(1, 2, n, d, device=DEV)
+            ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+            rg = torch.autograd.grad(elsa_surgery.attention(*ref, is_causal=causal, backend="reference"), ref,
+                                     go.double())
+            with _dq_mode(det), benchmark.environ({"ELSA_BWD_DQ": None}):
+                g = torch.autograd.grad(elsa_surgery.attention(q, k, v, is_causal=causal, backend="elsa",
+                                                               precision="strict"), (q, k, v), go)
+            assert ran[-1] == atomic, (d, nk, det)
+            assert all(rel_err(a.double(), r) <= 5e-6 for a, r in zip(g, rg)), (d, nk, det)
 
 
 @pytest.mark.gpu

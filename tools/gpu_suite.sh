@@ -4,7 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | compile-time | compile-time-2 | compile-autotune |
+#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | strict-dq | compile-time | compile-time-2 |
+#   compile-autotune |
 #   generate-eager | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
@@ -114,6 +115,13 @@ case "$part" in
       | tee "$out/decode_host_merge.log" | grep -v Warn
     timeout 230 python3 recipes/bench_attention.py --decode --dtypes bf16 --shapes 32x128,32x64 --gqa 32:4,32:8 \
       --queries 1 --keys 4096,32768 --batch 1,16 2>&1 | tee "$out/decode_grid.log" | grep DECODE | cut -c1-330 ;;
+  strict-dq)  # session 65: fp32 strict's backward with dQ by the row pass (deterministic) against atomic adds from the
+    # key-block pass, forward + backward against ME-SDPA, 1K-8K, D = 64 / 128, causal and not (auto's rule for strict)
+    for dq in rows atomic; do
+      ELSA_BWD_DQ=$dq timeout 280 python3 recipes/bench_attention.py --backward --dtypes fp32-strict \
+        --n 1024,2048,4096,8192 --shapes 16x64,16x128 --baselines efficient --batch 1 2>&1 \
+        | tee "$out/strict_bwd_$dq.log" | grep -v '^ ' | cut -c1-260
+    done ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
