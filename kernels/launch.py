@@ -774,8 +774,8 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
     count = dummy
     if parts > 1 and not replay.wrapping():
         # the partition states m, S and W carved from one allocation (each at a 16-byte boundary): a replay
-        # allocates once, and hands the kernels the pieces' addresses (session 58). Fused: carved after the merge's
-        # ticket counters from the stream's scratch (merge_scratch), which a replay looks up instead of allocating
+        # allocates once, and hands the kernels the pieces' addresses (session 58). Fused: carved from the stream's
+        # states buffer beside its ticket counters (merge_scratch), which a replay looks up instead of allocating
         n = parts * BH * Nq
         n16 = -(-n // 4) * 4
         size = 2 * n16 + n * Dv
