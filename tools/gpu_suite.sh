@@ -115,8 +115,10 @@ case "$part" in
       | tee "$out/decode_host_merge.log" | grep -v Warn
     timeout 230 python3 recipes/bench_attention.py --decode --dtypes bf16 --shapes 32x128,32x64 --gqa 32:4,32:8 \
       --queries 1 --keys 4096,32768 --batch 1,16 2>&1 | tee "$out/decode_grid.log" | grep DECODE | cut -c1-330 ;;
-  strict-dq)  # session 65: fp32 strict's backward with dQ by the row pass (deterministic) against atomic adds from the
-    # key-block pass, forward + backward against ME-SDPA, 1K-8K, D = 64 / 128, causal and not (auto's rule for strict)
+  strict-dq)  # session 65: auto's routing of strict calls to atomic dQ (the GPU test), then fp32 strict's backward with
+    # dQ by the row pass (deterministic) against atomic adds from the key-block pass, forward + backward against
+    # ME-SDPA, 1K-8K, D = 64 / 128, causal and not (auto's bound for strict, AUTO_STRICT_ATOMIC_MIN_N)
+    TESTS_TIMEOUT=120 gpu_tests pytest_strict_dq.log "$repo/tests/test_backward.py" -k strict_dq_atomically
     for dq in rows atomic; do
       ELSA_BWD_DQ=$dq timeout 280 python3 recipes/bench_attention.py --backward --dtypes fp32-strict \
         --n 1024,2048,4096,8192 --shapes 16x64,16x128 --baselines efficient --batch 1 2>&1 \
