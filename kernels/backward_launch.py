@@ -182,7 +182,6 @@ def gluon_auto(q, k, v, do, call: dict, mask_grad: bool) -> bool:
             varlen=False, dropout_p=call["dropout_p"], mask_grad=mask_grad) is None
     if n < AUTO_GLUON_MIN_N[(64 if width <= 64 else 128, bool(call["is_causal"]))] or dot != occ.DOT_LOWP:
         return False
-
     if width > 64 and hopper_backward.kernel_form(hopper_backward.lowp_form(), q.shape[-1], v.shape[-1]) != "ws2":
         return False
     return hopper_backward.lowp_eligible(q, k, v, do, dot=dot, mask=call["mask"], q_lengths=call["q_lengths"],

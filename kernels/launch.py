@@ -779,13 +779,13 @@ def execute(plan: LaunchPlan, q, k, v, *, scale, precision, mask=None, q_lengths
         n = parts * BH * Nq
         n16 = -(-n // 4) * 4
         size = 2 * n16 + n * Dv
+        n_count = n_mblocks * B * (Hq // groups)  # (fused: a ticket counter a packed row tile)
         if fused is None or replay.collecting():  # (launch.precompile, on fake tensors: stand-ins)
             part = torch.empty(size, **f32)
             replay.allocated("part", part)
             if fused is not None:
-                count = torch.empty(n_mblocks * B * (Hq // groups), device=q.device, dtype=torch.int32)
+                count = torch.empty(n_count, device=q.device, dtype=torch.int32)
         else:
-            n_count = n_mblocks * B * (Hq // groups)
             count, part = merge_scratch(q.device, n_count, size)
             replay.derived("merge_count", count, _scratch_maker(q.device, n_count, size, 0))
             replay.derived("part", part, _scratch_maker(q.device, n_count, size, 1))

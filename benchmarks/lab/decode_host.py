@@ -11,9 +11,6 @@ rounds (session 65: the fused merge against the merge kernel; graph-replayed cal
 the same kernels for both).
 """
 
-import contextlib
-import os
-
 import argparse
 import statistics
 import warnings
@@ -40,11 +37,8 @@ def main():
     envs = dict(e.split("=", 1) for e in a.ab_env)
 
     def env_of(name):
-        """The environment an entry runs in (``elsa:VALUE``: its --ab-env variable set)."""
-        if not name.startswith("elsa:"):
-            return contextlib.nullcontext()
-        var = next(n for n, val in envs.items() if val == name[5:])
-        return _env(var, envs[var])
+        """The environment an entry runs in (``elsa:VALUE``: its --ab-env variable set; others: as it is)."""
+        return benchmark.environ({n: val for n, val in envs.items() if name == f"elsa:{val}"})
 
     warnings.filterwarnings("ignore", category=UserWarning)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
@@ -88,19 +82,6 @@ def main():
         first = first or fns["elsa"]
     if a.profile:
         benchmark.print_host_profile(first, a.profile, (("tottime", 18),))
-
-
-@contextlib.contextmanager
-def _env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 if __name__ == "__main__":
