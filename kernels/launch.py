@@ -917,10 +917,16 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
+_SCRATCH_SLOT = "\0merge_scratch"  # a replay's slots: the pair merge_scratch gave its first derived slot
+
+
 def _scratch_of(device: torch.device, n_count: int, n_states: int, which: int, slots) -> torch.Tensor:
     """A replay's ``merge_count`` (``which`` 0) or ``part`` (1) slot of a fused launch (:func:`replay.derived`): the
-    buffers of the stream it runs on."""
-    return merge_scratch(device, n_count, n_states)[which]
+    buffers of the stream it runs on, looked up once a replay (the second slot takes the pair the first kept)."""
+    got = slots.get(_SCRATCH_SLOT)
+    if got is None:
+        got = slots[_SCRATCH_SLOT] = merge_scratch(device, n_count, n_states)
+    return got[which]
 
 
 @functools.lru_cache(maxsize=512)

@@ -270,6 +270,23 @@ def test_merge_scratch_one_pair_a_stream():
     launch._SCRATCH.clear()
 
 
+def test_merge_scratch_looked_up_once_a_replay(monkeypatch):
+    """A replay's two derived slots of the fused merge (counters, states) take one merge_scratch lookup between
+    them: the second finds the pair the first kept in the replay's slots."""
+    calls = []
+    real = launch.merge_scratch
+    monkeypatch.setattr(launch, "merge_scratch", lambda *a: calls.append(a) or real(*a))
+    dev = torch.device("cpu")
+    slots = {}
+    count = launch._scratch_maker(dev, 7, 30, 0)(slots)
+    part = launch._scratch_maker(dev, 7, 30, 1)(slots)
+    assert calls == [(dev, 7, 30)] and count.dtype == torch.int32 and part.dtype == torch.float32
+    pair = real(dev, 7, 30)
+    assert pair[0] is count and pair[1] is part and launch._scratch_maker(dev, 7, 30, 1)({}) is part
+    assert len(calls) == 2  # a new replay's slots: looked up again
+    launch._SCRATCH.clear()
+
+
 @pytest.mark.parametrize("nq,hq,hkv,causal", [(1, 4, 4, False), (1, 8, 2, True), (3, 4, 2, True)])
 def test_packed_128_key_tiles(nq, hq, hkv, causal, packs, monkeypatch):
     """The 128-key tile of session 40's rule (one row per K/V head at width 128 with many (batch, K/V head) pairs;
