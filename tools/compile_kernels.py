@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import itertools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,8 +51,12 @@ def _signature(fn, data_dtype: str) -> dict:
     return sig
 
 
+# the backward's options at 2-byte D <= 128 (backward_launch._blocks)
+_BWD_OPTIONS = dict(num_warps=4, num_stages=2)
+
+
 def variants():
-    """(name, kernel, data dtype, constexprs, num_warps)."""
+    """(name, kernel, data dtype, constexprs, num_warps or the launch's options)."""
     from elsa_surgery.kernels import backward, scan
 
     fwd = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=128, BLOCK_N=64, MASK_KIND=0, HAS_QLEN=False,
@@ -67,7 +72,7 @@ def variants():
         yield (f"elsa_fwd pack fused merge={fm} D={d}", scan.elsa_fwd, "bf16",
                dict(fwd, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=16, IS_CAUSAL=causal, HAS_QLEN=qlen,
                     HAS_KVLEN=qlen, DOT=0, WRITE_STATE=True, BLOCKED_PV=False, PACK=True, FUSE_MERGE=fm, MERGE_M=4),
-               4)
+               dict(num_warps=4, num_stages=2))  # occupancy.decode_tile_config's options
     for kind in (1, 2):  # the mask's tile ranges (scan.mask_tile_classes, mask_tile_ranges)
         yield (f"elsa_fwd mask={kind} ranges", scan.elsa_fwd, "bf16",
                dict(fwd, MASK_KIND=kind, IS_CAUSAL=True, DOT=0, WRITE_STATE=False, BLOCKED_PV=False,
@@ -80,16 +85,16 @@ def variants():
     for keys_major, causal, mask in itertools.product((False, True), (False, True), (0, 2)):
         yield (f"bwd_kv keys_major={keys_major} causal={causal} mask={mask}", backward.bwd_kv, "bf16",
                dict(bwd, MASK_KIND=mask, IS_CAUSAL=causal, DROPOUT=mask == 2, ATOMIC_DQ=True, WRITE_DS=mask == 2,
-                    KEYS_MAJOR=keys_major), 4)
+                    KEYS_MAJOR=keys_major), _BWD_OPTIONS)
     for what, causal in itertools.product((0, 1), (False, True)):
         yield (f"row_pass what={what} causal={causal}", backward.row_pass, "bf16",
-               dict(bwd, MASK_KIND=0, IS_CAUSAL=causal, DROPOUT=what == 1, WHAT=what), 4)
+               dict(bwd, MASK_KIND=0, IS_CAUSAL=causal, DROPOUT=what == 1, WHAT=what), _BWD_OPTIONS)
     for keys_major in (False, True):
         yield (f"bwd_kv keys_major={keys_major} mask=1 ranges", backward.bwd_kv, "bf16",
                dict(bwd, MASK_KIND=1, IS_CAUSAL=True, DROPOUT=False, ATOMIC_DQ=False, WRITE_DS=False,
-                    KEYS_MAJOR=keys_major, HAS_RANGES=True), 4)
+                    KEYS_MAJOR=keys_major, HAS_RANGES=True), _BWD_OPTIONS)
     yield ("row_pass what=0 mask=2 ranges", backward.row_pass, "bf16",
-           dict(bwd, MASK_KIND=2, IS_CAUSAL=True, DROPOUT=False, WHAT=0, HAS_RANGES=True), 4)
+           dict(bwd, MASK_KIND=2, IS_CAUSAL=True, DROPOUT=False, WHAT=0, HAS_RANGES=True), _BWD_OPTIONS)
 
 
 def gluon_variants():
@@ -214,12 +219,41 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+# The unit strides of a launch's contiguous operands (the head dim of q, k, v, out and their gradients; the last dim of
+# lse, the mask and dS), which Triton specialises into the constant 1, and the other strides of the operands whose
+# rows are whole heads (a multiple of 16 for the head dims the variants take)
+_UNIT_STRIDES = re.compile(r"stride_(q|k|v|o|dq|dk|dv|do|r)d|stride_(l|m|s)n")
+_ALIGNED_STRIDES = re.compile(r"stride_(q|k|v|o|dq|dk|dv|do|ki|vi)[bhn]")
+
+
+def _launch_like(fn, sig: dict, const: dict):
+    """``(signature, constexprs, attrs)`` of ``fn`` specialised as a launch on contiguous, 16-byte-aligned tensors
+    would be (Triton's launch-time specialisation): every pointer and the operands' other strides divisible by 16
+    (``tt.divisibility``; ``_ALIGNED_STRIDES``), the unit strides constant 1. Without it the compiler cannot
+    vectorise a load, and the register counts ``--ptxas`` printed were those of scalar loads (session 66: the packed
+    decode kernel at D = 128, 255 registers and 468 bytes of spills unspecialised, 128 and none as launched).
+    Arguments the kernel marks ``do_not_specialize`` stay plain i32."""
+    sig, const, attrs = dict(sig), dict(const), {}
+    plain = {p.name for p in fn.params if getattr(p, "do_not_specialize", False)}
+    for i, name in enumerate(fn.arg_names):
+        kind = sig.get(name)
+        if name in const or name in plain or kind == "constexpr":
+            continue
+        if _UNIT_STRIDES.fullmatch(name):
+            sig[name], const[name] = "constexpr", 1
+        elif kind.startswith("*") or (kind == "i32" and _ALIGNED_STRIDES.fullmatch(name)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, const, attrs
+
+
 def source(fn, dtype: str, const: dict):
-    """Triton's ``ASTSource`` of ``fn`` with data pointers of ``dtype`` and the constexprs ``const``."""
+    """Triton's ``ASTSource`` of ``fn`` with data pointers of ``dtype`` and the constexprs ``const``, specialised as a
+    launch on contiguous aligned tensors (:func:`_launch_like`)."""
     from triton.compiler import ASTSource
 
-    return ASTSource(fn=fn, signature=_signature(fn, dtype),
-                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    sig, const, attrs = _launch_like(fn, _signature(fn, dtype), const)
+    return ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                     attrs=attrs)
 
 
 def compile_source(src, warps) -> str:
