@@ -14,7 +14,8 @@ left is what the activations and attention need. ``--memory-gib`` caps the memor
 ``generate`` with the ``--cache`` implementations, dynamic and/or static): the native model and a converted deep copy
 held side by side and timed in interleaved rounds (A/B/A/B, ``--iters`` rounds, median), their greedy tokens
 compared; it prints native / converted seconds, the ratio (> 1: converted faster), decode tokens/s and whether the
-tokens are identical. On a CUDA device transformers compiles the decode steps of a static cache itself
+tokens are identical, and where they are not, the first step they differ at and how near a tie the native model's
+choice was there against how far the two models' logits differ (``first_divergence``). On a CUDA device transformers compiles the decode steps of a static cache itself
 (``torch.compile``, mode ``reduce-overhead``: CUDA graphs) for both models: such a cell is a compiled one, said so in
 its line (``decode compiled``), and its dispatch reasons cover the eager calls alone (the prefill); ``static-eager``
 turns that off (session 57: the Qwen2 static cells of sessions 35-36 were compiled ones).
@@ -216,6 +217,56 @@ def parity(model, n, args, device) -> Dict[str, Any]:
     return res
 
 
+def first_divergence(seq_c, seq_n, logits_c, logits_n, prompt_len: int, dtype: torch.dtype) -> List[Any]:
+    """Where the converted model's greedy tokens first leave the native model's, one entry a batch row: None where
+    they agree; else ``step`` (of the generated tokens), the two tokens, ``native_margin`` (the native logit of its
+    token minus that of the converted model's token: how far from a tie the native choice was), ``converted_margin``
+    (the same the other way), ``margin_ulps`` (the native margin in units of the model dtype's spacing at that logit:
+    0 is an exact tie in the dtype the logits were rounded to), ``logit_diff_before`` (the largest difference between
+    the two models' logits over the steps before, where their tokens agreed; None at step 0) and ``logit_diff_at`` (at
+    the step). ``logits_*``: generate's ``output_logits``, one ``[B, vocab]`` tensor a step.
+
+    ``near_tie``: the margin is at most one spacing of the dtype, or at most twice ``logit_diff_before`` (two logits
+    each moved by that much swap a pair that close): the two attentions' rounding decides such a choice either way, as
+    it does between two SDPA backends; rows of random-weight models often hold such ties (session 65: 'tokens
+    identical False' in bf16 cells, and the same with ``sdpa`` on both sides in earlier logs). A divergence that is
+    no near tie is worth a look."""
+    rows: List[Any] = []
+    steps = min(len(logits_c), len(logits_n), seq_c.shape[1] - prompt_len, seq_n.shape[1] - prompt_len)
+    eps = torch.finfo(dtype).eps
+    for b in range(seq_n.shape[0]):
+        gen_c, gen_n = seq_c[b, prompt_len:prompt_len + steps], seq_n[b, prompt_len:prompt_len + steps]
+        differ = (gen_c != gen_n).nonzero()
+        if differ.numel() == 0:
+            rows.append(None)
+            continue
+        j = int(differ[0, 0])
+        tok_n, tok_c = int(gen_n[j]), int(gen_c[j])
+        ln, lc = logits_n[j][b].float(), logits_c[j][b].float()
+        diffs = [float((logits_c[i][b].float() - logits_n[i][b].float()).abs().max()) for i in range(j + 1)]
+        before = max(diffs[:j]) if j else None
+        margin = float(ln[tok_n] - ln[tok_c])
+        ulps = margin / (eps * 2.0 ** math.floor(math.log2(max(abs(float(ln[tok_n])), 1e-30))))
+        rows.append({"step": j, "native_token": tok_n, "converted_token": tok_c, "native_margin": margin,
+                     "converted_margin": float(lc[tok_c] - lc[tok_n]), "margin_ulps": ulps,
+                     "logit_diff_before": before, "logit_diff_at": diffs[j],
+                     "near_tie": ulps <= 1.0 or (before is not None and margin <= 2 * before)})
+    return rows
+
+
+def _divergence_text(rows: List[Any]) -> str:
+    """One line's account of :func:`first_divergence` (empty where every row agrees)."""
+    parts = []
+    for b, r in enumerate(rows):
+        if r is not None:
+            before = "no step before" if r["logit_diff_before"] is None else (
+                f"logits differed by <= {r['logit_diff_before']:.3g} over the steps before")
+            parts.append(f"row {b} first differs at step {r['step']}: native margin {r['native_margin']:.3g} "
+                         f"({r['margin_ulps']:.1f} ulps), converted margin {r['converted_margin']:.3g}, {before}"
+                         + (" (a near tie)" if r["near_tie"] else " (NOT a near tie)"))
+    return "; ".join(parts)
+
+
 def generate_ab(args, device) -> List[Dict[str, Any]]:
     """--generate: native and converted LlamaForCausalLM (a deep copy) in interleaved rounds, per prompt length and
     cache implementation."""
@@ -263,9 +314,12 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
             if cache == "static-eager":
                 kw["disable_compile"] = True
 
-            def run(model):
+            def run(model, **extra):
                 with torch.inference_mode():
-                    return model.generate(ids, **kw)
+                    return model.generate(ids, **kw, **extra)
+
+            # the first generation of each keeps its logits, to tell where and why tokens differ
+            first = dict(return_dict_in_generate=True, output_logits=True)
 
             row: Dict[str, Any] = {"seq_len": n, "cache": cache, "new_tokens": args.new_tokens}
             stage = "converted"  # which model an error came from (the converted one runs first)
@@ -276,7 +330,7 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                 compiled["calls"] = 0
                 routed = dict(callcache.DIRECT), dict(callcache.KERNEL_FAMILY)
                 with elsa_surgery.dispatch.record() as log:
-                    out_c = run(converted)
+                    res_c = run(converted, **first)
                 _sync(device)
                 # calls of the first generation run through a direct route (a replayed plan or SDPA), of which
                 # through a kernel family's route (a decode step of a growing cache replaying an earlier step's plan)
@@ -284,13 +338,17 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                                  "kernel_family": callcache.KERNEL_FAMILY["runs"] - routed[1]["runs"]}
                 t1 = time.perf_counter()
                 stage = "native"
-                out_n = run(native)
+                res_n = run(native, **first)
                 stage = "timed rounds"
                 _sync(device)
                 row["converted_first_s"], row["native_first_s"] = t1 - t0, time.perf_counter() - t1
                 row["decode_compiled"] = compiled["calls"] > 0
+                out_c, out_n = res_c.sequences, res_n.sequences
                 row["tokens_identical"] = bool(torch.equal(out_c, out_n))
                 row["tokens_agree"] = float((out_c[:, n:] == out_n[:, n:]).float().mean())
+                row["divergence"] = first_divergence(out_c, out_n, res_c.logits, res_n.logits, n,
+                                                     next(native.parameters()).dtype)
+                del res_c, res_n
                 row["backends_used"] = sorted({d.backend + (f"/{d.precision}" if d.precision else "") for d in log})
                 # auto's reasons (its race's two timings where it raced), each distinct one with its call count
                 reasons: Dict[str, int] = {}
@@ -322,6 +380,8 @@ def generate_ab(args, device) -> List[Dict[str, Any]]:
                       f" ({row['tokens_agree']:.0%} agree), {','.join(row['backends_used'])}; first generation "
                       f"(warm-up, races) native {row['native_first_s']:.3f} s, converted "
                       f"{row['converted_first_s']:.3f} s", flush=True)
+                if not row["tokens_identical"]:
+                    print(f"#   tokens: {_divergence_text(row['divergence'])}", flush=True)
                 for reason, calls in row["dispatch_reasons"].items():
                     print(f"#   {calls} call(s): {reason[:300]}", flush=True)
                 print(f"#   first generation: {row['routes']['direct']} call(s) through direct routes, "

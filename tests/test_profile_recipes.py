@@ -245,8 +245,49 @@ def test_generate_recipe_says_which_static_cells_transformers_compiled(load_reci
     rows = m.generate_ab(args, torch.device("cpu"))
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
     assert [r["decode_compiled"] for r in rows] == [False, True, False], rows
-    assert all(r["tokens_identical"] for r in rows), rows
+    assert all(r["tokens_identical"] and r["divergence"] == [None] for r in rows), rows
     assert all(r["routes"] == {"direct": 0, "kernel_family": 0} for r in rows), rows  # (the reference backend's)
     with pytest.raises(SystemExit, match="static-graphs"):
         args.cache = "static-graphs"
         m.generate_ab(args, torch.device("cpu"))
+
+
+def test_generate_recipe_tells_where_and_how_near_a_tie_tokens_differ(load_recipe):
+    """``first_divergence``: per batch row, None where the greedy tokens agree; else the first generated step they
+    differ at, the native model's margin there (its token's logit minus the converted model's token's) in logits and
+    in the dtype's spacing, the converted model's margin, the largest logit difference over the steps before and at
+    the step, and whether the choice was a near tie (a margin within one spacing, or within twice the difference
+    before)."""
+    m = load_recipe("llama_long_context")
+    prompt, steps, vocab = 3, 4, 6
+    seq_n = torch.tensor([[9, 9, 9, 1, 2, 3, 4], [9, 9, 9, 5, 5, 5, 5], [9, 9, 9, 0, 1, 0, 1]])
+    seq_c = seq_n.clone()
+    seq_c[0, prompt + 2] = 4  # row 0: step 2, a tie in bf16
+    seq_c[2, prompt + 1] = 3  # row 2: step 1
+    logits_n = [torch.zeros(3, vocab) for _ in range(steps)]
+    logits_c = [torch.zeros(3, vocab) for _ in range(steps)]
+    logits_n[2][0, 3], logits_n[2][0, 4] = 8.0, 8.0 - 2 ** -5  # bf16's spacing at 8 is 2^-4: half of one
+    logits_c[2][0, 4], logits_c[2][0, 3] = 8.0, 8.0 - 2 ** -5
+    logits_c[0][2, 0] = 0.5  # row 2's logits differed by 0.5 at step 0
+    logits_n[1][2, 1], logits_n[1][2, 3] = 6.0, 5.0
+    logits_c[1][2, 3], logits_c[1][2, 1] = 5.5, 5.5
+    rows = m.first_divergence(seq_c, seq_n, logits_c, logits_n, prompt, torch.bfloat16)
+    assert rows[1] is None
+    r0, r2 = rows[0], rows[2]
+    assert (r0["step"], r0["native_token"], r0["converted_token"]) == (2, 3, 4)
+    assert r0["native_margin"] == r0["converted_margin"] == 2 ** -5 and r0["margin_ulps"] == 0.5
+    assert r0["logit_diff_before"] == 0.0 and r0["logit_diff_at"] == 2 ** -5 and r0["near_tie"]
+    assert (r2["step"], r2["native_token"], r2["converted_token"]) == (1, 1, 3)
+    assert r2["native_margin"] == 1.0 and r2["converted_margin"] == 0.0 and r2["margin_ulps"] == 1.0 / 2 ** -5
+    assert r2["logit_diff_before"] == 0.5 and r2["logit_diff_at"] == 0.5 and r2["near_tie"]  # 1.0 <= 2 x 0.5
+    logits_c[0][2, 0] = 0.25  # the models agreed more closely before: a margin of 1.0 is no near tie
+    rows = m.first_divergence(seq_c, seq_n, logits_c, logits_n, prompt, torch.bfloat16)
+    assert rows[2]["logit_diff_before"] == 0.25 and not rows[2]["near_tie"]
+    text = m._divergence_text(rows)
+    assert "row 0 first differs at step 2" in text and "(a near tie)" in text and "row 2" in text
+    assert "NOT a near tie" in text and "row 1" not in text
+    seq_c[2, prompt] = 4  # row 2 now differs at step 0: nothing before, the margin in spacings decides
+    r2 = m.first_divergence(seq_c, seq_n, logits_c, logits_n, prompt, torch.bfloat16)[2]
+    assert r2["step"] == 0 and r2["logit_diff_before"] is None and r2["margin_ulps"] == 0 and r2["near_tie"]
+    assert "no step before" in m._divergence_text([r2])
+    assert m._divergence_text([None, None]) == ""
