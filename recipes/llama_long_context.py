@@ -15,10 +15,11 @@ left is what the activations and attention need. ``--memory-gib`` caps the memor
 held side by side and timed in interleaved rounds (A/B/A/B, ``--iters`` rounds, median), their greedy tokens
 compared; it prints native / converted seconds, the ratio (> 1: converted faster), decode tokens/s and whether the
 tokens are identical, and where they are not, the first step they differ at and how near a tie the native model's
-choice was there against how far the two models' logits differ (``first_divergence``). On a CUDA device transformers compiles the decode steps of a static cache itself
-(``torch.compile``, mode ``reduce-overhead``: CUDA graphs) for both models: such a cell is a compiled one, said so in
-its line (``decode compiled``), and its dispatch reasons cover the eager calls alone (the prefill); ``static-eager``
-turns that off (session 57: the Qwen2 static cells of sessions 35-36 were compiled ones).
+choice was there against how far the two models' logits differ (``first_divergence``). On a CUDA device
+transformers compiles the decode steps of a static cache itself (``torch.compile``, mode ``reduce-overhead``: CUDA
+graphs) for both models: such a cell is a compiled one, said so in its line (``decode compiled``), and its dispatch
+reasons cover the eager calls alone (the prefill); ``static-eager`` turns that off (session 57: the Qwen2 static
+cells of sessions 35-36 were compiled ones).
 
 Examples (the device):
     python recipes/llama_long_context.py --generate --layers 2 --dtype bf16 --seq-lens 4096,32768 --cache dynamic,static
