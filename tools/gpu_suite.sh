@@ -4,9 +4,8 @@
 #   PART: tests | tests-kernels | tests-tiles | tests-rest | tests-training | models | llama | vision | train-vision |
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
-#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | strict-dq | compile-time | compile-time-2 |
-#   compile-autotune |
-#   generate-eager | exec (then: OUTDIR COMMAND..., run with the package mapped).
+#   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | strict-dq | pending | compile-time |
+#   compile-time-2 | compile-autotune | generate-eager | exec (then: OUTDIR COMMAND..., run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
@@ -115,6 +114,21 @@ case "$part" in
       | tee "$out/decode_host_merge.log" | grep -v Warn
     timeout 230 python3 recipes/bench_attention.py --decode --dtypes bf16 --shapes 32x128,32x64 --gqa 32:4,32:8 \
       --queries 1 --keys 4096,32768 --batch 1,16 2>&1 | tee "$out/decode_grid.log" | grep DECODE | cut -c1-330 ;;
+  pending)  # session 66 (no machine came): what sessions 65-66 landed without a GPU run, in one call (<= 480 s): the
+    # fused merge with its states in the stream's buffers (829dead) and one scratch lookup a replay (eb366e2) on the
+    # compiled kernels, strict's atomic routing (its GPU test), the decode call's host time fused / merge kernel, and
+    # strict's backward with dQ by the row pass against atomic adds at 2K and 4K (auto's bound, AUTO_STRICT_ATOMIC_MIN_N)
+    (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+       --tb=short "$repo/tests/test_decode.py" -k "fused or row_merge or family_on_the_gpu or scratch" 2>&1 \
+       | tee "$out/pytest_decode_merge.log" | tail -8)
+    TESTS_TIMEOUT=90 gpu_tests pytest_strict_dq.log "$repo/tests/test_backward.py" -k strict_dq_atomically
+    timeout 80 python3 benchmarks/lab/decode_host.py --ab-env ELSA_DECODE_MERGE=kernel --profile 0 \
+      --shapes 16x32x8x64x4096,16x32x8x128x4096,1x32x8x128x4096 2>&1 | tee "$out/decode_host_merge.log" | grep -v Warn
+    for dq in rows atomic; do
+      ELSA_BWD_DQ=$dq timeout 80 python3 recipes/bench_attention.py --backward --dtypes fp32-strict --n 2048,4096 \
+        --shapes 16x64,16x128 --baselines efficient --batch 1 2>&1 | tee "$out/strict_bwd_$dq.log" | grep -v '^ ' \
+        | cut -c1-260
+    done ;;
   strict-dq)  # session 65: auto's routing of strict calls to atomic dQ (the GPU test), then fp32 strict's backward with
     # dQ by the row pass (deterministic) against atomic adds from the key-block pass, forward + backward against
     # ME-SDPA, 1K-8K, D = 64 / 128, causal and not (auto's bound for strict, AUTO_STRICT_ATOMIC_MIN_N)
