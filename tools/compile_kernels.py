@@ -51,13 +51,10 @@ def _signature(fn, data_dtype: str) -> dict:
     return sig
 
 
-# the backward's options at 2-byte D <= 128 (backward_launch._blocks)
-_BWD_OPTIONS = dict(num_warps=4, num_stages=2)
-
-
 def variants():
     """(name, kernel, data dtype, constexprs, num_warps or the launch's options)."""
-    from elsa_surgery.kernels import backward, scan
+    from elsa_surgery.kernels import backward, backward_launch, scan
+    from elsa_surgery.kernels import occupancy as occ
 
     fwd = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=128, BLOCK_N=64, MASK_KIND=0, HAS_QLEN=False,
                HAS_KVLEN=False, VARLEN=False, WRITE_LSE=True, CHUNKED=0, PACK=False, HAS_RANGES=False)
@@ -69,10 +66,12 @@ def variants():
            dict(fwd, IS_CAUSAL=True, DOT=1, WRITE_STATE=True, BLOCKED_PV=False), 8)
     # packed decode, phase 2 fused (FUSE_MERGE) and not
     for d, causal, qlen, fm in ((64, False, False, 8), (128, True, True, 8), (128, True, True, 0)):
+        cfg = occ.decode_tile_config(d, d, 4)  # the packed kernel's tiles and options (4 rows a K/V head)
         yield (f"elsa_fwd pack fused merge={fm} D={d}", scan.elsa_fwd, "bf16",
-               dict(fwd, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=16, IS_CAUSAL=causal, HAS_QLEN=qlen,
-                    HAS_KVLEN=qlen, DOT=0, WRITE_STATE=True, BLOCKED_PV=False, PACK=True, FUSE_MERGE=fm, MERGE_M=4),
-               dict(num_warps=4, num_stages=2))  # occupancy.decode_tile_config's options
+               dict(fwd, D=d, DV=d, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    IS_CAUSAL=causal, HAS_QLEN=qlen, HAS_KVLEN=qlen, DOT=0, WRITE_STATE=True, BLOCKED_PV=False,
+                    PACK=True, FUSE_MERGE=fm, MERGE_M=4),
+               dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     for kind in (1, 2):  # the mask's tile ranges (scan.mask_tile_classes, mask_tile_ranges)
         yield (f"elsa_fwd mask={kind} ranges", scan.elsa_fwd, "bf16",
                dict(fwd, MASK_KIND=kind, IS_CAUSAL=True, DOT=0, WRITE_STATE=False, BLOCKED_PV=False,
@@ -80,21 +79,23 @@ def variants():
         yield (f"mask_tile_classes mask={kind}", scan.mask_tile_classes, "bf16" if kind == 2 else "u8",
                dict(BLOCK_M=128, BLOCK_N=64, MASK_KIND=kind), 4)
     yield ("mask_tile_ranges", scan.mask_tile_ranges, "bf16", dict(CHUNK=64), 4)
-    bwd = dict(D=64, DV_=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, HAS_QLEN=False, HAS_KVLEN=False,
+    bm, bn, warps, stages = backward_launch._blocks(64)  # the backward's tile at 2-byte D = 64
+    bwd_options = dict(num_warps=warps, num_stages=stages)
+    bwd = dict(D=64, DV_=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=bm, BLOCK_N=bn, HAS_QLEN=False, HAS_KVLEN=False,
                VARLEN=False, DOT=0, HAS_RANGES=False)
     for keys_major, causal, mask in itertools.product((False, True), (False, True), (0, 2)):
         yield (f"bwd_kv keys_major={keys_major} causal={causal} mask={mask}", backward.bwd_kv, "bf16",
                dict(bwd, MASK_KIND=mask, IS_CAUSAL=causal, DROPOUT=mask == 2, ATOMIC_DQ=True, WRITE_DS=mask == 2,
-                    KEYS_MAJOR=keys_major), _BWD_OPTIONS)
+                    KEYS_MAJOR=keys_major), bwd_options)
     for what, causal in itertools.product((0, 1), (False, True)):
         yield (f"row_pass what={what} causal={causal}", backward.row_pass, "bf16",
-               dict(bwd, MASK_KIND=0, IS_CAUSAL=causal, DROPOUT=what == 1, WHAT=what), _BWD_OPTIONS)
+               dict(bwd, MASK_KIND=0, IS_CAUSAL=causal, DROPOUT=what == 1, WHAT=what), bwd_options)
     for keys_major in (False, True):
         yield (f"bwd_kv keys_major={keys_major} mask=1 ranges", backward.bwd_kv, "bf16",
                dict(bwd, MASK_KIND=1, IS_CAUSAL=True, DROPOUT=False, ATOMIC_DQ=False, WRITE_DS=False,
-                    KEYS_MAJOR=keys_major, HAS_RANGES=True), _BWD_OPTIONS)
+                    KEYS_MAJOR=keys_major, HAS_RANGES=True), bwd_options)
     yield ("row_pass what=0 mask=2 ranges", backward.row_pass, "bf16",
-           dict(bwd, MASK_KIND=2, IS_CAUSAL=True, DROPOUT=False, WHAT=0, HAS_RANGES=True), _BWD_OPTIONS)
+           dict(bwd, MASK_KIND=2, IS_CAUSAL=True, DROPOUT=False, WHAT=0, HAS_RANGES=True), bwd_options)
 
 
 def gluon_variants():
