@@ -47,6 +47,25 @@ gpu_tests() {  # $1: log name, then pytest selection; run from outside the check
   (cd /tmp && timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider \
      -c "$repo/pyproject.toml" --rootdir "$repo" --tb=short "$@" 2>&1 | tee "$out/$log" | tail -60)
 }
+decode_merge_checks() {  # sessions 65-66's fused merge: its tests on the compiled kernels (the CPU ones on CUDA too)
+  # and the decode GPU tests ($2: seconds), then host and eager time fused against the merge kernel at the shapes $1
+  # (decode_host.py --ab-env; $3: seconds)
+  (cd /tmp && timeout "$2" python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+     --tb=short "$repo/tests/test_decode.py" -k "fused or row_merge or family_on_the_gpu or scratch" 2>&1 \
+     | tee "$out/pytest_decode_merge.log" | tail -30)
+  timeout "$3" python3 benchmarks/lab/decode_host.py --ab-env ELSA_DECODE_MERGE=kernel --profile 0 \
+    --shapes "$1" 2>&1 | tee "$out/decode_host_merge.log" | grep -v Warn
+}
+strict_dq() {  # session 65: auto's routing of strict calls to atomic dQ (the GPU test; $3: its seconds), then fp32
+  # strict's backward with dQ by the row pass (deterministic) against atomic adds from the key-block pass, forward +
+  # backward against ME-SDPA at the lengths $1, D = 64 / 128, causal and not ($2: seconds a run)
+  TESTS_TIMEOUT=$3 gpu_tests pytest_strict_dq.log "$repo/tests/test_backward.py" -k strict_dq_atomically
+  for dq in rows atomic; do
+    ELSA_BWD_DQ=$dq timeout "$2" python3 recipes/bench_attention.py --backward --dtypes fp32-strict --n "$1" \
+      --shapes 16x64,16x128 --baselines efficient --batch 1 2>&1 | tee "$out/strict_bwd_$dq.log" | grep -v '^ ' \
+      | cut -c1-260
+  done
+}
 case "$part" in
   tests-kernels) gpu_tests pytest_gpu_kernels.log "$repo/tests/test_kernels_gpu.py" -k "not every_tile_config" ;;
   tests-tiles) gpu_tests pytest_gpu_tiles.log "$repo/tests/test_kernels_gpu.py" -k "every_tile_config" ;;
@@ -104,40 +123,17 @@ case "$part" in
     timeout 300 python3 recipes/bench_attention.py --backward --dtypes bf16 --n 1024,4096,16384 \
       --shapes 16x64,16x128 --baselines flash,cudnn --batch 1 2>&1 | tee "$out/bwd_auto.log" | grep -v '^ ' ;;
   decode-merge)  # session 65: a packed decode call's phase 2 fused into its launch (ELSA_DECODE_MERGE=fused, the
-    # default): the fused-merge tests on the compiled kernels (the CPU ones on CUDA too) and the decode GPU tests; host
-    # and eager time fused against the merge kernel (decode_host.py --ab-env); session 62's one-query decode grid
-    (cd /tmp && timeout 200 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
-       --tb=short "$repo/tests/test_decode.py" -k "fused or row_merge or family_on_the_gpu" 2>&1 \
-       | tee "$out/pytest_decode_merge.log" | tail -30)
-    timeout 150 python3 benchmarks/lab/decode_host.py --ab-env ELSA_DECODE_MERGE=kernel --profile 0 \
-      --shapes 16x32x8x64x4096,16x32x8x128x4096,1x32x8x128x4096,1x28x4x128x4097 2>&1 \
-      | tee "$out/decode_host_merge.log" | grep -v Warn
+    # default): decode_merge_checks, then session 62's one-query decode grid
+    decode_merge_checks 16x32x8x64x4096,16x32x8x128x4096,1x32x8x128x4096,1x28x4x128x4097 200 150
     timeout 230 python3 recipes/bench_attention.py --decode --dtypes bf16 --shapes 32x128,32x64 --gqa 32:4,32:8 \
       --queries 1 --keys 4096,32768 --batch 1,16 2>&1 | tee "$out/decode_grid.log" | grep DECODE | cut -c1-330 ;;
   pending)  # session 66 (no machine came): what sessions 65-66 landed without a GPU run, in one call (<= 480 s): the
-    # fused merge with its states in the stream's buffers (829dead) and one scratch lookup a replay (eb366e2) on the
-    # compiled kernels, strict's atomic routing (its GPU test), the decode call's host time fused / merge kernel, and
-    # strict's backward with dQ by the row pass against atomic adds at 2K and 4K (auto's bound, AUTO_STRICT_ATOMIC_MIN_N)
-    (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
-       --tb=short "$repo/tests/test_decode.py" -k "fused or row_merge or family_on_the_gpu or scratch" 2>&1 \
-       | tee "$out/pytest_decode_merge.log" | tail -8)
-    TESTS_TIMEOUT=90 gpu_tests pytest_strict_dq.log "$repo/tests/test_backward.py" -k strict_dq_atomically
-    timeout 80 python3 benchmarks/lab/decode_host.py --ab-env ELSA_DECODE_MERGE=kernel --profile 0 \
-      --shapes 16x32x8x64x4096,16x32x8x128x4096,1x32x8x128x4096 2>&1 | tee "$out/decode_host_merge.log" | grep -v Warn
-    for dq in rows atomic; do
-      ELSA_BWD_DQ=$dq timeout 80 python3 recipes/bench_attention.py --backward --dtypes fp32-strict --n 2048,4096 \
-        --shapes 16x64,16x128 --baselines efficient --batch 1 2>&1 | tee "$out/strict_bwd_$dq.log" | grep -v '^ ' \
-        | cut -c1-260
-    done ;;
-  strict-dq)  # session 65: auto's routing of strict calls to atomic dQ (the GPU test), then fp32 strict's backward with
-    # dQ by the row pass (deterministic) against atomic adds from the key-block pass, forward + backward against
-    # ME-SDPA, 1K-8K, D = 64 / 128, causal and not (auto's bound for strict, AUTO_STRICT_ATOMIC_MIN_N)
-    TESTS_TIMEOUT=120 gpu_tests pytest_strict_dq.log "$repo/tests/test_backward.py" -k strict_dq_atomically
-    for dq in rows atomic; do
-      ELSA_BWD_DQ=$dq timeout 280 python3 recipes/bench_attention.py --backward --dtypes fp32-strict \
-        --n 1024,2048,4096,8192 --shapes 16x64,16x128 --baselines efficient --batch 1 2>&1 \
-        | tee "$out/strict_bwd_$dq.log" | grep -v '^ ' | cut -c1-260
-    done ;;
+    # fused merge with its states in the stream's buffers (829dead) and one scratch lookup a replay (eb366e2), without
+    # the decode grid; strict_dq at 2K and 4K (auto's bound, AUTO_STRICT_ATOMIC_MIN_N)
+    decode_merge_checks 16x32x8x64x4096,16x32x8x128x4096,1x32x8x128x4096 150 80
+    strict_dq 2048,4096 80 90 ;;
+  strict-dq)  # session 65: strict_dq from 1K to 8K
+    strict_dq 1024,2048,4096,8192 280 120 ;;
   races)  # session 35: auto's races on the GPU, landed without a GPU run: every test of tests/test_autoselect.py on
     # CUDA (key lengths raced, an SDPA side out of memory keeps ELSA, decode steps sharing a race), BERT-base with
     # padding at batch 32 (its key lengths now raced), Qwen2 fp32 32K generate (its race ran out of memory)
