@@ -139,9 +139,12 @@ AUTO_GLUON_MAX_D = 128  # ELSA_BWD_DQ=auto: the widest head (D and Dv) that runs
 # ... and the fewest query rows and keys a sequence, by head width (64: D and Dv <= 64; 128: wider) and causality
 AUTO_GLUON_MIN_N = {(64, False): 1024, (64, True): 256, (128, False): 1024, (128, True): 2048}
 # ... and fp32 strict calls that strict's Gluon backward of Hopper takes: dQ by atomic adds from its key-block pass from
-# this many query rows and keys (sessions 46-47, H100, N = 4K, H = 16: forward + backward against ME-SDPA, rows /
-# atomic, D = 64 0.836 / 0.995x, causal 0.986 / 1.139x; D = 128 0.603 / 0.793x, causal 0.672 / 0.840x)
-AUTO_STRICT_ATOMIC_MIN_N = 4096
+# this many query rows and keys. Session 67 (H100, B = 1, H = 16, forward + backward against ME-SDPA, rows / atomic,
+# non-causal | causal): N = 1K D = 64 0.890 / 1.056 | 0.826 / 1.025, D = 128 0.658 / 0.869 | 0.862 / 1.039; 2K D = 64
+# 0.913 / 1.092 | 1.173 / 1.344, D = 128 0.626 / 0.826 | 0.777 / 0.970; 4K and 8K atomic ahead in every cell too. At
+# 256-512 (B = 1: host-bound, wall-clock) neither wins throughout: rows ahead in 3 of the 6 cells timed both ways.
+# Sessions 46-47's bound was 4K (D = 128 4K: 0.603 / 0.793, causal 0.672 / 0.840).
+AUTO_STRICT_ATOMIC_MIN_N = 1024
 
 
 def gluon_auto(q, k, v, do, call: dict, mask_grad: bool) -> bool:

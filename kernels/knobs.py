@@ -176,8 +176,8 @@ _DECLARED = (
          "the two-partition form with 32-row tiles 1.08-1.21x at 1-16K, causal 1.08-1.13x at 4-16K (session 64)); "
          "auto, that kernel for such calls with head dims <= 64, or D = 128 where that form runs, and enough "
          "query rows and keys (backward_launch.gluon_auto: 1024, causal 256 at D <= 64, causal 2048 at D = 128), "
-         "atomic adds for fp32 strict calls that strict's Gluon backward takes from 4096 query rows and keys "
-         "(sessions 46-47, H100, 4K: forward + backward 1.16-1.32x the row pass's speed), the row pass for every "
+         "atomic adds for fp32 strict calls that strict's Gluon backward takes from 1024 query rows and keys "
+         "(session 67, H100, 1K-8K: forward + backward 1.13-1.34x the row pass's speed), the row pass for every "
          "other call. Never atomic under "
          "torch.use_deterministic_algorithms(True)",
          _choice("rows", "atomic", "gluon", "auto"), scope="tuning", choices=("rows", "atomic", "gluon", "auto")),
