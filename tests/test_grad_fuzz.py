@@ -1,0 +1,259 @@
+"""Gradient fidelity (issue 25): a differential fuzzer of ``elsa_surgery.attention``'s backward against the float64
+oracle's autograd (``tests/oracle.naive_attention``: ELSA's documented semantics, bottom-right ``is_causal``
+intersected with a mask, rows with no visible key giving zeros and zero gradients).
+
+Hypothesis draws calls from the forward fuzzer's space (``test_sdpa_fidelity.cases``: GQA/MQA, Nq != Nk, N = 1, head
+dims inside and outside the kernels' range, strided and stride-0 inputs, bool and additive masks of every broadcast
+shape with -inf, large finite values and fully masked rows, ``CausalBias``, ``scale``, ``return_lse``), without
+autocast. q, k, v and an additive mask require grad in their own layouts; the loss is ``<out, g>`` for a random
+``g``, plus ``<lse, g_lse>`` where the case returns the lse. A case passes when ELSA refuses its forward (the forward
+fuzzer judges refusals), or returns finite gradients of each input's shape whose error is within the dtype's
+tolerance (plus what rounding the logits costs, as the forward fuzzer allows) of the larger of the oracle's
+gradient and a share of its terms' magnitude (:func:`_magnitudes`: a sum that cancels, such as dK where each row
+sees one key or a mask constant along a row, has no relative error to speak of).
+
+Budgets: CI runs ``GRAD_FUZZ_CPU`` cases of ``auto``/``reference`` on the CPU, and ``GRAD_FUZZ_INTERP`` cases of the
+Triton kernels in the interpreter through each of the backward's paths (:data:`PATHS`; env, default 16 a path, at
+most ``GRAD_FUZZ_INTERP_N`` query rows and keys, env, default 12), checking that each path's kernels ran. The
+GPU-marked test draws ``GRAD_FUZZ_GPU`` cases (env, default 2,000) on CUDA with the compiled kernels, also through the
+default dispatch (``bash tools/gpu_suite.sh grad-fuzz``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import event, given, note, settings
+from hypothesis import strategies as st
+from torch.nn.attention.bias import CausalBias
+
+import elsa_surgery
+from elsa_surgery import benchmark
+from oracle import naive_attention
+from test_sdpa_fidelity import FUZZ, DTYPES, Case, build, cases, effective_mask, logits
+
+GRAD_FUZZ_CPU = 150
+GRAD_FUZZ_INTERP = int(os.environ.get("GRAD_FUZZ_INTERP", "16"))  # a backward path
+GRAD_FUZZ_INTERP_N = int(os.environ.get("GRAD_FUZZ_INTERP_N", "12"))  # longest Nq, Nk (exploring: 40 crosses tiles)
+GRAD_FUZZ_GPU = int(os.environ.get("GRAD_FUZZ_GPU", "2000"))
+# relative L2 error of each gradient against the float64 oracle's (test_backward.TOL's, fp32 with room for the
+# fuzzer's scales and masks)
+GRAD_TOL = {"float64": 1e-9, "float32": 5e-5, "float16": 3e-2, "bfloat16": 8e-2}
+
+
+def _leafs(*ts):
+    """Each tensor of ``ts`` (a view keeps its strides) as a leaf that requires grad; others unchanged."""
+    out = []
+    for t in ts:
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.is_floating_point():
+            t = t.detach().requires_grad_()
+        out.append(t)
+    return out
+
+
+def _oracle_mask(case, mask):
+    """The mask as the oracle takes it (a float64 leaf for an additive tensor, CausalBias materialised as bool)."""
+    if isinstance(mask, CausalBias):
+        return mask._materialize("cpu"), False
+    if mask is None or mask.dtype == torch.bool:
+        return mask, False
+    return mask.detach().cpu().double().requires_grad_(), True
+
+
+# the kernels' backward paths a case may take (grad_check's ``path``): the one-launch backward (calls of at most 64
+# query rows and keys, their default), the general passes with dQ by the row pass or by atomic adds, and fp32's
+# fp16 split (precise: three products, turbo: one; dQ by rows)
+PATHS = {"short": {"ELSA_BWD_SHORT": "1"},
+         "rows": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "rows"},
+         "atomic": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "atomic"},
+         "precise-split": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_SPLIT": "f16", "ELSA_BWD_DQ": "rows"},
+         "turbo-split": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_SPLIT": "f16", "ELSA_BWD_DQ": "rows"}}
+TURBO_TOL = 3e-3  # test_backward.TURBO_SPLIT_TOL: one fp16 product of operands rounded to 11 significant bits
+
+
+def grad_check(case: Case, path: str = "default") -> str:
+    """Run one case's forward and backward on ELSA (through ``path``'s knobs, :data:`PATHS`) and on the oracle, and
+    judge the gradients (module docstring); returns the outcome's name."""
+    precision = None
+    if path.endswith("-split"):
+        if case.dtype != "float32":
+            path = "rows"
+        else:
+            precision = path.split("-")[0]
+    q, k, v, mask = build(case)
+    q, k, v, mask = _leafs(q, k, v, mask)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    with benchmark.environ(PATHS.get(path, {})):
+        try:
+            res = elsa_surgery.attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
+                                         enable_gqa=case.enable_gqa, backend=case.backend, return_lse=case.return_lse,
+                                         precision=precision)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+            return f"refused: {type(exc).__name__}: {str(exc)[:70]}"
+        out, lse = res if case.return_lse else (res, None)
+        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        loss = (out.double() * g.to(out.device)).sum()
+        g_lse = None
+        if lse is not None:
+            g_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+            loss = loss + (torch.where(lse.isinf(), 0.0, lse.double()) * g_lse.to(lse.device)).sum()
+        inputs = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+
+    rq, rk, rv = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    rm, mask_grad = _oracle_mask(case, mask)
+    full = (case.B, case.Hq, case.Nq, case.Nk)
+    om = rm if rm is None else rm.expand(full)
+    ds = None
+    if mask_grad:  # the logits' gradient at full shape: the mask's gradient before its broadcast reduction
+        ds = torch.zeros(full, dtype=torch.float64, requires_grad=True)
+        om = om + ds
+    ro, _ = naive_attention(rq, rk, rv, om, is_causal=case.is_causal, scale=case.scale)
+    rloss = (ro * g).sum()
+    if g_lse is not None:  # the lse from the logits with empty rows set aside (logsumexp's gradient there is NaN)
+        sc = logits(case, rq, rk, effective_mask(case, om, "cpu", torch.float64))
+        empty = (sc == float("-inf")).all(-1, keepdim=True)
+        rl = torch.logsumexp(sc.masked_fill(empty, 0.0), dim=-1)
+        rloss = rloss + (rl * g_lse).masked_fill(empty.squeeze(-1), 0.0).sum()
+    ref_inputs = [rq, rk, rv] + ([rm, ds] if mask_grad else [])
+    ref = torch.autograd.grad(rloss, ref_inputs, allow_unused=True)
+    tol = (TURBO_TOL if precision == "turbo" else GRAD_TOL[case.dtype]) + _rounding(case, rq, rk, om)
+    floors = _magnitudes(case, rq.detach(), rk.detach(), rv.detach(), None if om is None else om.detach(), g)
+    for name, t, gt, gr in zip("qkvm", inputs, grads, ref):
+        if gt is None:
+            gt = torch.zeros_like(t)
+        if gt.shape != t.shape:
+            raise AssertionError(f"d{name} has shape {tuple(gt.shape)}, the input {tuple(t.shape)}\n    {case!r}")
+        if not bool(torch.isfinite(gt).all()):
+            raise AssertionError(f"d{name} is not finite\n    grad_check({case!r})")
+        gr = torch.zeros_like(gt, dtype=torch.float64, device="cpu") if gr is None else gr
+        gt = gt.detach().cpu().double()
+        # relative to the gradient, or to its terms' magnitude where the exact sum cancels (a row seeing one key
+        # has dS = p (dP - delta) = 0 exactly, so dK's own size is 0; a mask constant along a row has gradient 0)
+        size = max(float(gr.norm()), FLOOR_FRACTION * floors[name])
+        err = float((gt - gr).norm()) / size if size else float((gt - gr).norm())
+        if not err <= tol:
+            raise AssertionError(f"d{name}: error {err:.3g} of max(|grad|, {FLOOR_FRACTION} x its terms) "
+                                 f"> {tol:.3g}\n    grad_check({case!r})")
+    return f"match ({path})"
+
+
+# a gradient is compared against this share of its terms' magnitude at least (their Frobenius bound overstates the
+# size of a product by up to ~sqrt(min(N, D)))
+FLOOR_FRACTION = 0.25
+
+
+def _magnitudes(case, q, k, v, mask, g) -> dict:
+    """The Frobenius size of each gradient's terms before they cancel, in float64: for the logits (the mask's
+    gradient before its broadcast sum) ``P (|dO| |V|^T + delta')``, ``delta'`` the row sums of ``P |dO| |V|^T``; that
+    times ``scale |K|`` for dQ and ``scale |Q|`` for dK, ``|P| |dO|`` for dV (Cauchy-Schwarz bounds of the
+    products)."""
+    scale = case.D ** -0.5 if case.scale is None else case.scale
+    sc = logits(case, q, k, effective_mask(case, mask, "cpu", torch.float64))
+    empty = (sc == float("-inf")).all(-1, keepdim=True)
+    p = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    grp = case.Hq // case.Hkv
+    dp = g.abs() @ v.abs().repeat_interleave(grp, 1).transpose(-1, -2)  # dP's terms, before they cancel too
+    delta = (p * dp).sum(-1, keepdim=True)
+    ds = float((p * (dp + delta)).norm())
+    return {"q": scale * ds * float(k.norm()) * grp ** 0.5, "k": scale * ds * float(q.norm()),
+            "v": float(p.norm() * g.norm()), "m": ds}
+
+
+def _rounding(case, q, k, mask) -> float:
+    """What rounding the logits costs every implementation (the forward fuzzer's ``rounding_allowance``): each
+    logit of magnitude ``|s|`` is rounded by ``u |s|`` per operation, ``u`` fp32's 2^-24 (the kernels' logits are
+    fp32 for every input dtype; float64's 2^-53), three operations; a mask of -1e4 shifting a whole row makes that
+    ~2e-3 of the probabilities, and of the gradients, where SDPA pays the same."""
+    u = 2.0 ** -53 if case.dtype == "float64" else 2.0 ** -24
+    if mask is None or mask.dtype == torch.bool:
+        big = 0.0
+    else:
+        m = mask.detach()
+        big = float(m[torch.isfinite(m)].abs().max()) if bool(torch.isfinite(m).any()) else 0.0
+    scale = case.D ** -0.5 if case.scale is None else case.scale
+    logit = 0.0
+    if q.numel() and k.numel():
+        logit = float(q.detach().abs().amax() * k.detach().abs().amax()) * case.D * scale
+    return 6 * u * (big + logit)
+
+
+def _no_autocast(case_strategy):
+    return case_strategy.map(lambda c: Case(**{**c.__dict__, "autocast": "none", "v_dtype": "same"}))
+
+
+def _answerable(c: Case) -> Case:
+    """The case with the forward's refusals taken out, so that the kernels' budget goes to gradients: GQA asked for
+    where the heads differ, Dv = 12 (outside the kernels' head dims) as 24, no ``is_causal`` beside a CausalBias."""
+    return Case(**{**c.__dict__, "enable_gqa": c.enable_gqa or c.Hq != c.Hkv, "Dv": 24 if c.Dv == 12 else c.Dv,
+                   "is_causal": c.is_causal and not c.mask.startswith("causal")})
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+@settings(FUZZ, max_examples=GRAD_FUZZ_CPU)
+@given(case=_no_autocast(cases(backends=["reference", "auto"], max_n=24)))
+def test_grad_fuzz_cpu(case):
+    note(f"grad_check({case!r})")
+    event(f"{case.backend}: {grad_check(case)}")
+
+
+# what each path must have launched, by the backward kernels' names (conftest's backward_kernels_fetched) and, for
+# the split, scan.split_f16's operands (backward_launch._split_operands)
+PATH_KERNELS = {"short": {"bwd_short"}, "rows": {"bwd_kv", "row_pass"}, "atomic": {"bwd_kv"},
+                "precise-split": {"bwd_kv", "row_pass", "split"}, "turbo-split": {"bwd_kv", "row_pass", "split"}}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not _interpreting(), reason="the interpreter run (CPU only)")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_grad_fuzz_kernels_interpreter(path, backward_kernels_fetched, monkeypatch):
+    """``GRAD_FUZZ_INTERP`` cases through each backward path; the path's kernels must have run (a knob that stopped
+    steering them would leave the fuzzer testing another path)."""
+    from elsa_surgery.kernels import backward_launch
+
+    real = backward_launch._split_operands
+    monkeypatch.setattr(backward_launch, "_split_operands",
+                        lambda *a: backward_kernels_fetched.add("split") or real(*a))
+
+    @settings(FUZZ, max_examples=GRAD_FUZZ_INTERP)
+    @given(case=_no_autocast(cases(backends=["elsa"], max_n=GRAD_FUZZ_INTERP_N, head_dims=[8, 16, 24, 40, 64, 8, 16],
+                                   dtypes=("float32",) if path.endswith("split") else
+                                   ("float32", "float16", "bfloat16"))).map(_answerable))
+    def fuzz(case):
+        note(f"grad_check({case!r}, {path!r})")
+        event(f"{case.backend}: {grad_check(case, path)}")
+
+    fuzz()
+    assert PATH_KERNELS[path] <= backward_kernels_fetched, (path, backward_kernels_fetched)
+    if path == "atomic":
+        assert "row_pass" not in backward_kernels_fetched
+
+
+@pytest.mark.gpu
+@settings(FUZZ, max_examples=GRAD_FUZZ_GPU)
+@given(case=_no_autocast(cases(backends=["elsa", "auto"], device="cuda", max_n=200,
+                               dtypes=("float32", "float16", "bfloat16"))),
+       path=st.sampled_from(["default", "default"] + list(PATHS)))
+def test_grad_fuzz_gpu(case, path):
+    note(f"grad_check({case!r}, {path!r})")
+    event(f"{case.backend}: {grad_check(case, path)}")
+
+
+def test_grad_fuzz_strategy_reaches_masks_and_gqa():
+    """The strategy (a guard against a map that drops what the forward fuzzer draws): its cases include additive
+    masks, GQA and causal calls, and never autocast."""
+    seen = set()
+
+    @settings(FUZZ, max_examples=200, database=None)
+    @given(case=_no_autocast(cases(backends=["reference"], max_n=8)))
+    def probe(case):
+        assert case.autocast == "none" and case.v_dtype == "same"
+        seen.update({case.mask, "gqa" if case.Hq != case.Hkv else "mha", "causal" if case.is_causal else "plain"})
+
+    probe()
+    assert {"additive", "bool", "gqa", "causal"} <= seen, seen
+    assert DTYPES["float32"] == torch.float32
