@@ -5,8 +5,9 @@ intersected with a mask, rows with no visible key giving zeros and zero gradient
 Hypothesis draws calls from the forward fuzzer's space (``test_sdpa_fidelity.cases``: GQA/MQA, Nq != Nk, N = 1, head
 dims inside and outside the kernels' range, strided and stride-0 inputs, bool and additive masks of every broadcast
 shape with -inf, large finite values and fully masked rows, ``CausalBias``, ``scale``, ``return_lse``), without
-autocast. q, k, v and an additive mask require grad in their own layouts; the loss is ``<out, g>`` for a random
-``g``, plus ``<lse, g_lse>`` where the case returns the lse. A case passes when ELSA refuses its forward (the forward
+autocast; the kernels' test also draws attention dropout (p = 0.3, the oracle taking the kernels' own keep mask
+through the debug hook). q, k, v and an additive mask require grad in their own layouts; the loss is ``<out, g>``
+for a random ``g``, plus ``<lse, g_lse>`` where the case returns the lse. A case passes when ELSA refuses its forward (the forward
 fuzzer judges refusals), or returns finite gradients of each input's shape whose error is within the dtype's
 tolerance (plus what rounding the logits costs, as the forward fuzzer allows) of the larger of the oracle's
 gradient and a share of its terms' magnitude (:func:`_magnitudes`: a sum that cancels, such as dK where each row
@@ -73,9 +74,11 @@ PATHS = {"short": {"ELSA_BWD_SHORT": "1"},
 TURBO_TOL = 3e-3  # test_backward.TURBO_SPLIT_TOL: one fp16 product of operands rounded to 11 significant bits
 
 
-def grad_check(case: Case, path: str = "default") -> str:
+def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str:
     """Run one case's forward and backward on ELSA (through ``path``'s knobs, :data:`PATHS`) and on the oracle, and
-    judge the gradients (module docstring); returns the outcome's name."""
+    judge the gradients (module docstring); returns the outcome's name. ``dropout_p`` (``backend="elsa"``): the
+    kernels draw their keep mask from ``torch.manual_seed(case.seed)``; the oracle gets the same mask through the
+    debug hook (``kernels.training.dropout_keep_mask``), ``softmax * keep / (1 - p)``."""
     precision = None
     if path.endswith("-split"):
         if case.dtype != "float32":
@@ -86,10 +89,11 @@ def grad_check(case: Case, path: str = "default") -> str:
     q, k, v, mask = _leafs(q, k, v, mask)
     gen = torch.Generator().manual_seed(case.seed + 1)
     with benchmark.environ(PATHS.get(path, {})):
+        torch.manual_seed(case.seed)
         try:
             res = elsa_surgery.attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
                                          enable_gqa=case.enable_gqa, backend=case.backend, return_lse=case.return_lse,
-                                         precision=precision)
+                                         precision=precision, dropout_p=dropout_p)
         except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
             return f"refused: {type(exc).__name__}: {str(exc)[:70]}"
         out, lse = res if case.return_lse else (res, None)
@@ -110,7 +114,10 @@ def grad_check(case: Case, path: str = "default") -> str:
     if mask_grad:  # the logits' gradient at full shape: the mask's gradient before its broadcast reduction
         ds = torch.zeros(full, dtype=torch.float64, requires_grad=True)
         om = om + ds
-    ro, _ = naive_attention(rq, rk, rv, om, is_causal=case.is_causal, scale=case.scale)
+    if dropout_p:
+        ro = _dropped_oracle(case, q, k, v, rq, rk, rv, om, dropout_p)
+    else:
+        ro, _ = naive_attention(rq, rk, rv, om, is_causal=case.is_causal, scale=case.scale)
     rloss = (ro * g).sum()
     if g_lse is not None:  # the lse from the logits with empty rows set aside (logsumexp's gradient there is NaN)
         sc = logits(case, rq, rk, effective_mask(case, om, "cpu", torch.float64))
@@ -119,8 +126,9 @@ def grad_check(case: Case, path: str = "default") -> str:
         rloss = rloss + (rl * g_lse).masked_fill(empty.squeeze(-1), 0.0).sum()
     ref_inputs = [rq, rk, rv] + ([rm, ds] if mask_grad else [])
     ref = torch.autograd.grad(rloss, ref_inputs, allow_unused=True)
-    tol = (TURBO_TOL if precision == "turbo" else GRAD_TOL[case.dtype]) + _rounding(case, rq, rk, om)
-    floors = _magnitudes(case, rq.detach(), rk.detach(), rv.detach(), None if om is None else om.detach(), g)
+    tol = (TURBO_TOL if precision == "turbo" else GRAD_TOL[case.dtype]) + _rounding(case, rq, rk, om, precision)
+    floors = _magnitudes(case, rq.detach(), rk.detach(), rv.detach(), None if om is None else om.detach(), g,
+                         1 / (1 - dropout_p))
     for name, t, gt, gr in zip("qkvm", inputs, grads, ref):
         if gt is None:
             gt = torch.zeros_like(t)
@@ -137,7 +145,24 @@ def grad_check(case: Case, path: str = "default") -> str:
         if not err <= tol:
             raise AssertionError(f"d{name}: error {err:.3g} of max(|grad|, {FLOOR_FRACTION} x its terms) "
                                  f"> {tol:.3g}\n    grad_check({case!r})")
-    return f"match ({path})"
+    return f"match ({path}{f', dropout {dropout_p}' if dropout_p else ''})"
+
+
+def _dropped_oracle(case, q, k, v, rq, rk, rv, om, p):
+    """The float64 output under the kernels' own keep mask for this case's seed (the counters depend on the batch
+    row, head, row and key alone, not on the mask or the layouts: drawn here for contiguous copies)."""
+    from elsa_surgery.kernels import training
+
+    torch.manual_seed(case.seed)
+    seed = training.draw_seed(q.device)
+    scale = case.D ** -0.5 if case.scale is None else case.scale
+    with torch.no_grad():
+        keep = training.dropout_keep_mask(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(),
+                                          seed, scale=scale, dropout_p=p).cpu()
+    sc = logits(case, rq, rk, effective_mask(case, om, "cpu", torch.float64))
+    empty = (sc == float("-inf")).all(-1, keepdim=True)
+    prob = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return (prob * keep / (1 - p)) @ rv.repeat_interleave(case.Hq // case.Hkv, 1)
 
 
 # a gradient is compared against this share of its terms' magnitude at least (their Frobenius bound overstates the
@@ -145,7 +170,7 @@ def grad_check(case: Case, path: str = "default") -> str:
 FLOOR_FRACTION = 0.25
 
 
-def _magnitudes(case, q, k, v, mask, g) -> dict:
+def _magnitudes(case, q, k, v, mask, g, boost: float = 1.0) -> dict:
     """The Frobenius size of each gradient's terms before they cancel, in float64: for the logits (the mask's
     gradient before its broadcast sum) ``P (|dO| |V|^T + delta')``, ``delta'`` the row sums of ``P |dO| |V|^T``; that
     times ``scale |K|`` for dQ and ``scale |Q|`` for dK, ``|P| |dO|`` for dV (Cauchy-Schwarz bounds of the
@@ -153,7 +178,7 @@ def _magnitudes(case, q, k, v, mask, g) -> dict:
     scale = case.D ** -0.5 if case.scale is None else case.scale
     sc = logits(case, q, k, effective_mask(case, mask, "cpu", torch.float64))
     empty = (sc == float("-inf")).all(-1, keepdim=True)
-    p = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    p = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0) * boost  # dropout's 1 / (1 - p)
     grp = case.Hq // case.Hkv
     dp = g.abs() @ v.abs().repeat_interleave(grp, 1).transpose(-1, -2)  # dP's terms, before they cancel too
     delta = (p * dp).sum(-1, keepdim=True)
@@ -162,22 +187,31 @@ def _magnitudes(case, q, k, v, mask, g) -> dict:
             "v": float(p.norm() * g.norm()), "m": ds}
 
 
-def _rounding(case, q, k, mask) -> float:
-    """What rounding the logits costs every implementation (the forward fuzzer's ``rounding_allowance``): each
-    logit of magnitude ``|s|`` is rounded by ``u |s|`` per operation, ``u`` fp32's 2^-24 (the kernels' logits are
-    fp32 for every input dtype; float64's 2^-53), three operations; a mask of -1e4 shifting a whole row makes that
-    ~2e-3 of the probabilities, and of the gradients, where SDPA pays the same."""
-    u = 2.0 ** -53 if case.dtype == "float64" else 2.0 ** -24
+# the unit roundoff of the products behind the logits, by fp32 mode: turbo's operands keep 11 significant bits (TF32,
+# or the fp16 split's hi part alone), precise's three fp16 products ~22; fp32 itself 2^-24 (fp16/bf16 inputs too:
+# their products are exact in fp32)
+LOGIT_UNIT = {"turbo": 2.0 ** -11, "precise": 2.0 ** -22}
+
+
+def _rounding(case, q, k, mask, precision=None) -> float:
+    """What rounding the logits costs (the forward fuzzer's ``rounding_allowance``): a logit of magnitude ``|s|`` is
+    rounded by ``u |s|`` per operation (:data:`LOGIT_UNIT`; float64 2^-53), three operations, and the forward and the
+    backward's recomputation of ``s`` may round differently (turbo's forward by TF32, its backward by the fp16 split),
+    so ``p = exp(s - lse)`` and every gradient carry that relative error; a mask of -1e4 shifting a whole row costs
+    ~2e-3 in fp32 alone, where SDPA pays the same."""
+    fp32 = 2.0 ** -53 if case.dtype == "float64" else 2.0 ** -24
+    u = LOGIT_UNIT.get(precision, fp32)
     if mask is None or mask.dtype == torch.bool:
         big = 0.0
     else:
         m = mask.detach()
         big = float(m[torch.isfinite(m)].abs().max()) if bool(torch.isfinite(m).any()) else 0.0
     scale = case.D ** -0.5 if case.scale is None else case.scale
+    grp = case.Hq // case.Hkv
     logit = 0.0
-    if q.numel() and k.numel():
-        logit = float(q.detach().abs().amax() * k.detach().abs().amax()) * case.D * scale
-    return 6 * u * (big + logit)
+    if q.numel() and k.numel():  # the largest sum of |q_d k_d| over a (query, key) pair
+        logit = float((q.detach().abs() @ k.detach().abs().repeat_interleave(grp, 1).transpose(-1, -2)).max()) * scale
+    return 6 * (u * logit + fp32 * big)
 
 
 def _no_autocast(case_strategy):
@@ -202,9 +236,10 @@ def test_grad_fuzz_cpu(case):
     event(f"{case.backend}: {grad_check(case)}")
 
 
-# what each path must have launched, by the backward kernels' names (conftest's backward_kernels_fetched) and, for
-# the split, scan.split_f16's operands (backward_launch._split_operands)
-PATH_KERNELS = {"short": {"bwd_short"}, "rows": {"bwd_kv", "row_pass"}, "atomic": {"bwd_kv"},
+# what each path must have launched, by the backward kernels' names (conftest's backward_kernels_fetched), dQ's mode
+# (backward_launch._launches' ``atomic``: "atomic-dq" or "rows-dq") and, for the split, scan.split_f16's operands
+# (backward_launch._split_operands)
+PATH_KERNELS = {"short": {"bwd_short"}, "rows": {"bwd_kv", "row_pass", "rows-dq"}, "atomic": {"bwd_kv", "atomic-dq"},
                 "precise-split": {"bwd_kv", "row_pass", "split"}, "turbo-split": {"bwd_kv", "row_pass", "split"}}
 
 
@@ -215,22 +250,25 @@ def test_grad_fuzz_kernels_interpreter(path, backward_kernels_fetched, monkeypat
     steering them would leave the fuzzer testing another path)."""
     from elsa_surgery.kernels import backward_launch
 
-    real = backward_launch._split_operands
-    monkeypatch.setattr(backward_launch, "_split_operands",
-                        lambda *a: backward_kernels_fetched.add("split") or real(*a))
+    seen = backward_kernels_fetched
+    split, launches = backward_launch._split_operands, backward_launch._launches
+    monkeypatch.setattr(backward_launch, "_split_operands", lambda *a: seen.add("split") or split(*a))
+    monkeypatch.setattr(backward_launch, "_launches", lambda *a, **kw: seen.add(
+        "atomic-dq" if kw["atomic"] else "rows-dq") or launches(*a, **kw))
 
     @settings(FUZZ, max_examples=GRAD_FUZZ_INTERP)
     @given(case=_no_autocast(cases(backends=["elsa"], max_n=GRAD_FUZZ_INTERP_N, head_dims=[8, 16, 24, 40, 64, 8, 16],
                                    dtypes=("float32",) if path.endswith("split") else
-                                   ("float32", "float16", "bfloat16"))).map(_answerable))
-    def fuzz(case):
-        note(f"grad_check({case!r}, {path!r})")
-        event(f"{case.backend}: {grad_check(case, path)}")
+                                   ("float32", "float16", "bfloat16"))).map(_answerable),
+           dropout_p=st.sampled_from([0.0, 0.0, 0.3]))
+    def fuzz(case, dropout_p):
+        note(f"grad_check({case!r}, {path!r}, {dropout_p!r})")
+        event(f"{case.backend}: {grad_check(case, path, dropout_p)}")
 
     fuzz()
     assert PATH_KERNELS[path] <= backward_kernels_fetched, (path, backward_kernels_fetched)
     if path == "atomic":
-        assert "row_pass" not in backward_kernels_fetched
+        assert "rows-dq" not in backward_kernels_fetched
 
 
 @pytest.mark.gpu
