@@ -275,10 +275,11 @@ def test_grad_fuzz_kernels_interpreter(path, backward_kernels_fetched, monkeypat
 @settings(FUZZ, max_examples=GRAD_FUZZ_GPU)
 @given(case=_no_autocast(cases(backends=["elsa", "auto"], device="cuda", max_n=200,
                                dtypes=("float32", "float16", "bfloat16"))),
-       path=st.sampled_from(["default", "default"] + list(PATHS)))
-def test_grad_fuzz_gpu(case, path):
-    note(f"grad_check({case!r}, {path!r})")
-    event(f"{case.backend}: {grad_check(case, path)}")
+       path=st.sampled_from(["default", "default"] + list(PATHS)), dropout_p=st.sampled_from([0.0, 0.0, 0.3]))
+def test_grad_fuzz_gpu(case, path, dropout_p):
+    dropout_p = dropout_p if case.backend == "elsa" else 0.0  # (auto may take SDPA, whose keep mask is its own)
+    note(f"grad_check({case!r}, {path!r}, {dropout_p!r})")
+    event(f"{case.backend}: {grad_check(case, path, dropout_p)}")
 
 
 def test_grad_fuzz_strategy_reaches_masks_and_gqa():
