@@ -8,10 +8,10 @@ shape with -inf, large finite values and fully masked rows, ``CausalBias``, ``sc
 autocast; the kernels' test also draws attention dropout (p = 0.3, the oracle taking the kernels' own keep mask
 through the debug hook). q, k, v and an additive mask require grad in their own layouts; the loss is ``<out, g>``
 for a random ``g``, plus ``<lse, g_lse>`` where the case returns the lse. A case passes when ELSA refuses its
-forward (the forward fuzzer judges refusals), or returns finite gradients of each input's shape whose error is within the dtype's
-tolerance (plus what rounding the logits costs, as the forward fuzzer allows) of the larger of the oracle's
-gradient and a share of its terms' magnitude (:func:`_magnitudes`: a sum that cancels, such as dK where each row
-sees one key or a mask constant along a row, has no relative error to speak of).
+forward (the forward fuzzer judges refusals), or returns finite gradients of each input's shape whose error is
+within the dtype's tolerance (plus what rounding the logits costs, as the forward fuzzer allows) of the larger of
+the oracle's gradient and a share of its terms' magnitude (:func:`_magnitudes`: a sum that cancels, such as dK where
+each row sees one key or a mask constant along a row, has no relative error to speak of).
 
 Budgets: CI runs ``GRAD_FUZZ_CPU`` cases of ``auto``/``reference`` on the CPU, and ``GRAD_FUZZ_INTERP`` cases of the
 Triton kernels in the interpreter through each of the backward's paths (:data:`PATHS`; env, default 16 a path, at
