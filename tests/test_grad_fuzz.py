@@ -149,16 +149,28 @@ def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str
 
 
 def _dropped_oracle(case, q, k, v, rq, rk, rv, om, p):
-    """The float64 output under the kernels' own keep mask for this case's seed (the counters depend on the batch
-    row, head, row and key alone, not on the mask or the layouts: drawn here for contiguous copies)."""
+    """The float64 output under the kernels' own keep mask for this case's seed. The counters depend on the batch
+    row, head, row and key of the problem the kernels run, not on the mask or the layouts (the hook draws for
+    contiguous copies); an upper-left ``CausalBias`` runs as the problems ``semantics.causal_bias`` makes of it: the
+    first Nq keys when Nq <= Nk, else two row pieces, each launch drawing its own seed in turn."""
     from elsa_surgery.kernels import training
 
     torch.manual_seed(case.seed)
-    seed = training.draw_seed(q.device)
     scale = case.D ** -0.5 if case.scale is None else case.scale
+    qc, kc, vc = (t.detach().contiguous() for t in (q, k, v))
+
+    def hook(qs, ks, vs):
+        return training.dropout_keep_mask(qs, ks, vs, training.draw_seed(q.device), scale=scale, dropout_p=p).cpu()
+
+    nq, nk = case.Nq, case.Nk
     with torch.no_grad():
-        keep = training.dropout_keep_mask(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(),
-                                          seed, scale=scale, dropout_p=p).cpu()
+        if case.mask != "causal_upper_left":
+            keep = hook(qc, kc, vc)
+        elif nq <= nk:
+            keep = torch.zeros(case.B, case.Hq, nq, nk, dtype=torch.bool)
+            keep[..., :nq] = hook(qc, kc[:, :, :nq], vc[:, :, :nq])
+        else:
+            keep = torch.cat([hook(qc[:, :, :nk], kc, vc), hook(qc[:, :, nk:], kc, vc)], dim=2)
     sc = logits(case, rq, rk, effective_mask(case, om, "cpu", torch.float64))
     empty = (sc == float("-inf")).all(-1, keepdim=True)
     prob = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
