@@ -567,12 +567,13 @@ def _full_keys(m_start, n_hi, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
     """The end of :func:`row_pass`'s first key blocks ``range(0, n_hi, BLOCK_N)`` that every row of
     ``[m_start, m_start + BLOCK_M)`` sees whole (no mask; causal: keys up to the first row's diagonal), run without
-    visibility tests; 0 when none. Rows and keys out of range need no test: a row past ``q_len`` has lse +inf (p =
-    0); a key past ``kv_len`` loads as zeros, so it adds nothing to dQ nor to the dropout output, and its keep mask
-    is not stored."""
+    visibility tests; 0 when none. Whole blocks only: a key past ``kv_len`` loads as zeros, but its ``p =
+    exp2(0 - lse2)`` is not 0 and is huge for a row whose logits are all very negative, so that ``dS`` overflowed
+    fp16 (and fp32's exp2 below lse -88) and ``inf * 0`` put NaN into dQ (the gradient fuzzer's find, session 67); the
+    partial last block runs masked. Rows past ``q_len`` need no test: their lse is +inf (p = 0)."""
     nf = n_hi * 0
     if MASK_KIND == 0:
-        nf = n_hi
+        nf = n_hi // BLOCK_N * BLOCK_N
         if IS_CAUSAL:
             nf = tl.minimum(nf, tl.maximum(m_start + causal_off + 1, 0) // BLOCK_N * BLOCK_N)
     return nf
