@@ -33,7 +33,7 @@ from torch.nn.attention.bias import CausalBias
 import elsa_surgery
 from elsa_surgery import benchmark
 from oracle import naive_attention
-from test_sdpa_fidelity import FUZZ, DTYPES, Case, build, cases, effective_mask, logits
+from test_sdpa_fidelity import FUZZ, DTYPES, TRACE, Case, _interpreting, build, cases, effective_mask, logits
 
 GRAD_FUZZ_CPU = 150
 GRAD_FUZZ_INTERP = int(os.environ.get("GRAD_FUZZ_INTERP", "16"))  # a backward path
@@ -52,6 +52,25 @@ def _leafs(*ts):
             t = t.detach().requires_grad_()
         out.append(t)
     return out
+
+
+def _scale(case) -> float:
+    return case.D ** -0.5 if case.scale is None else case.scale
+
+
+def _rows(case, q, k, mask):
+    """``(logits, empty)`` in float64 under ELSA's semantics (``mask`` the oracle's, :func:`_oracle_mask`), each row
+    that sees no key set to 0 (its logsumexp and softmax would be NaN, and their gradients), and those rows
+    (``[B, Hq, Nq, 1]`` bool)."""
+    sc = logits(case, q, k, effective_mask(case, mask, "cpu", torch.float64))
+    empty = (sc == float("-inf")).all(-1, keepdim=True)
+    return sc.masked_fill(empty, 0.0), empty
+
+
+def _probs(case, q, k, mask):
+    """The probabilities in float64, rows that see no key all zeros."""
+    sc, empty = _rows(case, q, k, mask)
+    return torch.softmax(sc, dim=-1).masked_fill(empty, 0.0)
 
 
 def _oracle_mask(case, mask):
@@ -120,9 +139,8 @@ def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str
         ro, _ = naive_attention(rq, rk, rv, om, is_causal=case.is_causal, scale=case.scale)
     rloss = (ro * g).sum()
     if g_lse is not None:  # the lse from the logits with empty rows set aside (logsumexp's gradient there is NaN)
-        sc = logits(case, rq, rk, effective_mask(case, om, "cpu", torch.float64))
-        empty = (sc == float("-inf")).all(-1, keepdim=True)
-        rl = torch.logsumexp(sc.masked_fill(empty, 0.0), dim=-1)
+        sc, empty = _rows(case, rq, rk, om)
+        rl = torch.logsumexp(sc, dim=-1)
         rloss = rloss + (rl * g_lse).masked_fill(empty.squeeze(-1), 0.0).sum()
     ref_inputs = [rq, rk, rv] + ([rm, ds] if mask_grad else [])
     ref = torch.autograd.grad(rloss, ref_inputs, allow_unused=True)
@@ -156,7 +174,7 @@ def _dropped_oracle(case, q, k, v, rq, rk, rv, om, p):
     from elsa_surgery.kernels import training
 
     torch.manual_seed(case.seed)
-    scale = case.D ** -0.5 if case.scale is None else case.scale
+    scale = _scale(case)
     qc, kc, vc = (t.detach().contiguous() for t in (q, k, v))
 
     def hook(qs, ks, vs):
@@ -171,10 +189,7 @@ def _dropped_oracle(case, q, k, v, rq, rk, rv, om, p):
             keep[..., :nq] = hook(qc, kc[:, :, :nq], vc[:, :, :nq])
         else:
             keep = torch.cat([hook(qc[:, :, :nk], kc, vc), hook(qc[:, :, nk:], kc, vc)], dim=2)
-    sc = logits(case, rq, rk, effective_mask(case, om, "cpu", torch.float64))
-    empty = (sc == float("-inf")).all(-1, keepdim=True)
-    prob = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    return (prob * keep / (1 - p)) @ rv.repeat_interleave(case.Hq // case.Hkv, 1)
+    return (_probs(case, rq, rk, om) * keep / (1 - p)) @ rv.repeat_interleave(case.Hq // case.Hkv, 1)
 
 
 # a gradient is compared against this share of its terms' magnitude at least (their Frobenius bound overstates the
@@ -187,10 +202,8 @@ def _magnitudes(case, q, k, v, mask, g, boost: float = 1.0) -> dict:
     gradient before its broadcast sum) ``P (|dO| |V|^T + delta')``, ``delta'`` the row sums of ``P |dO| |V|^T``; that
     times ``scale |K|`` for dQ and ``scale |Q|`` for dK, ``|P| |dO|`` for dV (Cauchy-Schwarz bounds of the
     products)."""
-    scale = case.D ** -0.5 if case.scale is None else case.scale
-    sc = logits(case, q, k, effective_mask(case, mask, "cpu", torch.float64))
-    empty = (sc == float("-inf")).all(-1, keepdim=True)
-    p = torch.softmax(sc.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0) * boost  # dropout's 1 / (1 - p)
+    scale = _scale(case)
+    p = _probs(case, q, k, mask) * boost  # dropout's 1 / (1 - p)
     grp = case.Hq // case.Hkv
     dp = g.abs() @ v.abs().repeat_interleave(grp, 1).transpose(-1, -2)  # dP's terms, before they cancel too
     delta = (p * dp).sum(-1, keepdim=True)
@@ -218,7 +231,7 @@ def _rounding(case, q, k, mask, precision=None) -> float:
     else:
         m = mask.detach()
         big = float(m[torch.isfinite(m)].abs().max()) if bool(torch.isfinite(m).any()) else 0.0
-    scale = case.D ** -0.5 if case.scale is None else case.scale
+    scale = _scale(case)
     grp = case.Hq // case.Hkv
     logit = 0.0
     if q.numel() and k.numel():  # the largest sum of |q_d k_d| over a (query, key) pair
@@ -235,10 +248,6 @@ def _answerable(c: Case) -> Case:
     where the heads differ, Dv = 12 (outside the kernels' head dims) as 24, no ``is_causal`` beside a CausalBias."""
     return Case(**{**c.__dict__, "enable_gqa": c.enable_gqa or c.Hq != c.Hkv, "Dv": 24 if c.Dv == 12 else c.Dv,
                    "is_causal": c.is_causal and not c.mask.startswith("causal")})
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
 @settings(FUZZ, max_examples=GRAD_FUZZ_CPU)
@@ -291,6 +300,9 @@ def test_grad_fuzz_kernels_interpreter(path, backward_kernels_fetched, monkeypat
 def test_grad_fuzz_gpu(case, path, dropout_p):
     dropout_p = dropout_p if case.backend == "elsa" else 0.0  # (auto may take SDPA, whose keep mask is its own)
     note(f"grad_check({case!r}, {path!r}, {dropout_p!r})")
+    if TRACE:  # (tools/gpu_fuzz.sh: a case that breaks the CUDA context cannot be replayed by Hypothesis)
+        with open(TRACE, "a") as f:
+            f.write(f"grad_check({case!r}, {path!r}, {dropout_p!r})\n")
     event(f"{case.backend}: {grad_check(case, path, dropout_p)}")
 
 

@@ -5,6 +5,8 @@
 # failing seed with its repro or, for a crash, its last traced case.
 # Usage (repository root, on the device machine):
 #   bash tools/gpu_fuzz.sh OUTDIR [PROCS] [EXAMPLES] [SECONDS] [FIRST_SEED]
+# FUZZ_TEST=FILE::TEST runs another fuzzer the same way (the gradient fuzzer:
+# tests/test_grad_fuzz.py::test_grad_fuzz_gpu, which reads its budget from GRAD_FUZZ_GPU and traces to the same file).
 # Measured (session 26, 2x H100 host, 32 cores, processes dealt over both GPUs): 24 processes ran 7,981 cases in
 # 450 s (0.7-1.0 case/s a process). 10,000 cases: two calls with different seeds (FIRST_SEED 1, then 25).
 set -uo pipefail
@@ -13,11 +15,12 @@ repo=$(pwd)
 mkdir -p "$out"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$ngpu" -ge 1 ] || ngpu=1
 read -r -a gpus <<< "${FUZZ_GPUS:-$(seq -s ' ' 0 $((ngpu - 1)))}"  # FUZZ_GPUS="1": leave GPU 0 to another job
+test=${FUZZ_TEST:-tests/test_sdpa_fidelity.py::test_fuzz_every_backend_gpu}
 for s in $(seq "$first" $((first + procs - 1))); do  # the processes dealt over the GPUs
   (cd /tmp && CUDA_VISIBLE_DEVICES=${gpus[$(( s % ${#gpus[@]} ))]} SDPA_FUZZ_TRACE="$out/trace_$s.txt" \
-     SDPA_FUZZ_EXAMPLES="$examples" timeout "$seconds" \
+     SDPA_FUZZ_EXAMPLES="$examples" GRAD_FUZZ_GPU="$examples" timeout "$seconds" \
      python3 -m pytest -q -p no:cacheprovider -p no:logging -c "$repo/pyproject.toml" --rootdir "$repo" \
-     "$repo/tests/test_sdpa_fidelity.py" -m gpu -k test_fuzz_every_backend_gpu --hypothesis-seed="$s" \
+     "$repo/${test%%::*}" -m gpu -k "${test##*::}" --hypothesis-seed="$s" \
      --hypothesis-show-statistics > "$out/fuzz_$s.log" 2>&1; echo "rc=$?" >> "$out/fuzz_$s.log") &
 done
 wait

@@ -304,15 +304,9 @@ case "$part" in
     procs=$(( $(nproc) - 8 )); [ "$procs" -gt 24 ] && procs=24; [ "$procs" -lt 4 ] && procs=4
     bash tools/gpu_fuzz.sh "$out/fuzz" "$procs" 700 530 "${1:-1}" 2>&1 | tee "$out/fuzz.log" | tail -40 ;;
   grad-fuzz)  # session 67 (written without a GPU run): the gradient fuzzer (tests/test_grad_fuzz.py, issue 25) on the
-    # compiled kernels, one process a seed (args: processes [8], cases a process [400], first seed [1]); each case is
-    # named by Hypothesis on failure (grad_check(Case(...), path))
-    for s in $(seq "${3:-1}" $(( ${3:-1} + ${1:-8} - 1 ))); do
-      (cd /tmp && GRAD_FUZZ_GPU=${2:-400} timeout 500 python3 -m pytest -q -p no:cacheprovider \
-         -c "$repo/pyproject.toml" --rootdir "$repo" "$repo/tests/test_grad_fuzz.py" -m gpu -k test_grad_fuzz_gpu --hypothesis-seed="$s" \
-         --hypothesis-show-statistics > "$out/grad_fuzz_$s.log" 2>&1; echo "rc=$?" >> "$out/grad_fuzz_$s.log") &
-    done
-    wait
-    grep -H -E "rc=|passed|failed|grad_check\(" "$out"/grad_fuzz_*.log | cut -c1-400 ;;
+    # compiled kernels through tools/gpu_fuzz.sh (args: processes [8], cases a process [400], first seed [1])
+    FUZZ_TEST=tests/test_grad_fuzz.py::test_grad_fuzz_gpu bash tools/gpu_fuzz.sh "$out/grad_fuzz" "${1:-8}" \
+      "${2:-400}" 500 "${3:-1}" 2>&1 | tee "$out/grad_fuzz.log" | tail -40 ;;
   long-rows)  # issue 29's open question (session 27: the 32M stream's rows 1.05e-2 from float64, 8M's 2.6e-3): the
     # error of one call against float64 as its rows' keys grow from 1M to 16M, ELSA (tensor-core chain or blocked
     # P·V, ELSA_BLOCKED_PV_KEYS) beside SDPA's flash, cuDNN and efficient kernels; ~2 min (untimed estimate)
