@@ -17,7 +17,8 @@ Budgets: CI runs ``GRAD_FUZZ_CPU`` cases of ``auto``/``reference`` on the CPU, a
 Triton kernels in the interpreter through each of the backward's paths (:data:`PATHS`; env, default 16 a path, at
 most ``GRAD_FUZZ_INTERP_N`` query rows and keys, env, default 12), checking that each path's kernels ran. The
 GPU-marked test draws ``GRAD_FUZZ_GPU`` cases (env, default 2,000) on CUDA with the compiled kernels, also through the
-default dispatch (``bash tools/gpu_suite.sh grad-fuzz``).
+default dispatch, fp32 strict and Hopper's Gluon backwards (:data:`GPU_PATHS`; ``bash tools/gpu_suite.sh grad-fuzz``);
+each outcome names the Gluon kernels that ran.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def _oracle_mask(case, mask):
     """The mask as the oracle takes it (a float64 leaf for an additive tensor, CausalBias materialised as bool)."""
     if isinstance(mask, CausalBias):
         return mask._materialize("cpu"), False
-    if mask is None or mask.dtype == torch.bool:
-        return mask, False
+    if mask is None or mask.dtype == torch.bool:  # (on the CPU: the oracle's device, a GPU case's too)
+        return mask if mask is None else mask.cpu(), False
     return mask.detach().cpu().double().requires_grad_(), True
 
 
@@ -90,6 +91,12 @@ PATHS = {"short": {"ELSA_BWD_SHORT": "1"},
          "atomic": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "atomic"},
          "precise-split": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_SPLIT": "f16", "ELSA_BWD_DQ": "rows"},
          "turbo-split": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_SPLIT": "f16", "ELSA_BWD_DQ": "rows"}}
+# the GPU's further paths (Hopper's Gluon backwards, which the interpreter cannot run): fp32 strict (the Gluon FMA
+# passes wherever ``hopper_backward.eligible``; fp32's default on a GPU is precise) and the fp16/bf16 Gluon kernel in
+# its forms (``ELSA_BWD_DQ=gluon`` takes it at every size; auto from 1K rows, past the GPU fuzzer's lengths)
+GPU_PATHS = {**PATHS, "strict": {}, "gluon": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "gluon"},
+             "gluon-ws": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": "ws"},
+             "gluon-plain": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": "plain"}}
 TURBO_TOL = 3e-3  # test_backward.TURBO_SPLIT_TOL: one fp16 product of operands rounded to 11 significant bits
 
 
@@ -99,15 +106,16 @@ def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str
     kernels draw their keep mask from ``torch.manual_seed(case.seed)``; the oracle gets the same mask through the
     debug hook (``kernels.training.dropout_keep_mask``), ``softmax * keep / (1 - p)``."""
     precision = None
-    if path.endswith("-split"):
+    if path.endswith("-split") or path == "strict":
         if case.dtype != "float32":
-            path = "rows"
+            path = "rows" if path != "strict" else "default"
         else:
             precision = path.split("-")[0]
     q, k, v, mask = build(case)
     q, k, v, mask = _leafs(q, k, v, mask)
     gen = torch.Generator().manual_seed(case.seed + 1)
-    with benchmark.environ(PATHS.get(path, {})):
+    hopper = _HopperRuns(q.is_cuda)
+    with benchmark.environ(GPU_PATHS.get(path, {})), hopper:
         torch.manual_seed(case.seed)
         try:
             res = elsa_surgery.attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
@@ -163,7 +171,36 @@ def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str
         if not err <= tol:
             raise AssertionError(f"d{name}: error {err:.3g} of max(|grad|, {FLOOR_FRACTION} x its terms) "
                                  f"> {tol:.3g}\n    grad_check({case!r})")
-    return f"match ({path}{f', dropout {dropout_p}' if dropout_p else ''})"
+    return f"match ({path}{f', dropout {dropout_p}' if dropout_p else ''}{hopper.ran()})"
+
+
+class _HopperRuns:
+    """Counts the calls of Hopper's Gluon backwards inside the block (CUDA cases; a no-op elsewhere), so that a case's
+    outcome says whether they ran (:meth:`ran`): a Gluon path's case may run the portable passes (masks, dropout,
+    shapes out of their scope)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.patches, self.mocks = cuda, [], {}
+
+    def __enter__(self):
+        if self.cuda:
+            from unittest import mock
+
+            from elsa_surgery.kernels import hopper_backward
+
+            for name, short in (("lowp_backward", "gluon"), ("backward", "gluon-strict")):
+                patch = mock.patch.object(hopper_backward, name, wraps=getattr(hopper_backward, name))
+                self.mocks[short] = patch.__enter__()
+                self.patches.append(patch)
+        return self
+
+    def __exit__(self, *exc):
+        for patch in reversed(self.patches):
+            patch.__exit__(*exc)
+
+    def ran(self) -> str:
+        names = [name for name, m in self.mocks.items() if m.call_count]
+        return f", {' + '.join(names)} ran" if names else ""
 
 
 def _dropped_oracle(case, q, k, v, rq, rk, rv, om, p):
@@ -296,14 +333,19 @@ def test_grad_fuzz_kernels_interpreter(path, backward_kernels_fetched, monkeypat
 @settings(FUZZ, max_examples=GRAD_FUZZ_GPU)
 @given(case=_no_autocast(cases(backends=["elsa", "auto"], device="cuda", max_n=200,
                                dtypes=("float32", "float16", "bfloat16"))),
-       path=st.sampled_from(["default", "default"] + list(PATHS)), dropout_p=st.sampled_from([0.0, 0.0, 0.3]))
+       path=st.sampled_from(["default", "default"] + list(GPU_PATHS)), dropout_p=st.sampled_from([0.0, 0.0, 0.3]))
 def test_grad_fuzz_gpu(case, path, dropout_p):
     dropout_p = dropout_p if case.backend == "elsa" else 0.0  # (auto may take SDPA, whose keep mask is its own)
     note(f"grad_check({case!r}, {path!r}, {dropout_p!r})")
     if TRACE:  # (tools/gpu_fuzz.sh: a case that breaks the CUDA context cannot be replayed by Hypothesis)
         with open(TRACE, "a") as f:
             f.write(f"grad_check({case!r}, {path!r}, {dropout_p!r})\n")
-    event(f"{case.backend}: {grad_check(case, path, dropout_p)}")
+    outcome = f"{case.backend} {case.dtype}: {grad_check(case, path, dropout_p)}"
+    if TRACE:  # each outcome beside the trace (gpu_fuzz.sh counts them: Hypothesis's statistics print only at the end
+        # of a run, and the clock stops most runs)
+        with open(TRACE + ".outcomes", "a") as f:
+            f.write(outcome[:110] + "\n")
+    event(outcome)
 
 
 def test_grad_fuzz_strategy_reaches_masks_and_gqa():
