@@ -97,6 +97,21 @@ PATHS = {"short": {"ELSA_BWD_SHORT": "1"},
 GPU_PATHS = {**PATHS, "strict": {}, "gluon": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "gluon"},
              "gluon-ws": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": "ws"},
              "gluon-plain": {"ELSA_BWD_SHORT": "0", "ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": "plain"}}
+
+
+def _gpu_paths() -> list:
+    """The GPU test's paths: ``GRAD_FUZZ_PATHS`` (env: names of :data:`GPU_PATHS` or ``default``, comma-separated,
+    e.g. ``strict,gluon`` to hunt there), else the default dispatch twice as often as each of :data:`GPU_PATHS`."""
+    names = os.environ.get("GRAD_FUZZ_PATHS")
+    if not names:
+        return ["default", "default"] + list(GPU_PATHS)
+    chosen = names.split(",")
+    unknown = sorted(set(chosen) - set(GPU_PATHS) - {"default"})
+    if unknown:
+        raise ValueError(f"GRAD_FUZZ_PATHS: unknown path(s) {unknown}; known: default, {', '.join(GPU_PATHS)}")
+    return chosen
+
+
 TURBO_TOL = 3e-3  # test_backward.TURBO_SPLIT_TOL: one fp16 product of operands rounded to 11 significant bits
 
 
@@ -333,7 +348,7 @@ def test_grad_fuzz_kernels_interpreter(path, backward_kernels_fetched, monkeypat
 @settings(FUZZ, max_examples=GRAD_FUZZ_GPU)
 @given(case=_no_autocast(cases(backends=["elsa", "auto"], device="cuda", max_n=200,
                                dtypes=("float32", "float16", "bfloat16"))),
-       path=st.sampled_from(["default", "default"] + list(GPU_PATHS)), dropout_p=st.sampled_from([0.0, 0.0, 0.3]))
+       path=st.sampled_from(_gpu_paths()), dropout_p=st.sampled_from([0.0, 0.0, 0.3]))
 def test_grad_fuzz_gpu(case, path, dropout_p):
     dropout_p = dropout_p if case.backend == "elsa" else 0.0  # (auto may take SDPA, whose keep mask is its own)
     note(f"grad_check({case!r}, {path!r}, {dropout_p!r})")
@@ -362,3 +377,14 @@ def test_grad_fuzz_strategy_reaches_masks_and_gqa():
     probe()
     assert {"additive", "bool", "gqa", "causal"} <= seen, seen
     assert DTYPES["float32"] == torch.float32
+
+
+def test_gpu_paths_env(monkeypatch):
+    """``GRAD_FUZZ_PATHS`` narrows the GPU test's paths, and an unknown name is refused with the known ones."""
+    monkeypatch.delenv("GRAD_FUZZ_PATHS", raising=False)
+    assert _gpu_paths().count("default") == 2 and {"strict", "gluon", "rows"} <= set(_gpu_paths())
+    monkeypatch.setenv("GRAD_FUZZ_PATHS", "strict,gluon-ws")
+    assert _gpu_paths() == ["strict", "gluon-ws"]
+    monkeypatch.setenv("GRAD_FUZZ_PATHS", "strict,glu")
+    with pytest.raises(ValueError, match=r"unknown path\(s\) \['glu'\]; known: default, short"):
+        _gpu_paths()

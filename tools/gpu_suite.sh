@@ -305,7 +305,8 @@ case "$part" in
     bash tools/gpu_fuzz.sh "$out/fuzz" "$procs" 700 530 "${1:-1}" 2>&1 | tee "$out/fuzz.log" | tail -40 ;;
   grad-fuzz)  # session 67: the gradient fuzzer (tests/test_grad_fuzz.py, issue 25) on the compiled kernels through
     # tools/gpu_fuzz.sh (args: processes [8], cases a process [400], first seed [1]); session 68, H100: 10 processes
-    # ran 2,226 cases in 360 s, stopped by the clock (about 0.6 case/s a process)
+    # ran 2,226 cases in 360 s, stopped by the clock (about 0.6 case/s a process). GRAD_FUZZ_PATHS=strict,gluon,...
+    # draws only those paths (tests/test_grad_fuzz.py's GPU_PATHS)
     FUZZ_TEST=tests/test_grad_fuzz.py::test_grad_fuzz_gpu bash tools/gpu_fuzz.sh "$out/grad_fuzz" "${1:-8}" \
       "${2:-400}" 500 "${3:-1}" 2>&1 | tee "$out/grad_fuzz.log" | tail -40 ;;
   long-rows)  # issue 29's open question (session 27: the 32M stream's rows 1.05e-2 from float64, 8M's 2.6e-3): the
