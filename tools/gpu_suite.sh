@@ -5,7 +5,7 @@
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
 #   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | strict-dq | pending | compile-time |
-#   compile-time-2 | compile-autotune | generate-eager | grad-fuzz | exec (then: OUTDIR COMMAND..., run with the
+#   compile-time-2 | compile-autotune | generate-eager | grad-fuzz | decode-core | exec (then: OUTDIR COMMAND..., run with the
 #   package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
@@ -309,6 +309,11 @@ case "$part" in
     # draws only those paths (tests/test_grad_fuzz.py's GPU_PATHS)
     FUZZ_TEST=tests/test_grad_fuzz.py::test_grad_fuzz_gpu bash tools/gpu_fuzz.sh "$out/grad_fuzz" "${1:-8}" \
       "${2:-400}" 500 "${3:-1}" 2>&1 | tee "$out/grad_fuzz.log" | tail -40 ;;
+  decode-core)  # session 68 (the --decompose half written without a GPU run): the B = 16 decode cells' packed kernel
+    # against a lab kernel of its core (benchmarks/lab/decode_tma.py: pointer and TMA loads, phase 2 untimed), and at
+    # each partition count the product beside the core, to split what phase 2 and the general kernel cost; ~250 s
+    timeout 400 python3 benchmarks/lab/decode_tma.py --shapes 16x32x8x64x4096,16x32x8x128x4096,16x32x4x64x32768 \
+      --parts 1,2,3,4 --bn 64,128 --stages 2,3 --decompose 2>&1 | tee "$out/decode_core.log" ;;
   long-rows)  # issue 29's open question (session 27: the 32M stream's rows 1.05e-2 from float64, 8M's 2.6e-3): the
     # error of one call against float64 as its rows' keys grow from 1M to 16M, ELSA (tensor-core chain or blocked
     # P·V, ELSA_BLOCKED_PV_KEYS) beside SDPA's flash, cuDNN and efficient kernels; ~2 min (untimed estimate)

@@ -110,6 +110,21 @@ def graph_us(fn):
     return 1e3 * triton.testing.do_bench(benchmark.cuda_graph(fn), warmup=25, rep=200, return_mode="median")
 
 
+def decompose(q, k, v, res, parts):
+    """The product's call at each partition count in ``parts`` against the lab core's best ``ptr`` tile at that count
+    (``res``: main's timings), graph-replayed."""
+    from elsa_surgery.kernels import launch
+
+    for p in map(int, parts.split(",")):
+        launch.replay.clear()
+        with benchmark.environ({"ELSA_NUM_PARTITIONS": str(p)}):
+            t = graph_us(lambda: elsa_surgery.attention(q, k, v, backend="elsa", enable_gqa=True))
+        launch.replay.clear()
+        core = min((r for r in res if r[1] == p), default=None)
+        core_s = f"{core[0]:.1f} us (bn={core[2]} stages={core[3]})" if core else "not timed"
+        print(f"  partitions={p}: product {t:.1f} us, lab core {core_s}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="16x32x8x64x4096,16x32x8x128x4096", help="BxHqxHkvxDxNk list (one query)")
@@ -118,6 +133,10 @@ def main(argv=None):
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--top", type=int, default=4)
+    ap.add_argument("--decompose", action="store_true",
+                    help="also, at each of --parts: the product at that partition count (ELSA_NUM_PARTITIONS; 1: no "
+                         "phase 2) against the lab's ptr core at its best tile there, phase 2 untimed (what phase 2 "
+                         "and the general kernel's extra work cost)")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     triton.set_allocator(_alloc)
@@ -147,6 +166,8 @@ def main(argv=None):
             for t, parts, bn, st, w, err in res[:a.top]:
                 print(f"  {form} {t:7.1f} us ({kv_bytes / t / 1e6:.2f} TB/s) parts={parts} bn={bn} stages={st} "
                       f"warps={w} err={err:.1e}", flush=True)
+            if a.decompose and form == "ptr":
+                decompose(q, k, v, res, a.parts)
             if res:
                 print(f"SUMMARY {shape} {form} best={res[0][0]:.1f} product={product:.1f} {best}={sdpa[best]:.1f} "
                       f"x_product={product / res[0][0]:.3f} x_sdpa={sdpa[best] / res[0][0]:.3f}", flush=True)
