@@ -5,8 +5,8 @@
 #   train-llama | compile | eager-host | host-profiles | bwd-sweep | bwd-split | head-groups | bwd-questions | fuzz |
 #   s32m-fuzz | tests-stream | stream-ranks | stream-scaling | stream-32m | long-rows | mask-tiles | compile-inline |
 #   races | lowp-bwd | lowp-short | lowp-d128 | lowp-auto | decode-merge | strict-dq | pending | compile-time |
-#   compile-time-2 | compile-autotune | generate-eager | grad-fuzz | decode-core | exec (then: OUTDIR COMMAND..., run with the
-#   package mapped).
+#   compile-time-2 | compile-autotune | generate-eager | grad-fuzz | decode-core | exec (then: OUTDIR COMMAND...,
+#   run with the package mapped).
 #   A device call brings back at most 8 files from $OUT: write the part's OUTDIR elsewhere and tar it into $OUT
 #   (session 31 lost half of a 4-GPU call's logs to that limit).
 #   tests = tests-kernels (tests/test_kernels_gpu.py but its tile-configuration tests), tests-tiles (those) and
