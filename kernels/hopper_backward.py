@@ -89,6 +89,15 @@ if gluon is not None:
         delta = gl.load(delta_ptr + off, mask=ok, other=0.0)
         return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E), delta
 
+    # The key-block passes compute p^T = exp2(min(s^T·scale·log2e - lse2, 0)): p <= 1 for every key a row sees (lse
+    # is at least each of its logits; the min only trims the recomputed logit's rounding), and keys past Nk in a
+    # ragged last key block, which load as zeros (TMA's fill) and get no visibility test (non-causal), get p = 1
+    # instead of exp2(-lse2). That was huge for a row whose logits are all very negative: it overflowed dS^T in fp16
+    # (lse below about -11) or exp2 in fp32 (below -88), and `inf * 0` in dQ += dS·K put NaN into dQ (atomic dQ: the
+    # fp16/bf16 kernel always, strict's under ELSA_BWD_DQ=atomic). Their p and dS now stay finite and meet K's zero
+    # rows, and their dK, dV rows are not stored. The portable row pass had the same bug (the gradient fuzzer's find,
+    # session 67, fixed there by masking); found here by reading, session 68.
+
     @gluon.jit
     def _key_block(n_nblocks, head_group, Hkv, Nq, Nk, G, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    IS_CAUSAL: gl.constexpr):
@@ -193,7 +202,7 @@ if gluon is not None:
             lse2, delta = _row_stats_g(lse_ptr, delta_ptr, b, h, s_lb, s_lh, s_ln, rows, Nq)
             st_ = _fma_products(k_smem, q_smem, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout), HEAD_D, KC,
                                 sa, sb, False)
-            pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
+            pt = gl.exp2(gl.minimum(st_ * qk_scale - gl.expand_dims(lse2, 0), 0.0))  # (p <= 1: above _key_block)
             if IS_CAUSAL:
                 if m0 < m_full:
                     pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)
@@ -347,7 +356,7 @@ if gluon is not None:
         else:
             st_ = warpgroup_mma_wait(num_outstanding=0, deps=(st_, ))
             dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        pt = gl.exp2(st_ * qk_scale - gl.expand_dims(lse2, 0))
+        pt = gl.exp2(gl.minimum(st_ * qk_scale - gl.expand_dims(lse2, 0), 0.0))  # (p <= 1: above _key_block)
         if IS_CAUSAL:
             if m0 < m_full:
                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows + off, 0), pt, 0.0)

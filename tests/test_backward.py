@@ -919,6 +919,44 @@ def test_gpu_lowp_backward_runs_the_gluon_kernel(dtype, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,shift,form", [(torch.float16, -0.5, "plain"), (torch.float16, -0.5, "ws"),
+                                              (torch.float16, -0.5, "ws2"), (torch.bfloat16, -1.6, "ws2"),
+                                              (torch.float32, -1.6, None)])
+def test_gpu_gluon_key_block_pass_ragged_keys_of_very_negative_logits(dtype, shift, form):
+    """Found by reading (session 68): the row pass's bug of session 67
+    (:func:`test_found_row_pass_partial_key_block_of_very_negative_logits`) in Hopper's Gluon key-block passes. Keys
+    past Nk in the ragged last key block load as zeros but got p = exp2(0 - lse2), which overflowed for rows whose
+    logits are all very negative (lse -27 in fp16, -98 in bf16 and fp32 here), and NaN reached dQ through its atomic
+    adds: the fp16/bf16 kernel in each form, strict's kv pass with atomic dQ. 100 keys (a ragged block of 64 or
+    128), non-causal, ``scale=1.0``."""
+    from elsa_surgery.kernels import hopper_backward
+
+    name, eligible, dot = (("backward", hopper_backward.eligible, 1) if form is None
+                           else ("lowp_backward", hopper_backward.lowp_eligible, 0))
+    if torch.cuda.get_device_capability()[0] != 9 or eligible(
+            *(torch.empty(1, 1, 16, 64, device="cuda", dtype=dtype),) * 4, dot=dot, mask=None, q_lengths=None,
+            kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False) is not None:
+        pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
+    q = (torch.full((1, 2, 70, 64), shift) + 0.05 * torch.randn(1, 2, 70, 64)).to(dtype).to(DEV).requires_grad_()
+    k = (torch.ones(1, 2, 100, 64) + 0.05 * torch.randn(1, 2, 100, 64)).to(dtype).to(DEV).requires_grad_()
+    v = _leaf(1, 2, 100, 64, dtype=dtype)
+    go = torch.randn(1, 2, 70, 64, device=DEV, dtype=dtype)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    rg = torch.autograd.grad(elsa_surgery.attention(*ref, scale=1.0, backend="reference"), ref, go.double())
+    env = {"ELSA_BWD_DQ": "atomic"} if form is None else {"ELSA_BWD_DQ": "gluon", "ELSA_BWD_LOWP": form}
+    ran = []
+    real = getattr(hopper_backward, name)
+    with pytest.MonkeyPatch.context() as mp, benchmark.environ(env):
+        mp.setattr(hopper_backward, name, lambda *a, **kw: ran.append(1) or real(*a, **kw))
+        out = elsa_surgery.attention(q, k, v, scale=1.0, backend="elsa", precision="strict" if form is None else None)
+        g = torch.autograd.grad(out, (q, k, v), go)
+    assert ran, f"hopper_backward.{name} did not run"
+    for n, a, r in zip("qkv", g, rg):
+        assert torch.isfinite(a).all(), f"d{n} has NaN/inf"
+        assert rel_err(a.double(), r) <= TOL[dtype], (n, rel_err(a.double(), r))
+
+
+@pytest.mark.gpu
 def test_gpu_dq_auto_runs_the_gluon_kernel_at_narrow_heads():
     """``ELSA_BWD_DQ=auto`` (the default) on a Hopper GPU, causal bf16 calls: D = 64 and D = 128 with as many query
     rows and keys as D = 128's causal bound run the Gluon kernel; D = 128 with one key fewer, and D = 64 under
