@@ -25,10 +25,10 @@ is skipped:
 
 * :func:`_strict_bwd_kv` one program per (key block, batch, K/V head): K and V stay in shared memory; the query and
   output-gradient tiles of every query head of its group (GQA reduced here) stream through a TMA ring, from the
-  causal diagonal on. Keys-major: ``s^T = K·q^T``, ``p^T = exp2(s^T·scale·log2e - lse2)``, ``dP^T = V·dO^T``,
-  ``dS^T = p^T (dP^T - delta)``; ``p^T`` and ``dS^T`` go through shared memory to become the left operands of
-  ``dV += p^T·dO`` and ``dK += dS^T·q``. Each query tile's two products are summed in a fresh accumulator and then
-  added (blocked summation, as the forward's P·V).
+  causal diagonal on. Keys-major: ``s^T = K·q^T``, ``p^T = exp2(min(s^T·scale·log2e - lse2, 0))`` (the note above
+  ``_key_block``), ``dP^T = V·dO^T``, ``dS^T = p^T (dP^T - delta)``; ``p^T`` and ``dS^T`` go through shared memory
+  to become the left operands of ``dV += p^T·dO`` and ``dK += dS^T·q``. Each query tile's two products are summed in
+  a fresh accumulator and then added (blocked summation, as the forward's P·V).
 * :func:`_strict_bwd_dq` one program per (query block, batch, query head): q and dO stay in shared memory; K/V tiles
   stream; ``dS`` as above, rows-major, through shared memory into ``dQ += dS·K``.
 
