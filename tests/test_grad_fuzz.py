@@ -23,7 +23,9 @@ each outcome names the Gluon kernels that ran.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -121,16 +123,15 @@ def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str
     kernels draw their keep mask from ``torch.manual_seed(case.seed)``; the oracle gets the same mask through the
     debug hook (``kernels.training.dropout_keep_mask``), ``softmax * keep / (1 - p)``."""
     precision = None
-    if path.endswith("-split") or path == "strict":
-        if case.dtype != "float32":
-            path = "rows" if path != "strict" else "default"
-        else:
+    if path.endswith("-split") or path == "strict":  # fp32 modes: other dtypes take the row pass, or the default
+        if case.dtype == "float32":
             precision = path.split("-")[0]
+        else:
+            path = "default" if path == "strict" else "rows"
     q, k, v, mask = build(case)
     q, k, v, mask = _leafs(q, k, v, mask)
     gen = torch.Generator().manual_seed(case.seed + 1)
-    hopper = _HopperRuns(q.is_cuda)
-    with benchmark.environ(GPU_PATHS.get(path, {})), hopper:
+    with benchmark.environ(GPU_PATHS.get(path, {})), _hopper_runs(q.is_cuda) as hopper:
         torch.manual_seed(case.seed)
         try:
             res = elsa_surgery.attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
@@ -186,36 +187,21 @@ def grad_check(case: Case, path: str = "default", dropout_p: float = 0.0) -> str
         if not err <= tol:
             raise AssertionError(f"d{name}: error {err:.3g} of max(|grad|, {FLOOR_FRACTION} x its terms) "
                                  f"> {tol:.3g}\n    grad_check({case!r})")
-    return f"match ({path}{f', dropout {dropout_p}' if dropout_p else ''}{hopper.ran()})"
+    ran = " + ".join(name for name, spy in hopper.items() if spy.call_count)
+    return f"match ({path}{f', dropout {dropout_p}' if dropout_p else ''}{f', {ran} ran' if ran else ''})"
 
 
-class _HopperRuns:
-    """Counts the calls of Hopper's Gluon backwards inside the block (CUDA cases; a no-op elsewhere), so that a case's
-    outcome says whether they ran (:meth:`ran`): a Gluon path's case may run the portable passes (masks, dropout,
-    shapes out of their scope)."""
+@contextlib.contextmanager
+def _hopper_runs(cuda: bool):
+    """Spies on Hopper's Gluon backwards inside the block (CUDA cases; none elsewhere): ``{name: spy}``, whose call
+    counts say whether they ran (a Gluon path's case may run the portable passes: masks, dropout, shapes out of
+    their scope)."""
+    from elsa_surgery.kernels import hopper_backward
 
-    def __init__(self, cuda: bool):
-        self.cuda, self.patches, self.mocks = cuda, [], {}
-
-    def __enter__(self):
-        if self.cuda:
-            from unittest import mock
-
-            from elsa_surgery.kernels import hopper_backward
-
-            for name, short in (("lowp_backward", "gluon"), ("backward", "gluon-strict")):
-                patch = mock.patch.object(hopper_backward, name, wraps=getattr(hopper_backward, name))
-                self.mocks[short] = patch.__enter__()
-                self.patches.append(patch)
-        return self
-
-    def __exit__(self, *exc):
-        for patch in reversed(self.patches):
-            patch.__exit__(*exc)
-
-    def ran(self) -> str:
-        names = [name for name, m in self.mocks.items() if m.call_count]
-        return f", {' + '.join(names)} ran" if names else ""
+    with contextlib.ExitStack() as stack:
+        yield {short: stack.enter_context(mock.patch.object(hopper_backward, name,
+                                                            wraps=getattr(hopper_backward, name)))
+               for name, short in (("lowp_backward", "gluon"), ("backward", "gluon-strict")) if cuda}
 
 
 def _dropped_oracle(case, q, k, v, rq, rk, rv, om, p):
