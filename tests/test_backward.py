@@ -284,6 +284,14 @@ def test_gqa_dv_ne_d_d_not_pow2(deterministic, backward_path):
     _check(_leaf(2, 4, 37, 40), _leaf(2, 2, 45, 40), _leaf(2, 2, 45, 24), deterministic=deterministic)
 
 
+def _very_negative_logits(shift: float, nq: int, nk: int, dtype):
+    """q, k, v (B = 1, H = 2, D = 64) whose logits at ``scale=1.0`` are all about ``64 * shift``: q near ``shift``,
+    k near 1; v random."""
+    q = (torch.full((1, 2, nq, 64), shift) + 0.05 * torch.randn(1, 2, nq, 64)).to(dtype).to(DEV).requires_grad_()
+    k = (torch.ones(1, 2, nk, 64) + 0.05 * torch.randn(1, 2, nk, 64)).to(dtype).to(DEV).requires_grad_()
+    return q, k, _leaf(1, 2, nk, 64, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype,shift", [(torch.float16, -0.5), (torch.float32, -1.6)])
 def test_found_row_pass_partial_key_block_of_very_negative_logits(dtype, shift, monkeypatch):
     """Found by the gradient fuzzer (session 67): the row pass ran a partial last key block without visibility
@@ -291,9 +299,7 @@ def test_found_row_pass_partial_key_block_of_very_negative_logits(dtype, shift, 
     all very negative, dS overflowed fp16 (lse -32 here) or fp32's exp2 (lse -102) and ``inf * 0`` put NaN into dQ.
     General passes, dQ by the row pass, 3 keys (a partial block), no mask."""
     monkeypatch.setenv("ELSA_BWD_SHORT", "0")
-    q = (torch.full((1, 2, 6, 64), shift) + 0.05 * torch.randn(1, 2, 6, 64)).to(dtype).to(DEV).requires_grad_()
-    k = (torch.ones(1, 2, 3, 64) + 0.05 * torch.randn(1, 2, 3, 64)).to(dtype).to(DEV).requires_grad_()
-    v = _leaf(1, 2, 3, 64, dtype=dtype)
+    q, k, v = _very_negative_logits(shift, 6, 3, dtype)
     grads = _check(q, k, v, deterministic=True, precision="strict" if dtype == torch.float32 else None,
                    scale=1.0, tol=TOL[dtype])
     assert all(torch.isfinite(g).all() for g in grads)
@@ -937,9 +943,7 @@ def test_gpu_gluon_key_block_pass_ragged_keys_of_very_negative_logits(dtype, shi
             *(torch.empty(1, 1, 16, 64, device="cuda", dtype=dtype),) * 4, dot=dot, mask=None, q_lengths=None,
             kv_lengths=None, varlen=False, dropout_p=0.0, mask_grad=False) is not None:
         pytest.skip("the Gluon backward needs a Hopper GPU with Gluon")
-    q = (torch.full((1, 2, 70, 64), shift) + 0.05 * torch.randn(1, 2, 70, 64)).to(dtype).to(DEV).requires_grad_()
-    k = (torch.ones(1, 2, 100, 64) + 0.05 * torch.randn(1, 2, 100, 64)).to(dtype).to(DEV).requires_grad_()
-    v = _leaf(1, 2, 100, 64, dtype=dtype)
+    q, k, v = _very_negative_logits(shift, 70, 100, dtype)
     go = torch.randn(1, 2, 70, 64, device=DEV, dtype=dtype)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     rg = torch.autograd.grad(elsa_surgery.attention(*ref, scale=1.0, backend="reference"), ref, go.double())
